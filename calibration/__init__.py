@@ -1,0 +1,1 @@
+"""Measured profiles, fitting measurements into profile parameters, and validation."""

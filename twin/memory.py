@@ -1,0 +1,85 @@
+"""Memory per GPU of a model under a 4D grid (bytes), and the check that it fits.
+
+Mixed-precision AdamW as Megatron-LM counts it: bf16 weights (2 bytes per parameter), fp32 gradients
+(4, all-reduced over data in fp32), fp32 master weights and Adam's two moments (12): 18 bytes per
+parameter of the rank's shard. Source: Megatron-LM distributed-optimizer documentation (18 bytes per
+parameter without sharding the optimizer state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from twin.errors import TwinError
+from twin.grid import Grid
+from twin.model import ModelSpec
+from twin.program import ACT_BYTES, Options, _local_params
+
+GIB = 1024**3
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+LOGIT_BYTES = 4  # fp32 logits for the loss; their gradient is written in place
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU, by what holds them."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int       # saved for the backward pass, plus one block's working set
+    gathered_weights: int  # z-gathered weights in flight (prefetch), cached layers, full-size wgrads
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer + self.activations
+                + self.gathered_weights + self.logits)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
+                   batch: int | None = None, seq_len: int | None = None) -> Memory:
+    """Peak memory of one rank during an iteration (bytes); the grid must already be valid."""
+    options = options or Options()
+    batch = model.global_batch if batch is None else batch
+    s = model.seq_len if seq_len is None else seq_len
+    h, gx, gy = model.hidden, grid.x, grid.y
+    m = batch // (grid.z * grid.data) // options.micro_batches * s  # tokens per micro-batch
+    n_local = _local_params(model, grid)
+
+    # activations a block saves when it is not recomputed: inputs of the two layer norms and of the
+    # four GEMMs, q/k/v, the attention output and its softmax statistics, the GELU input
+    per_block = ACT_BYTES * m * (4 * h // gx + (3 * h + h + 2 * model.ffn) // gy) \
+        + 4 * (m // s) * (model.heads // gy) * s
+    block_input = ACT_BYTES * m * h // gx
+    if options.recompute:
+        activations = model.layers * block_input + per_block
+    else:
+        activations = model.layers * per_block
+
+    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    in_flight = (2 if options.oag else 1) * max(block_weights) + max(block_weights)  # + one full wgrad
+    cached = min(options.cache_layers, model.layers) * sum(block_weights)
+    gathered = ACT_BYTES * (in_flight + cached) if grid.z > 1 else 0
+
+    return Memory(
+        parameters=WEIGHT_BYTES * n_local,
+        gradients=GRAD_BYTES * n_local,
+        optimizer=OPTIMIZER_BYTES * n_local,
+        activations=activations,
+        gathered_weights=gathered,
+        logits=LOGIT_BYTES * m * model.padded_vocab(gy) // gy,
+    )
+
+
+def check_fits(mem: Memory, capacity_bytes: float, what: str = "") -> None:
+    """Raise TwinError, saying by how much, when `mem` exceeds `capacity_bytes` per GPU."""
+    if mem.total > capacity_bytes:
+        over = (mem.total - capacity_bytes) / GIB
+        raise TwinError(
+            f"{what}does not fit: needs {mem.total / GIB:.1f} GiB per GPU, the GPU has "
+            f"{capacity_bytes / GIB:.1f} GiB (over by {over:.1f} GiB); use a grid with a larger "
+            "G_x*G_y*G_z, more micro-batches, or recomputation")

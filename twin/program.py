@@ -1,0 +1,416 @@
+"""The schedule of one training iteration for one rank: the contract between twin and backend.
+
+`build_program(model, grid, options)` returns the ordered list of ops that every rank runs. Each op
+has a stable name (e.g. `L12.mlp_up.bwd.dgrad`), a kind, a stream (`compute` or the communication
+stream of an axis: `x`, `y`, `z`, `data`), the indices of the ops it waits for, and its sizes.
+Ops on one stream run in program order; `deps` holds only the waits across streams.
+
+Naming: `[mb<j>.]<layer>.<pass>.<what>`; layers are `emb`, `L<i>.{ln1,qkv,attn,attn_out,ln2,mlp_up,
+gelu,mlp_down}`, `lnf`, `head`, `loss`; passes are `fwd`, `rec` (recomputed forward), `bwd`, `grad`
+(gradient all-reduces at the end of the step) and `opt`. Collectives end in `ag_z`, `rs_z`, `ar_<axis>`.
+The micro-batch prefix `mb<j>.` appears only with more than one micro-batch. A collective over an
+axis of size 1 is left out.
+
+Sharding (see DESIGN.md): a linear layer's W (k x n) is split k/G_in by n/G_out and the block is
+sharded again over z. A normal layer has input features split over x and output over y; a transposed
+layer the reverse. Tokens are split over z and data by whole sequences. Attention and the
+elementwise ops on y-split activations are computed identically by the G_x ranks of an x-group
+(`replicas`), so model flops are sum(flops / replicas) over ops, times the number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+from twin.grid import AXES, Grid
+from twin.model import ModelSpec
+
+STREAMS = ("compute",) + AXES
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COMPUTE_KINDS = ("gemm", "attention", "elementwise", "embedding", "loss", "optimizer")
+
+ACT_BYTES = 2     # bf16 activations, weights in flight and their gradients
+GRAD_AR_BYTES = 4  # gradient shards are all-reduced over data in fp32
+STAT_BYTES = 4     # fp32 statistics (layer norm, softmax)
+ADAMW_BYTES_PER_PARAM = 34  # read fp32 grad, master, m, v (16); write master, m, v (12); bf16 weight (2); +4 slack
+ADAMW_FLOPS_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class Options:
+    """Switches of the 4D algorithm (all on by default except weight caching)."""
+
+    oar: bool = True          # overlap the backward input-gradient all-reduce with the weight-gradient GEMM
+    ors: bool = True          # defer z reduce-scatters; overlap them with earlier layers' backward
+    oag: bool = True          # prefetch the next layer's z all-gather one layer ahead
+    cache_layers: int = 0     # keep gathered weights of the first N blocks for the whole step
+    recompute: bool = True    # full activation recomputation of each block in the backward pass
+    micro_batches: int = 1    # gradient accumulation steps per iteration
+    grad_clip: bool = True    # global-norm gradient clipping (three scalar all-reduces)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the program.
+
+    flops: floating-point operations of this op on one rank (flop).
+    bytes: compute ops, HBM bytes read plus written; collectives, the payload in bytes
+        (all-gather: the gathered output; reduce-scatter: the full input; all-reduce: the buffer).
+    m, n, k, layout: GEMM sizes (C[m,n] = A[m,k] B[k,n]; layout says which operand is transposed,
+        NN, NT or TN). Attention ops use m = sequences x local heads, n = sequence length, k = head dim.
+    replicas: how many ranks compute this very op on the same data (G_x for ops on y-split tensors).
+    """
+
+    index: int
+    name: str
+    kind: str
+    stream: str
+    deps: tuple[int, ...] = ()
+    flops: float = 0.0
+    bytes: int = 0
+    axis: str | None = None
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    layout: str = ""
+    replicas: int = 1
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    def wire_bytes(self, group_size: int) -> float:
+        """Bytes each rank sends with a ring algorithm over `group_size` ranks (bytes)."""
+        p = group_size
+        if p <= 1 or not self.is_collective:
+            return 0.0
+        factor = 2.0 if self.kind == "all_reduce" else 1.0
+        return factor * (p - 1) / p * self.bytes
+
+
+@dataclass
+class Program:
+    """The ops of one iteration for one rank, with what they were built from."""
+
+    model: ModelSpec
+    grid: Grid
+    options: Options
+    batch: int     # global batch, sequences
+    seq_len: int   # tokens per sequence
+    vocab: int     # padded vocabulary
+    ops: list[Op] = field(default_factory=list)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one rank processes per micro-batch."""
+        return self.batch // (self.grid.z * self.grid.data) // self.options.micro_batches * self.seq_len
+
+    def model_flops(self) -> float:
+        """Flops of one iteration over all ranks, counting replicated work once (flop)."""
+        return sum(op.flops / op.replicas for op in self.ops) * self.grid.size
+
+    def matmul_flops(self) -> float:
+        """GEMM and attention flops of one iteration over all ranks, replicated work once (flop).
+
+        With recomputation and no replication error this equals ModelSpec.reference_flops exactly.
+        """
+        return sum(op.flops / op.replicas for op in self.ops
+                   if op.kind in ("gemm", "attention")) * self.grid.size
+
+    def hardware_flops(self) -> float:
+        """Flops that all ranks execute, replicated work included (flop)."""
+        return sum(op.flops for op in self.ops) * self.grid.size
+
+    def comm_bytes(self) -> dict[str, float]:
+        """Bytes on the wire sent per rank, by axis, for ring collectives (bytes)."""
+        out = {a: 0.0 for a in AXES}
+        for op in self.ops:
+            if op.is_collective:
+                out[op.axis] += op.wire_bytes(self.grid.axis_size(op.axis))
+        return out
+
+    def summary(self) -> dict:
+        """Counts and totals: ops by kind, flops, payload and wire bytes per axis."""
+        kinds = Counter(op.kind for op in self.ops)
+        payload = defaultdict(int)
+        for op in self.ops:
+            if op.is_collective:
+                payload[op.axis] += op.bytes
+        return {
+            "model": self.model.name, "grid": str(self.grid), "gpus": self.grid.size,
+            "global_batch": self.batch, "seq_len": self.seq_len, "padded_vocab": self.vocab,
+            "options": asdict(self.options),
+            "ops": len(self.ops), "ops_by_kind": dict(sorted(kinds.items())),
+            "flops_per_rank": sum(op.flops for op in self.ops),
+            "model_flops": self.model_flops(),
+            "matmul_flops": self.matmul_flops(),
+            "reference_flops": self.model.reference_flops(self.batch, self.seq_len, self.vocab,
+                                                          self.options.recompute),
+            "payload_bytes_per_axis": {a: payload[a] for a in AXES},
+            "wire_bytes_per_axis": self.comm_bytes(),
+        }
+
+    def to_json(self) -> str:
+        """The whole program as JSON: the summary plus every op."""
+        return json.dumps({"summary": self.summary(), "ops": [asdict(op) for op in self.ops]}, indent=1)
+
+
+class _Builder:
+    """Appends ops in issue order and keeps the state of the overlap switches."""
+
+    def __init__(self, model: ModelSpec, grid: Grid, options: Options, batch: int, seq_len: int):
+        self.model, self.grid, self.opt = model, grid, options
+        self.seq_len = seq_len
+        self.vocab = model.padded_vocab(grid.y)
+        self.seqs = batch // (grid.z * grid.data) // options.micro_batches  # per rank per micro-batch
+        self.tokens = self.seqs * seq_len
+        self.ops: list[Op] = []
+        self.ready: int | None = None   # the op whose completion makes the current activation usable
+        self.blocking: list[int] = []   # ops the next compute op must wait for (synchronous collectives)
+        self.prefix = ""
+        self.gathers: list[tuple[str, str, int]] = []  # this pass's gather order: (key, name, bytes)
+        self.issued_gathers: dict[str, int | None] = {}
+        self.last_main: int | None = None  # main GEMM of the previous gather visit (prefetch depth one)
+        self.last_rs: dict[str, int] = {}  # weight key -> its latest reduce-scatter (or wgrad)
+
+    # -- appending ------------------------------------------------------------------------------
+    def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
+        idx = len(self.ops)
+        deps = tuple(sorted({d for d in deps if d is not None}))
+        self.ops.append(Op(idx, self.prefix + name, kind, stream, deps, **kw))
+        return idx
+
+    def compute(self, name: str, kind: str, deps=(), **kw) -> int:
+        """A compute-stream op; it also waits for the current activation and blocking collectives."""
+        idx = self._add(name, kind, "compute", [self.ready, *self.blocking, *deps], **kw)
+        self.blocking = []
+        self.ready = idx
+        return idx
+
+    def collective(self, name: str, kind: str, axis: str, nbytes: int, deps=()) -> int | None:
+        if self.grid.axis_size(axis) == 1:
+            return None
+        return self._add(name, kind, axis, deps, bytes=int(nbytes), axis=axis)
+
+    def gemm(self, name: str, m: int, n: int, k: int, layout: str, deps=()) -> int:
+        nbytes = ACT_BYTES * (m * k + k * n + m * n)
+        return self.compute(name, "gemm", deps, flops=2.0 * m * n * k, bytes=nbytes,
+                            m=m, n=n, k=k, layout=layout)
+
+    def elementwise(self, name: str, elements: int, flops_per_element: float, tensors: int,
+                    replicas: int = 1, kind: str = "elementwise") -> int:
+        return self.compute(name, kind, flops=flops_per_element * elements,
+                            bytes=ACT_BYTES * tensors * elements, replicas=replicas)
+
+    def allreduce_ready(self, name: str, axis: str, nbytes: int) -> None:
+        """All-reduce the current activation over `axis`; the result becomes the current activation."""
+        ar = self.collective(name, "all_reduce", axis, nbytes, deps=[self.ready])
+        if ar is not None:
+            self.ready = ar
+
+    # -- weight gathers with prefetch and caching -------------------------------------------------
+    def start_pass(self, order: list[tuple[str, str, int]]) -> None:
+        """Declare the gather visits of a pass: (weight key, op name, bytes), in order."""
+        self.gathers = [g for g in order if g[2] and self.grid.z > 1]
+        self.issued_gathers = {}
+        self.last_main = None
+
+    def _issue_gather(self, i: int, deps) -> None:
+        key, name, nbytes = self.gathers[i]
+        self.issued_gathers[key] = self.collective(name, "all_gather", "z", nbytes, deps=deps)
+
+    def gather(self, key: str) -> int | None:
+        """The all-gather that makes weight `key` available (issuing it, and the prefetch, now)."""
+        pos = next((i for i, g in enumerate(self.gathers) if g[0] == key), None)
+        if pos is None:
+            return None  # not gathered in this pass (G_z = 1 or a cached layer)
+        if key not in self.issued_gathers:
+            self._issue_gather(pos, deps=[self.ready])  # issued when the program reaches it
+        if self.opt.oag and pos + 1 < len(self.gathers):
+            nxt = self.gathers[pos + 1][0]
+            if nxt not in self.issued_gathers:
+                self._issue_gather(pos + 1, deps=[self.last_main])
+        return self.issued_gathers[key]
+
+    def main(self, idx: int) -> int:
+        """Mark the main GEMM of a gather visit (frees the prefetch buffer when done)."""
+        self.last_main = idx
+        return idx
+
+    def reduce_scatter(self, key: str, name: str, nbytes: int, wgrad: int) -> None:
+        rs = self.collective(name, "reduce_scatter", "z", nbytes, deps=[wgrad])
+        self.last_rs[key] = wgrad if rs is None else rs
+        if rs is not None and not self.opt.ors:
+            self.blocking.append(rs)
+
+
+def _linear_dims(grid: Grid, k: int, n: int, transposed: bool) -> tuple[int, int, str, str]:
+    """(k_local, n_local, in_axis, out_axis) of a linear layer's shard."""
+    in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
+    return k // grid.axis_size(in_axis), n // grid.axis_size(out_axis), in_axis, out_axis
+
+
+def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
+                  batch: int | None = None, seq_len: int | None = None) -> Program:
+    """Build the program of one iteration for one rank (the same for every rank).
+
+    batch: global batch in sequences (default: the model's); seq_len: tokens per sequence.
+    Raises TwinError when the grid cannot run the model.
+    """
+    options = options or Options()
+    batch = model.global_batch if batch is None else batch
+    seq_len = model.seq_len if seq_len is None else seq_len
+    grid.validate(model, batch=batch, micro_batches=options.micro_batches, seq_len=seq_len)
+    b = _Builder(model, grid, options, batch, seq_len)
+    h, gx, gy = model.hidden, grid.x, grid.y
+    m, V, s = b.tokens, b.vocab, seq_len
+    emb_bytes = ACT_BYTES * (V // gy + s // gy) * (h // gx)
+    wte_bytes = ACT_BYTES * (V // gy) * (h // gx)
+    linears = model.linear_shapes()
+
+    def wbytes(k, n, t):
+        kl, nl, _, _ = _linear_dims(grid, k, n, t)
+        return ACT_BYTES * kl * nl
+
+    def cached(i: int, first_mb: bool) -> bool:
+        return i < options.cache_layers and not first_mb
+
+    def layer_norm(name: str, phase: str) -> None:
+        b.allreduce_ready(f"{name}.{phase}.ar_x", "x", STAT_BYTES * 2 * m)
+        b.elementwise(f"{name}.{phase}", m * h // gx, 8 if phase != "bwd" else 12, 2 if phase != "bwd" else 4)
+
+    def linear_fwd(lname: str, key: str, k: int, n: int, t: bool, phase: str) -> None:
+        kl, nl, in_axis, _ = _linear_dims(grid, k, n, t)
+        ag = b.gather(key)
+        b.main(b.gemm(f"{lname}.{phase}.gemm", m, nl, kl, "NN", deps=[ag]))
+        b.allreduce_ready(f"{lname}.{phase}.ar_{in_axis}", in_axis, ACT_BYTES * m * nl)
+
+    def linear_bwd(lname: str, key: str, k: int, n: int, t: bool, gathered: bool) -> None:
+        kl, nl, _, out_axis = _linear_dims(grid, k, n, t)
+        ag = None if gathered else b.gather(key)
+        dgrad = b.gemm(f"{lname}.bwd.dgrad", m, kl, nl, "NT", deps=[ag])
+        if not gathered:
+            b.main(dgrad)
+        grad_ready = b.ready
+        ar = b.collective(f"{lname}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * m * kl,
+                          deps=[dgrad])
+        wgrad = b.gemm(f"{lname}.bwd.wgrad", kl, nl, m, "TN", deps=[] if options.oar else [ar])
+        b.reduce_scatter(key, f"{lname}.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
+        b.ready = ar if ar is not None else grad_ready
+
+    def block_fwd(i: int, phase: str) -> None:
+        L = f"L{i}"
+        heads = model.heads // gy
+        layer_norm(f"{L}.ln1", phase)
+        linear_fwd(f"{L}.qkv", f"{L}.qkv", *linears[0][1:], phase)
+        b.compute(f"{L}.attn.{phase}", "attention", flops=4.0 * b.seqs * s * s * h / gy,
+                  bytes=ACT_BYTES * 4 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
+                  replicas=gx)
+        linear_fwd(f"{L}.attn_out", f"{L}.attn_out", *linears[1][1:], phase)
+        layer_norm(f"{L}.ln2", phase)
+        linear_fwd(f"{L}.mlp_up", f"{L}.mlp_up", *linears[2][1:], phase)
+        b.elementwise(f"{L}.gelu.{phase}", m * model.ffn // gy, 8, 2, replicas=gx)
+        linear_fwd(f"{L}.mlp_down", f"{L}.mlp_down", *linears[3][1:], phase)
+
+    def block_bwd(i: int) -> None:
+        L = f"L{i}"
+        heads = model.heads // gy
+        gathered = options.recompute  # with recomputation the backward reuses the recompute's gather
+        linear_bwd(f"{L}.mlp_down", f"{L}.mlp_down", *linears[3][1:], gathered)
+        b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx)
+        linear_bwd(f"{L}.mlp_up", f"{L}.mlp_up", *linears[2][1:], gathered)
+        layer_norm(f"{L}.ln2", "bwd")
+        linear_bwd(f"{L}.attn_out", f"{L}.attn_out", *linears[1][1:], gathered)
+        b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * h / gy,
+                  bytes=ACT_BYTES * 8 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
+                  replicas=gx)
+        linear_bwd(f"{L}.qkv", f"{L}.qkv", *linears[0][1:], gathered)
+        layer_norm(f"{L}.ln1", "bwd")
+
+    def fwd_order(first_mb: bool) -> list[tuple[str, str, int]]:
+        order = [("emb", "emb.fwd.ag_z", emb_bytes)]
+        for i in range(model.layers):
+            if not cached(i, first_mb):
+                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", wbytes(k, n, t)) for ln, k, n, t in linears]
+        return order + [("head", "head.fwd.ag_z", wte_bytes)]
+
+    def bwd_order() -> list[tuple[str, str, int]]:
+        order = [("head", "head.bwd.ag_z", wte_bytes)]
+        for i in reversed(range(model.layers)):
+            if i < options.cache_layers:
+                continue
+            lin = linears if options.recompute else linears[::-1]
+            order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", wbytes(k, n, t)) for ln, k, n, t in lin]
+        return order
+
+    for mb in range(options.micro_batches):
+        b.prefix = f"mb{mb}." if options.micro_batches > 1 else ""
+        b.ready = None
+        # forward
+        b.start_pass(fwd_order(mb == 0))
+        ag = b.gather("emb")
+        b.main(b.compute("emb.fwd", "embedding", deps=[ag], flops=float(m * h // gx),
+                         bytes=ACT_BYTES * 3 * m * h // gx))
+        b.allreduce_ready("emb.fwd.ar_y", "y", ACT_BYTES * m * h // gx)
+        for i in range(model.layers):
+            block_fwd(i, "fwd")
+        layer_norm("lnf", "fwd")
+        ag = b.gather("head")
+        b.main(b.gemm("head.fwd.gemm", m, V // gy, h // gx, "NT", deps=[ag]))
+        b.allreduce_ready("head.fwd.ar_x", "x", ACT_BYTES * m * V // gy)
+        b.compute("loss.fwd", "loss", flops=5.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx)
+        b.allreduce_ready("loss.fwd.ar_y_max", "y", STAT_BYTES * m)
+        b.allreduce_ready("loss.fwd.ar_y_sum", "y", STAT_BYTES * 2 * m)
+        # backward
+        b.start_pass(bwd_order())
+        b.compute("loss.bwd", "loss", flops=3.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx)
+        # the head is a normal layer whose weight is wte^T: dgrad is NN, wgrad produces wte's layout
+        kl, nl = h // gx, V // gy
+        ag = b.gather("head")
+        dgrad = b.main(b.gemm("head.bwd.dgrad", m, kl, nl, "NN", deps=[ag]))
+        ar = b.collective("head.bwd.ar_y", "all_reduce", "y", ACT_BYTES * m * kl, deps=[dgrad])
+        wgrad = b.gemm("head.bwd.wgrad", nl, kl, m, "TN", deps=[] if options.oar else [ar])
+        b.reduce_scatter("head", "head.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
+        b.ready = ar if ar is not None else dgrad
+        layer_norm("lnf", "bwd")
+        for i in reversed(range(model.layers)):
+            if options.recompute:
+                block_fwd(i, "rec")
+            block_bwd(i)
+        b.compute("emb.bwd", "embedding", flops=float(m * h // gx), bytes=ACT_BYTES * 3 * m * h // gx)
+        b.reduce_scatter("emb", "emb.bwd.rs_z", emb_bytes, b.ready)
+
+    # end of step: gradient shards all-reduced over data as soon as they are final, then the optimizer
+    b.prefix = ""
+    grad_ar = []
+    P = grid.tensor_size
+    for i in range(model.layers):
+        for ln, k, n, _ in linears:
+            key = f"L{i}.{ln}"
+            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
+                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key]]))
+    grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
+                                GRAD_AR_BYTES * (V + s) * h // P,
+                                deps=[b.last_rs["emb"], b.last_rs["head"]]))
+    norm_params = (4 * model.layers + 2) * h // gx
+    nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready])
+    grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
+                                deps=[nz if nz is not None else b.ready]))
+    n_local = _local_params(model, grid)
+    if options.grad_clip:
+        b.compute("opt.norm", "elementwise", deps=grad_ar, flops=2.0 * n_local, bytes=GRAD_AR_BYTES * n_local)
+        for axis in ("x", "y", "z"):
+            b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES)
+        grad_ar = []
+    b.compute("opt.step", "optimizer", deps=grad_ar, flops=float(ADAMW_FLOPS_PER_PARAM * n_local),
+              bytes=ADAMW_BYTES_PER_PARAM * n_local)
+    return Program(model, grid, options, batch, seq_len, b.vocab, b.ops)
+
+
+def _local_params(model: ModelSpec, grid: Grid) -> int:
+    """Parameters whose optimizer state one rank holds (3D-sharded weights plus its layer norms)."""
+    v = model.padded_vocab(grid.y)
+    sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + (v + model.seq_len) * model.hidden
+    return sharded // grid.tensor_size + (4 * model.layers + 2) * model.hidden // grid.x
