@@ -1,0 +1,60 @@
+"""Memory per GPU: the breakdown behaves, and the smallest tensor-parallel size that fits agrees
+with the source table of shared/reference/models.md (A100 40 GB, 4,096 GPUs)."""
+
+import pytest
+
+from twin import Grid, Options, TwinError, list_models, load_model
+from twin.memory import GIB, check_fits, memory_per_gpu
+
+POW2 = [1, 2, 4, 8, 16]
+
+
+def smallest_fitting_tensor_size(model, gpus=4096, capacity=40 * GIB):
+    for t in [2**i for i in range(11)]:
+        for x in POW2:
+            for y in POW2:
+                if t % (x * y):
+                    continue
+                g = Grid(x, y, t // (x * y), max(1, gpus // t))
+                try:
+                    g.validate(model)
+                except TwinError:
+                    continue
+                if memory_per_gpu(model, g).total <= capacity:
+                    return t
+    return None
+
+
+def test_smallest_fitting_size_matches_source_table():
+    names = [n for n in list_models() if load_model(n).min_tensor_parallel > 1]
+    exact = 0
+    for n in names:
+        m = load_model(n)
+        t = smallest_fitting_tensor_size(m)
+        assert t is not None and m.min_tensor_parallel / 2 <= t <= m.min_tensor_parallel * 2, n
+        exact += t == m.min_tensor_parallel
+    assert exact >= len(names) - 1
+
+
+def test_breakdown_moves_the_right_way():
+    m = load_model("gpt-40b")
+    base = memory_per_gpu(m, Grid(2, 2, 8, 16))
+    assert memory_per_gpu(m, Grid(2, 2, 16, 8)).parameters < base.parameters
+    norec = memory_per_gpu(m, Grid(2, 2, 8, 16), Options(recompute=False))
+    assert norec.activations > 5 * base.activations
+    mb = memory_per_gpu(m, Grid(2, 2, 8, 16), Options(micro_batches=4))
+    assert mb.activations < base.activations and mb.logits < base.logits
+    cached = memory_per_gpu(m, Grid(2, 2, 8, 16), Options(cache_layers=10))
+    assert cached.gathered_weights > base.gathered_weights
+    assert base.total == sum(v for k, v in base.as_dict().items() if k != "total")
+    # 18 bytes per parameter of the shard
+    assert base.parameters + base.gradients + base.optimizer == pytest.approx(
+        18 * m.parameters(m.padded_vocab(2)) / 32, rel=0.01)
+
+
+def test_check_fits_says_by_how_much():
+    m = load_model("gpt-320b")
+    mem = memory_per_gpu(m, Grid(2, 2, 2, 4096))
+    with pytest.raises(TwinError, match=r"over by \d+\.\d GiB"):
+        check_fits(mem, 64 * GIB)
+    check_fits(memory_per_gpu(m, Grid(8, 8, 4, 128)), 64 * GIB)
