@@ -231,7 +231,8 @@ class _Builder:
         if self.opt.oag and pos + 1 < len(self.gathers):
             nxt = self.gathers[pos + 1][0]
             if nxt not in self.issued_gathers:
-                self._issue_gather(pos + 1, deps=[self.last_main])
+                first = self.last_main is None  # nothing to overlap yet: issue with this one
+                self._issue_gather(pos + 1, deps=[self.ready if first else self.last_main])
         return self.issued_gathers[key]
 
     def main(self, idx: int) -> int:
