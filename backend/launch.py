@@ -1,0 +1,168 @@
+"""Starting the ranks: spawn them on this machine, or run as one rank under torchrun or srun.
+
+`launch(kind, config, world_size)` decides:
+- under a launcher (RANK or SLURM_PROCID is set: torchrun, srun) this process is one rank and runs
+  the job directly;
+- otherwise it starts `world_size` worker processes on localhost (`python -m backend.launch`), with
+  torchrun's variables set and a free port, waits for them, and stops the others as soon as one fails
+  (so a failing rank never leaves the rest hanging in a collective).
+
+A job is a function `entry(config: dict) -> None` named in JOBS; the config travels as JSON in the
+environment variable BACKEND_CONFIG. Bad input (TwinError) ends a rank with one line on stderr and
+exit code 2; when this module spawned the ranks only rank 0 prints it (all ranks see the same error).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from twin.errors import TwinError
+
+JOBS = {"run": "backend.train:main", "replay": "backend.replay:main", "bench": "backend.bench:main"}
+CONFIG_ENV = "BACKEND_CONFIG"
+SPAWNED_ENV = "BACKEND_SPAWNED"
+EXIT_BAD_INPUT = 2
+
+
+def under_launcher() -> bool:
+    """True when torchrun or Slurm started this process as one rank."""
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's or Slurm's variables; (0, 0, 1) if neither."""
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    if "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NTASKS", 1))
+    return 0, 0, 1
+
+
+def check_world_size(grid_size: int, grid: str) -> None:
+    """Raise TwinError when the launcher started a different number of ranks than the grid has."""
+    if under_launcher():
+        _, _, world = env_rank()
+        if world != grid_size:
+            raise TwinError(f"grid {grid} has {grid_size} ranks but the launcher started {world}: "
+                            f"make G_x*G_y*G_z*G_data equal the number of processes")
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def multi_node() -> bool:
+    """Best effort: does this job span several nodes?"""
+    env = os.environ
+    if int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1:
+        return True
+    world, local = env.get("WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
+    return bool(world and local and int(world) > int(local))
+
+
+def fabric_plugin_found() -> bool:
+    """Best effort: is a NCCL/RCCL network plugin (aws-ofi-nccl / aws-ofi-rccl) on the library path?"""
+    if os.environ.get("NCCL_NET_PLUGIN"):
+        return True
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/usr/lib", "/usr/lib64", "/usr/local/lib", "/opt/amazon/aws-ofi-nccl/lib"]
+    return any(glob.glob(os.path.join(d, pat)) for d in dirs
+               for pat in ("libnccl-net*.so*", "librccl-net*.so*", "librccl-ofi*.so*"))
+
+
+def fabric_warning(device: str) -> str | None:
+    """A warning line when NCCL/RCCL will cross nodes without its libfabric plugin, else None."""
+    if device != "cuda" or not multi_node() or fabric_plugin_found():
+        return None
+    return ("warning: NCCL/RCCL across nodes without a libfabric plugin (aws-ofi-nccl / aws-ofi-rccl) "
+            "on LD_LIBRARY_PATH: on Slingshot collectives fall back to TCP and run 10-20x slower")
+
+
+def set_threads(local_world: int) -> None:
+    """Share the CPU cores among the ranks of this machine (gloo on CPU)."""
+    import torch
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def run_job(kind: str, config: dict) -> int:
+    """Run a job in this process (one rank); returns the exit code."""
+    rank = env_rank()[0]
+    quiet = os.environ.get(SPAWNED_ENV) == "1" and rank != 0
+    try:
+        module, fn = JOBS[kind].split(":")
+        getattr(importlib.import_module(module), fn)(config)
+    except TwinError as e:
+        if not quiet:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05) -> int:
+    """Start `world_size` local ranks of job `kind`, wait, and return the first failing exit code."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **{SPAWNED_ENV: "1", CONFIG_ENV: json.dumps(config)})
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+        procs.append(subprocess.Popen([sys.executable, "-m", "backend.launch", kind], env=env))
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0]
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        code = 130
+    if code:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 5
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return code
+    return next((p.returncode for p in procs if p.returncode), 0)
+
+
+def launch(kind: str, config: dict, world_size: int) -> int:
+    """Run job `kind` on `world_size` ranks: directly under a launcher, else by spawning them."""
+    if under_launcher():
+        return run_job(kind, config)
+    if world_size == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        return run_job(kind, config)
+    return spawn(kind, config, world_size)
+
+
+def main() -> None:
+    """Worker entry point: `python -m backend.launch <kind>` with the config in BACKEND_CONFIG."""
+    kind = sys.argv[1]
+    config = json.loads(os.environ[CONFIG_ENV])
+    sys.exit(run_job(kind, config))
+
+
+if __name__ == "__main__":
+    main()
