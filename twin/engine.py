@@ -1,0 +1,297 @@
+"""The discrete-event engine (simpy): one training iteration of a program on many ranks.
+
+Streams. Each simulated rank has a compute stream; each group of each communication axis has one
+stream shared by its members (all members run the same collectives of that axis in program order, so
+a group's stream stands for the axis stream of every member). An op starts when its stream has
+finished the previous op and every op in its `deps` is done (for a collective: done on every member,
+so it starts when its last member arrives); a collective then completes for the whole group at once.
+Streams are small state machines driven by simpy events (a Timeout per op with a callback): no
+process per op, no Resources.
+
+Rates. A collective's duration comes from `collective_s(op, concurrent)` where `concurrent` is the set
+of other axes that have a collective in flight at that moment. When an axis starts or stops having
+collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
+(a fraction) is carried over and a new completion is scheduled. A compute op runs `overlap_slowdown`
+times slower while a collective of its rank is in flight, re-rated the same way. simpy cannot cancel
+a Timeout, so each stream keeps its latest one and a callback from any other (stale) one is ignored.
+
+Time is kept in integer nanoseconds (simpy's clock holds ints), so no remaining time of 1e-18 s can
+stall the clock; each scheduled delay is rounded to the nearest nanosecond.
+
+Modes. Symmetric: one representative rank whose groups have one member (every rank runs the same
+program and the collective model gives the time of all groups at once). Full: every rank, each with
+an optional slowdown factor (stragglers); both agree on a symmetric case.
+
+Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops; when the
+compute stream waits, the gap is exposed communication of the axis of the collective whose completion
+let the next compute op start (the last one it waited for); anything else (the tail after the rank's
+last compute op) is idle. compute + exposed + idle = iteration time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import simpy
+from simpy.events import Timeout
+
+from twin.grid import AXES, Grid
+from twin.program import Program
+
+NS = 1e9  # nanoseconds per second
+
+
+@dataclass
+class EngineResult:
+    """What one simulated iteration took. Times in seconds."""
+
+    iteration_s: float
+    compute_s: float                 # mean over simulated ranks
+    exposed_s: dict[str, float]      # mean over simulated ranks, per axis
+    idle_s: float                    # mean over simulated ranks
+    simulated_ops: int               # op executions over all simulated ranks (a collective counts per member)
+    ranks: int                       # simulated ranks
+    spans: list[tuple[int, int, float, float]] = field(default_factory=list)  # (rank, op, start_s, dur_s)
+
+
+class _Sim:
+    """Shared state of one run: the clock, per-rank done flags, waiters, in-flight bookkeeping."""
+
+    def __init__(self, program: Program, nranks: int, record: bool):
+        self.env = simpy.Environment()
+        self.ops = program.ops
+        self.n = len(self.ops)
+        self.deps = [op.deps for op in self.ops]
+        self.done = [bytearray(self.n) for _ in range(nranks)]
+        self.waiters: dict[int, list] = {}
+        self.busy = [0] * nranks                        # collectives in flight that include the rank
+        self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
+        self.running: dict[str, dict] = {a: {} for a in AXES}  # axis -> in-flight group streams
+        self.compute: list[_ComputeStream] = []
+        self.end_ns = 0
+        self.record = record
+        self.spans: list[tuple[int, int, int, int]] = []
+
+    def wait(self, rank: int, op: int, stream) -> None:
+        self.waiters.setdefault(rank * self.n + op, []).append(stream)
+
+    def finish(self, rank: int, op: int) -> None:
+        self.done[rank][op] = 1
+        ws = self.waiters.pop(rank * self.n + op, None)
+        if ws:
+            for s in ws:
+                s.advance()
+
+    def schedule(self, delay_ns: float, callback) -> Timeout:
+        t = Timeout(self.env, int(delay_ns + 0.5) if delay_ns > 0 else 0)
+        t.callbacks.append(callback)
+        return t
+
+
+class _ComputeStream:
+    __slots__ = ("sim", "rank", "ops", "pc", "base", "slow", "overlap", "event", "work", "factor",
+                 "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running")
+
+    def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
+                 overlap: float):
+        self.sim, self.rank, self.ops, self.pc = sim, rank, ops, 0
+        self.base, self.slow, self.overlap = base_ns, slow, overlap
+        self.event = None
+        self.work = self.factor = 0.0
+        self.seg = self.start = self.prev_end = 0
+        self.waited: str | None = None
+        self.compute_ns = 0
+        self.exposed = {a: 0 for a in AXES}
+        self.running = False
+
+    def advance(self) -> None:
+        sim = self.sim
+        if self.running or self.pc >= len(self.ops):
+            return
+        i = self.ops[self.pc]
+        done = sim.done[self.rank]
+        for d in sim.deps[i]:
+            if not done[d]:
+                self.waited = sim.ops[d].axis
+                sim.wait(self.rank, d, self)
+                return
+        now = sim.env.now
+        gap = now - self.prev_end
+        if gap > 0:
+            if self.waited is not None:
+                self.exposed[self.waited] += gap
+        self.waited = None
+        self.running = True
+        self.start = self.seg = now
+        self.work = self.base[i]
+        self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
+        self.event = sim.schedule(self.work * self.factor, self.on_done)
+
+    def rerate(self) -> None:
+        """The rank's communication state changed: carry the remaining work over at the new rate."""
+        if not self.running:
+            return
+        sim = self.sim
+        now = sim.env.now
+        self.work = max(0.0, self.work - (now - self.seg) / self.factor)
+        self.seg = now
+        self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
+        self.event = sim.schedule(self.work * self.factor, self.on_done)
+
+    def on_done(self, event) -> None:
+        if event is not self.event:
+            return  # stale: re-rated after this completion was scheduled
+        sim = self.sim
+        now = sim.env.now
+        i = self.ops[self.pc]
+        self.compute_ns += now - self.start
+        if sim.record:
+            sim.spans.append((self.rank, i, self.start, now - self.start))
+        self.prev_end = now
+        if now > sim.end_ns:
+            sim.end_ns = now
+        self.running = False
+        self.pc += 1
+        sim.finish(self.rank, i)
+        self.advance()
+
+
+class _GroupStream:
+    __slots__ = ("sim", "axis", "members", "ops", "pc", "timer", "event", "frac", "dur", "seg",
+                 "start", "running")
+
+    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int],
+                 timer: Callable[[int, frozenset], float]):
+        self.sim, self.axis, self.members, self.ops, self.pc = sim, axis, members, ops, 0
+        self.timer = timer
+        self.event = None
+        self.frac = self.dur = 0.0
+        self.seg = self.start = 0
+        self.running = False
+
+    def concurrent(self) -> frozenset:
+        infl = self.sim.inflight
+        return frozenset(a for a in AXES if a != self.axis and infl[a])
+
+    def advance(self) -> None:
+        sim = self.sim
+        if self.running or self.pc >= len(self.ops):
+            return
+        i = self.ops[self.pc]
+        done = sim.done
+        for d in sim.deps[i]:
+            for r in self.members:
+                if not done[r][d]:
+                    sim.wait(r, d, self)
+                    return
+        now = sim.env.now
+        self.running = True
+        self.start = self.seg = now
+        self.frac = 1.0
+        self.dur = self.timer(i, self.concurrent()) * NS
+        self.event = sim.schedule(self.dur, self.on_done)
+        sim.running[self.axis][self] = None
+        sim.inflight[self.axis] += 1
+        if sim.inflight[self.axis] == 1:
+            _axis_changed(sim, self.axis)
+        _busy_change(sim, self.members, +1)
+
+    def rerate(self) -> None:
+        sim = self.sim
+        now = sim.env.now
+        self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
+        self.seg = now
+        self.dur = self.timer(self.ops[self.pc], self.concurrent()) * NS
+        self.event = sim.schedule(self.frac * self.dur, self.on_done)
+
+    def on_done(self, event) -> None:
+        if event is not self.event:
+            return
+        sim = self.sim
+        now = sim.env.now
+        i = self.ops[self.pc]
+        if sim.record:
+            for r in self.members:
+                sim.spans.append((r, i, self.start, now - self.start))
+        if now > sim.end_ns:
+            sim.end_ns = now
+        self.running = False
+        self.pc += 1
+        del sim.running[self.axis][self]
+        sim.inflight[self.axis] -= 1
+        if sim.inflight[self.axis] == 0:
+            _axis_changed(sim, self.axis)
+        _busy_change(sim, self.members, -1)
+        for r in self.members:
+            sim.finish(r, i)
+        self.advance()
+
+
+def _axis_changed(sim: _Sim, axis: str) -> None:
+    """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
+    for a in AXES:
+        if a != axis:
+            for g in list(sim.running[a]):
+                g.rerate()
+
+
+def _busy_change(sim: _Sim, members: list[int], delta: int) -> None:
+    busy, compute = sim.busy, sim.compute
+    for r in members:
+        busy[r] += delta
+        if busy[r] == (1 if delta > 0 else 0):
+            compute[r].rerate()
+
+
+def simulate_program(program: Program, compute_s: list[float],
+                     collective_s: Callable[[int, frozenset], float], *, full: bool = False,
+                     slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
+                     record: bool = False) -> EngineResult:
+    """Simulate one iteration of `program`.
+
+    compute_s[i]: seconds compute op i takes alone (ignored for collectives).
+    collective_s(i, concurrent): seconds collective op i takes when every group of its axis runs it at
+        once while the axes in `concurrent` also have collectives in flight.
+    full: simulate every rank of the grid (else one representative rank).
+    slowdown: rank -> factor >= 1 on its compute times (full mode; stragglers).
+    overlap_slowdown: compute runs this many times slower while a collective of its rank is in flight.
+    record: keep spans (rank, op index, start s, duration s) of every op for traces and plots.
+    """
+    grid: Grid = program.grid
+    nranks = grid.size if full else 1
+    slowdown = slowdown or {}
+    if slowdown and not full:
+        raise ValueError("per-rank slowdown factors need full mode")
+    sim = _Sim(program, nranks, record)
+    base_ns = [t * NS for t in compute_s]
+    by_stream: dict[str, list[int]] = {s: [] for s in ("compute",) + AXES}
+    for op in program.ops:
+        by_stream[op.stream].append(op.index)
+    sim.compute = [_ComputeStream(sim, r, by_stream["compute"], base_ns, slowdown.get(r, 1.0),
+                                  overlap_slowdown) for r in range(nranks)]
+    groups: list[_GroupStream] = []
+    for axis in AXES:
+        if not by_stream[axis]:
+            continue
+        members = grid.groups(axis) if full else [[0]]
+        groups += [_GroupStream(sim, axis, g, by_stream[axis], collective_s) for g in members]
+    for s in sim.compute:
+        s.advance()
+    for g in groups:
+        g.advance()
+    sim.env.run()
+    stuck = [s for s in sim.compute if s.pc < len(s.ops)] + [g for g in groups if g.pc < len(g.ops)]
+    if stuck:
+        s = stuck[0]
+        raise RuntimeError(f"deadlock: stream {getattr(s, 'axis', 'compute')} stopped at op "
+                           f"{sim.ops[s.ops[s.pc]].name}")
+    end = sim.end_ns
+    compute = sum(s.compute_ns for s in sim.compute) / nranks
+    exposed = {a: sum(s.exposed[a] for s in sim.compute) / nranks for a in AXES}
+    idle = end - compute - sum(exposed.values())
+    ops = len(by_stream["compute"]) * nranks + sum(len(g.ops) * len(g.members) for g in groups)
+    spans = [(r, i, t / NS, d / NS) for r, i, t, d in sim.spans]
+    return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
+                        exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
+                        simulated_ops=ops, ranks=nranks, spans=spans)
