@@ -119,18 +119,130 @@ def program_cmd(
         console.print(f"wrote {json_out}")
 
 
+def _parse_slowdown(text: str | None) -> dict[int, float] | None:
+    """'RANK:FACTOR,RANK:FACTOR' -> {rank: factor}."""
+    if not text:
+        return None
+    try:
+        return {int(r): float(f) for r, f in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise TwinError(f"--slowdown {text!r} is not of the form RANK:FACTOR[,RANK:FACTOR...], e.g. 3:1.2") from None
+
+
+def _print_result(r) -> None:
+    """A simulation result as rich tables (seconds, PF/s, GiB)."""
+    it = r.iteration_time_s
+    head = Table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode", show_header=True)
+    head.add_row(r.system, r.model, str(r.gpus), r.grid_str, f"{r.global_batch} x {r.seq_len}",
+                 f"{r.mode} ({r.simulated_ranks} rank{'s' if r.simulated_ranks > 1 else ''})")
+    console.print(head)
+    if r.grid_choice != "given":
+        console.print(f"grid {r.grid_str} chosen by {r.grid_choice}")
+    t = Table("", "value", title="one iteration")
+    t.add_row("iteration time", f"{it:.4f} s")
+    t.add_row("flop/s (all GPUs)", f"{r.flops_per_s / 1e15:.1f} PF/s")
+    t.add_row("flop/s per GPU", f"{r.flops_per_s_per_gpu / 1e12:.1f} TF/s")
+    t.add_row("of advertised peak", f"{r.percent_of_peak:.1f} %")
+    t.add_row("memory per GPU", f"{r.memory_per_gpu_bytes / GIB:.2f} GiB")
+    t.add_row("simulated ops", f"{r.simulated_ops:,}")
+    t.add_row("wall time", f"{r.wall_time_s:.2f} s")
+    console.print(t)
+    b = Table("where the time goes", "seconds", "share", title="breakdown (adds up to the iteration)")
+    rows = [("compute", r.breakdown_s["compute"])]
+    rows += [(f"exposed comm {a}", v) for a, v in r.breakdown_s["exposed_comm"].items()]
+    rows.append(("idle", r.breakdown_s["idle"]))
+    for name, v in rows:
+        b.add_row(name, f"{v:.4f}", f"{100 * v / it:.1f} %")
+    console.print(b)
+    console.print(f"flops per iteration {r.flops_per_iteration:.4g}: {r.flops_convention}")
+
+
 @app.command("simulate")
 @handles_errors
-def simulate_cmd() -> None:
-    """Simulate one training iteration on a system (issue 4)."""
-    not_implemented("simulate")
+def simulate_cmd(
+    system: Annotated[str, typer.Option("--system", "-s", help="System name (frontier, perlmutter, alps, ...) or a system .toml file.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")] = None,
+    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")] = "auto",
+    batch: Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")] = None,
+    seq: Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")] = None,
+    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
+    oar: Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap backward all-reduce (y) with the dW GEMM.")] = True,
+    ors: Annotated[bool, typer.Option("--ors/--no-ors", help="Overlap z reduce-scatters with earlier layers.")] = True,
+    oag: Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather.")] = True,
+    cache_layers: Annotated[int, typer.Option(help="Keep gathered weights of the first N blocks.")] = 0,
+    recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation recomputation.")] = True,
+    micro_batches: Annotated[int, typer.Option(help="Gradient accumulation steps.")] = 1,
+    gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
+    profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
+    slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
+    simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 3,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome trace (Perfetto) of the iteration here.")] = None,
+    html: Annotated[Optional[Path], typer.Option(help="Write an interactive plotly timeline here.")] = None,
+) -> None:
+    """Simulate one training iteration of a model on a system and say where the time goes."""
+    from twin.simulate import simulate
+
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                 slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
+                 record=bool(trace or html), simulate_top=simulate_top)
+    if trace is not None:
+        from twin.trace import write_trace
+        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False))
+    if html is not None:
+        from twin.plots import timeline_html
+        write_file(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
+                                                f"{r.iteration_time_s:.3f} s per iteration"))
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    _print_result(r)
+    for what, path in (("trace", trace), ("timeline", html)):
+        if path is not None:
+            console.print(f"wrote {what} {path}")
 
 
 @app.command("search")
 @handles_errors
-def search_cmd() -> None:
-    """Find the best 4D grid for a model on a system (not implemented yet)."""
-    not_implemented("search")
+def search_cmd(
+    system: Annotated[str, typer.Option("--system", "-s", help="System name or a system .toml file.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")] = None,
+    top: Annotated[int, typer.Option(help="How many grids to print.")] = 10,
+    simulate_top: Annotated[int, typer.Option(help="How many of the best to simulate (default: all printed).")] = -1,
+    batch: Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")] = None,
+    seq: Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")] = None,
+    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
+) -> None:
+    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
+    import json
+
+    from twin.search import search
+    from twin.simulate import prepare
+
+    if top < 1:
+        raise TwinError(f"--top must be at least 1, got {top}")
+    study = prepare(system, model, gpus, batch, seq, placement=placement)
+    cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
+    if json_out:
+        typer.echo(json.dumps([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
+                                "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
+                                "simulated_s": c.simulated_s} for c in cands], indent=1))
+        return
+    t = Table("rank", "grid XxYxZxD", "analytical (s)", "compute (s)", "comm x / y / z / data (s)",
+              "simulated (s)", "memory (GiB)",
+              title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids")
+    for i, c in enumerate(cands, 1):
+        t.add_row(str(i), str(c.grid), f"{c.analytical_s:.3f}", f"{c.compute_s:.3f}",
+                  " / ".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
+                  "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", f"{c.memory_bytes / GIB:.1f}")
+    console.print(t)
 
 
 @app.command("systems")

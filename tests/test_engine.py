@@ -1,0 +1,142 @@
+"""The simpy engine: dependencies, re-rating, breakdown, symmetric vs full mode, overlap switches.
+
+The collective model here is a stand-in (ring alpha-beta with a fixed bandwidth per axis, slower while
+other axes communicate), so these tests check the engine, not the network model.
+"""
+
+import pytest
+
+from calibration.profile import load_profile
+from twin.engine import simulate_program
+from twin.grid import Grid
+from twin.kernels import KernelModel
+from twin.model import load_model
+from twin.program import Op, Options, Program, build_program
+
+
+class AlphaBeta:
+    """Stand-in collective model: ring alpha-beta per axis; 50% slower per other axis in flight."""
+
+    def __init__(self, grid: Grid, bw=None, alpha=5e-6, contention=0.5):
+        self.grid = grid
+        self.bw = bw or {"x": 100e9, "y": 25e9, "z": 10e9, "data": 5e9}
+        self.alpha, self.contention = alpha, contention
+
+    def time(self, kind, axis, nbytes, concurrent=frozenset()):
+        p = self.grid.axis_size(axis)
+        f = 2.0 if kind == "all_reduce" else 1.0
+        return f * (p - 1) * self.alpha + f * (p - 1) / p * nbytes / self.bw[axis] * (1 + self.contention * len(concurrent))
+
+
+def run(model="gpt-small", grid="2x2x2x2", options=None, full=False, slowdown=None, bw=None, batch=None,
+        profile="a100", overlap=None, record=False):
+    g = Grid.parse(grid)
+    prog = build_program(load_model(model), g, options or Options(), batch=batch)
+    prof = load_profile(profile)
+    km = KernelModel(prof)
+    cm = AlphaBeta(g, bw)
+    compute = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
+
+    def timer(i, conc):
+        op = prog.ops[i]
+        return cm.time(op.kind, op.axis, op.bytes, conc)
+
+    return simulate_program(prog, compute, timer, full=full, slowdown=slowdown, record=record,
+                            overlap_slowdown=prof.overlap_slowdown if overlap is None else overlap)
+
+
+def total(r):
+    return r.compute_s + sum(r.exposed_s.values()) + r.idle_s
+
+
+def hand_program(ops):
+    return Program(load_model("gpt-tiny"), Grid(2, 2, 1, 1), Options(), 8, 32, 256, ops)
+
+
+def test_rerating_when_another_axis_starts_and_stops():
+    # c0 -> (x all-reduce, y all-reduce in parallel) -> c1. Solo: x 0.5 s, y 1.0 s; concurrent: x2.
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", deps=(0,), axis="x"),
+           Op(2, "ay", "all_reduce", "y", deps=(0,), axis="y"), Op(3, "c1", "gemm", "compute", deps=(1, 2))]
+    solo = {1: 0.5, 2: 1.0}
+
+    def timer(i, conc):
+        return solo[i] * (2.0 if conc else 1.0)
+
+    r = simulate_program(hand_program(ops), [1.0, 0, 0, 1.0], timer, record=True)
+    spans = {i: (s, d) for _, i, s, d in r.spans}
+    # both start at 1.0 at half speed; x done at 1.0 + 1.0 = 2.0; y did half its work by then and
+    # finishes the other half alone in 0.5 s
+    assert spans[1] == pytest.approx((1.0, 1.0))
+    assert spans[2] == pytest.approx((1.0, 1.5))
+    assert spans[3][0] == pytest.approx(2.5)
+    assert r.iteration_s == pytest.approx(3.5)
+    assert r.exposed_s["y"] == pytest.approx(1.5) and r.exposed_s["x"] == 0
+    assert total(r) == pytest.approx(r.iteration_s)
+    # the same in full mode on 4 ranks
+    f = simulate_program(hand_program(ops), [1.0, 0, 0, 1.0], timer, full=True)
+    assert f.iteration_s == pytest.approx(3.5) and f.ranks == 4
+
+
+def test_compute_slows_while_communication_overlaps():
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", deps=(0,), axis="x"),
+           Op(2, "c1", "gemm", "compute"), Op(3, "c2", "gemm", "compute", deps=(1,))]
+    r = simulate_program(hand_program(ops), [1.0, 0, 2.0, 1.0], lambda i, c: 1.0, overlap_slowdown=2.0,
+                         record=True)
+    spans = {i: (s, d) for _, i, s, d in r.spans}
+    # c1 runs its first second at half speed (0.5 s of work), then 1.5 s alone
+    assert spans[2] == pytest.approx((1.0, 2.5))
+    assert r.iteration_s == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize("grid", ["2x2x2x2", "1x4x2x2", "4x1x1x4", "2x2x4x1"])
+def test_breakdown_adds_up(grid):
+    r = run(grid=grid)
+    assert total(r) == pytest.approx(r.iteration_s, rel=1e-9)
+    assert r.compute_s > 0 and r.idle_s >= -1e-12 and all(v >= 0 for v in r.exposed_s.values())
+
+
+def test_symmetric_and_full_agree():
+    for opts in (Options(), Options(oar=False, ors=False, oag=False), Options(micro_batches=2)):
+        s = run(grid="2x2x2x2", options=opts)
+        f = run(grid="2x2x2x2", options=opts, full=True)
+        assert f.ranks == 16 and s.ranks == 1
+        assert f.iteration_s == pytest.approx(s.iteration_s, rel=1e-9)
+        assert f.compute_s == pytest.approx(s.compute_s, rel=1e-9)
+        for a in s.exposed_s:
+            assert f.exposed_s[a] == pytest.approx(s.exposed_s[a], rel=1e-6, abs=1e-9)
+        assert f.simulated_ops == 16 * s.simulated_ops
+
+
+def test_straggler_slows_everyone():
+    base = run(grid="2x2x2x2", full=True)
+    slow = run(grid="2x2x2x2", full=True, slowdown={5: 1.5})
+    assert slow.iteration_s > 1.2 * base.iteration_s
+    with pytest.raises(ValueError):
+        run(grid="2x2x2x2", slowdown={5: 1.5})
+
+
+def test_deterministic():
+    a, b = run(grid="2x2x2x2", record=True), run(grid="2x2x2x2", record=True)
+    assert a == b
+
+
+# communication comparable to compute, so that every overlap matters
+COMM_HEAVY = dict(model="gpt-1b", batch=16, bw={"x": 200e9, "y": 50e9, "z": 20e9, "data": 20e9})
+
+
+def test_overlap_switches_slow_down_and_expose_the_right_axis():
+    on = run(grid="2x2x4x1", **COMM_HEAVY)
+    for switch, axis in (("oar", "y"), ("ors", "z"), ("oag", "z")):
+        off = run(grid="2x2x4x1", options=Options(**{switch: False}), **COMM_HEAVY)
+        assert off.iteration_s > 1.03 * on.iteration_s, switch
+        assert off.exposed_s[axis] > on.exposed_s[axis] + 0.5 * (off.iteration_s - on.iteration_s), switch
+    everything_off = run(grid="2x2x4x1", options=Options(oar=False, ors=False, oag=False), **COMM_HEAVY)
+    assert everything_off.iteration_s > 1.1 * on.iteration_s
+
+
+def test_weight_caching_removes_gathers():
+    on = run(grid="2x2x4x1", **COMM_HEAVY)
+    cached = run(grid="2x2x4x1", options=Options(cache_layers=24, micro_batches=2), **COMM_HEAVY)
+    two_mb = run(grid="2x2x4x1", options=Options(micro_batches=2), **COMM_HEAVY)
+    assert cached.iteration_s < two_mb.iteration_s
+    assert on.iteration_s > 0
