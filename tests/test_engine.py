@@ -100,8 +100,8 @@ def test_symmetric_and_full_agree():
         s = run(grid="2x2x2x2", options=opts)
         f = run(grid="2x2x2x2", options=opts, full=True)
         assert f.ranks == 16 and s.ranks == 1
-        assert f.iteration_s == pytest.approx(s.iteration_s, rel=1e-9)
-        assert f.compute_s == pytest.approx(s.compute_s, rel=1e-9)
+        assert f.iteration_s == pytest.approx(s.iteration_s, rel=1e-6)  # ns rounding of re-rates
+        assert f.compute_s == pytest.approx(s.compute_s, rel=1e-6)
         for a in s.exposed_s:
             assert f.exposed_s[a] == pytest.approx(s.exposed_s[a], rel=1e-6, abs=1e-9)
         assert f.simulated_ops == 16 * s.simulated_ops

@@ -33,6 +33,7 @@ class Candidate:
     comm_s: dict[str, float]
     memory_bytes: int
     simulated_s: float | None = None
+    result: object = None  # the SimulationResult, once simulated
 
 
 def power_of_two_grids(gpus: int) -> list[Grid]:
@@ -135,17 +136,19 @@ def search(study, top: int = 10, simulate_top: int = 3, collectives=None) -> lis
     from twin.simulate import simulate_grid
     cands = rank_grids(study, collectives)[:max(top, simulate_top)]
     for c in cands[:simulate_top]:
-        c.simulated_s = simulate_grid(study, c.grid, collectives=collectives).iteration_time_s
+        c.result = simulate_grid(study, c.grid, collectives=collectives)
+        c.simulated_s = c.result.iteration_time_s
     return cands[:top]
 
 
-def choose_grid(study, simulate_top: int = 3, collectives=None) -> tuple[Grid, str]:
-    """The grid `--grid auto` runs: the fastest simulated of the analytical top few; and how it was chosen."""
+def choose_grid(study, simulate_top: int = 3, collectives=None) -> tuple[Candidate, str]:
+    """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
+    its symmetric-mode result when simulated), and a line saying how it was chosen."""
     cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)
     sims = [c for c in cands if c.simulated_s is not None]
     if not sims:
         best = cands[0]
-        return best.grid, f"auto: best of the analytical ranking ({best.analytical_s:.3f} s estimated)"
+        return best, f"auto: best of the analytical ranking ({best.analytical_s:.3f} s estimated)"
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
-    return best.grid, (f"auto: fastest simulated of the analytical top {len(sims)} "
-                       f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})")
+    return best, (f"auto: fastest simulated of the analytical top {len(sims)} "
+                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})")

@@ -73,9 +73,8 @@ def check_grid(study: Study, grid: Grid) -> None:
 
 def collective_model(study: Study, grid: Grid):
     """The system's collective model for this grid on the study's rank placement."""
-    from topologies.placement import place
     from twin.collectives import CollectiveModel
-    return CollectiveModel(study.system, grid, placement=place(study.system, grid.size, study.placement))
+    return CollectiveModel(study.system, grid, placement=study.placement)
 
 
 def collective_timer(program: Program, model):
@@ -141,12 +140,18 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
     With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span)."""
     t0 = time.perf_counter()
     study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
+    result = None
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
         from twin.search import choose_grid
-        g, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
+        best, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
+        g = best.grid
+        if best.result is not None and not (full or slowdown or record):
+            result = best.result  # already simulated in this very setting
+            result.grid_choice = how
     else:
         g, how = (Grid.parse(grid) if isinstance(grid, str) else grid), "given"
-    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                           grid_choice=how)
+    if result is None:
+        result = simulate_grid(study, g, full=full, slowdown=slowdown, record=record, collectives=collectives,
+                               grid_choice=how)
     result.wall_time_s = time.perf_counter() - t0
     return result
