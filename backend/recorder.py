@@ -1,0 +1,122 @@
+"""The op recorder: what each GEMM, collective and compute op of the program cost on this rank.
+
+Every op is recorded under the program's name (twin/program.py) with the program's kind, stream,
+axis, bytes and GEMM sizes, and its start and duration. Timing: CUDA events on the current stream on
+GPU (resolved lazily, when spans are read), time.perf_counter on CPU. An asynchronous collective is
+timed from its issue to the completion of its wait().
+
+    rec = Recorder(enabled=True, device=torch.device("cpu"))
+    with rec.op("L0.qkv.fwd.gemm", "gemm", "compute", m=64, n=96, k=32, layout="NN"):
+        y = x @ w
+    spans = rec.spans(rank)      # -> list[twin.trace.Span]; write them with twin.trace.write_trace
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from twin.trace import Span
+
+
+@dataclass
+class Record:
+    """One recorded op. bytes follow the program's convention (see backend/comm.py)."""
+
+    name: str
+    kind: str
+    stream: str
+    axis: str | None = None
+    bytes: int = 0
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    layout: str = ""
+    args: dict = field(default_factory=dict)
+    _start: object = None   # float seconds (CPU) or a CUDA event
+    _end: object = None
+
+    def key(self) -> tuple:
+        """What identifies the op across twin and backend (name, kind, stream, axis, bytes, GEMM sizes)."""
+        return (self.name, self.kind, self.stream, self.axis, self.bytes, self.m, self.n, self.k, self.layout)
+
+
+class Recorder:
+    """Collects Records; a disabled recorder costs one branch per op."""
+
+    def __init__(self, enabled: bool = True, device: torch.device | str | None = None):
+        self.enabled = enabled
+        self.device = torch.device(device or "cpu")
+        self.cuda = self.device.type == "cuda"
+        self.records: list[Record] = []
+        self._origin: object = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all records; times restart from zero."""
+        self.records = []
+        self._origin = self._now()
+
+    def _now(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin(self, name: str, kind: str, stream: str, axis: str | None = None, bytes: int = 0,
+              m: int = 0, n: int = 0, k: int = 0, layout: str = "", **args) -> Record | None:
+        """Start recording an op (returns None when disabled); finish it with end()."""
+        if not self.enabled:
+            return None
+        rec = Record(name, kind, stream, axis, int(bytes), m, n, k, layout, args, self._now())
+        self.records.append(rec)
+        return rec
+
+    def end(self, rec: Record | None) -> None:
+        if rec is not None:
+            rec._end = self._now()
+
+    @contextmanager
+    def op(self, name: str, kind: str, stream: str = "compute", **sizes) -> Iterator[Record | None]:
+        """Record the ops issued inside the block as one op."""
+        rec = self.begin(name, kind, stream, **sizes)
+        try:
+            yield rec
+        finally:
+            self.end(rec)
+
+    def _seconds(self, ev: object) -> float:
+        if self.cuda:
+            return self._origin.elapsed_time(ev) / 1e3  # type: ignore[union-attr]
+        return float(ev) - float(self._origin)  # type: ignore[arg-type]
+
+    def spans(self, rank: int) -> list[Span]:
+        """The records as trace spans of `rank` (start relative to the last reset, seconds)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        out = []
+        for i, r in enumerate(self.records):
+            start = self._seconds(r._start)
+            end = self._seconds(r._end) if r._end is not None else start
+            args = {"kind": r.kind, "stream": r.stream, "index": i, **r.args}
+            if r.axis:
+                args.update(axis=r.axis, bytes=r.bytes)
+            if r.kind == "gemm":
+                args.update(m=r.m, n=r.n, k=r.k, layout=r.layout)
+            out.append(Span(rank, r.name, r.kind, r.stream, start, max(end - start, 0.0), args))
+        return out
+
+    def totals(self) -> dict[str, float]:
+        """Seconds recorded per kind (a quick breakdown)."""
+        acc: dict[str, float] = {}
+        for s in self.spans(0):
+            acc[s.kind] = acc.get(s.kind, 0.0) + s.duration_s
+        return acc
+
+
+NULL_RECORDER = Recorder(enabled=False)
