@@ -1,0 +1,63 @@
+"""Grid search: enumeration, the analytical model, and the choice `--grid auto` makes."""
+
+import pytest
+
+from twin.errors import TwinError
+from twin.grid import Grid
+from twin.search import Bandwidth, analytical, choose_grid, power_of_two_grids, rank_grids, search
+from twin.simulate import prepare
+
+
+class FlatBandwidth:
+    """Stand-in collective model: every group gets `bw` bytes/s of ring volume, strided ones less."""
+
+    def __init__(self, bw=20e9):
+        self.bw = bw
+
+    def time(self, kind, axis, nbytes, concurrent=frozenset()):
+        return nbytes / (self.bw if axis == "x" else self.bw / 4)
+
+
+def test_power_of_two_grids():
+    grids = power_of_two_grids(16)
+    assert len(grids) == 35 and len(set(grids)) == 35  # C(4+3, 3)
+    assert all(g.size == 16 for g in grids)
+    with pytest.raises(TwinError):
+        power_of_two_grids(12)
+
+
+def test_ranking_keeps_fitting_grids_only_and_sorts():
+    study = prepare("perlmutter", "gpt-20b", 64, batch=64)
+    cands = rank_grids(study, collectives=FlatBandwidth())
+    assert cands and all(c.memory_bytes <= study.system.gpu.hbm_bytes for c in cands)
+    assert [c.analytical_s for c in cands] == sorted(c.analytical_s for c in cands)
+    assert all(c.grid.tensor_size >= 4 for c in cands)  # 20B does not fit on fewer than 4 A100-40GB
+
+
+def test_analytical_terms_follow_the_ring_volumes():
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    bw = Bandwidth(study, FlatBandwidth())
+    a = analytical(study, Grid(1, 1, 1, 16), bw)
+    assert a.comm_s["x"] == a.comm_s["y"] == a.comm_s["z"] == 0 and a.comm_s["data"] > 0
+    b = analytical(study, Grid(1, 1, 16, 1), bw)
+    assert b.comm_s["data"] == 0 and b.comm_s["z"] > 0
+    # weights are gathered twice and reduce-scattered once: 3 x (p-1)/p x weight bytes per layer
+    m = study.model
+    weight_bytes = 2 * sum(k * n for _, k, n, _ in m.linear_shapes()) * m.layers  # gathered: whole (x=y=1)
+    assert b.comm_s["z"] == pytest.approx(3 * 15 / 16 * weight_bytes / bw(16, 1), rel=1e-6)
+
+
+def test_search_simulates_the_best_and_auto_picks_the_fastest():
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    cands = search(study, top=5, simulate_top=3)
+    assert len(cands) == 5
+    assert all(c.simulated_s is not None for c in cands[:3]) and all(c.simulated_s is None for c in cands[3:])
+    best, how = choose_grid(study, simulate_top=3)
+    assert best.simulated_s == min(c.simulated_s for c in cands[:3])
+    assert how.startswith("auto") and str(best.grid) in how
+
+
+def test_nothing_fits_is_a_twin_error():
+    study = prepare("perlmutter", "gpt-640b", 4)
+    with pytest.raises(TwinError, match="does not fit"):
+        rank_grids(study, collectives=FlatBandwidth())
