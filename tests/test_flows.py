@@ -1,0 +1,54 @@
+"""Max-min fair rates on small hand-checkable networks."""
+
+import numpy as np
+import pytest
+
+from twin.flows import max_min_rates
+
+
+def test_single_bottleneck_is_shared_equally():
+    assert max_min_rates([[0], [0], [0], [0]], [100.0]).tolist() == [25.0] * 4
+
+
+def test_parking_lot():
+    # links 0, 1 of capacity 1; flow A crosses both, B only 0, C only 1: everyone 1/2
+    assert max_min_rates([[0, 1], [0], [1]], [1.0, 1.0]) == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_unused_capacity_goes_to_the_unconstrained_flow():
+    # A and B share link 0 (cap 1); A and C share link 1 (cap 10): A = B = 0.5, C takes the rest 9.5
+    assert max_min_rates([[0, 1], [0], [1]], [1.0, 10.0]) == pytest.approx([0.5, 0.5, 9.5])
+
+
+def test_two_levels_of_bottlenecks():
+    # link 0 (cap 3) carries A, B, C; link 1 (cap 1) carries C and D.
+    # C and D are limited by link 1 to 0.5; A and B share the remaining 2.5 of link 0: 1.25 each
+    r = max_min_rates([[0], [0], [0, 1], [1]], [3.0, 1.0])
+    assert r == pytest.approx([1.25, 1.25, 0.5, 0.5])
+
+
+def test_per_flow_caps_and_empty_paths():
+    # B is capped at 0.2, so A gets 0.8 of link 0 and C the rest of link 1; D has no links: its cap
+    r = max_min_rates([[0, 1], [0], [1], []], [1.0, 10.0], caps=[np.inf, 0.2, np.inf, 5.0])
+    assert r == pytest.approx([0.8, 0.2, 9.2, 5.0])
+    assert np.isinf(max_min_rates([[]], [1.0])[0])
+
+
+def test_result_is_feasible_and_every_flow_has_a_saturated_bottleneck():
+    rng = np.random.default_rng(0)
+    n_links, n_flows = 40, 300
+    cap = rng.uniform(1, 10, n_links)
+    paths = [rng.choice(n_links, size=rng.integers(1, 6), replace=False) for _ in range(n_flows)]
+    r = max_min_rates(paths, cap)
+    load = np.zeros(n_links)
+    for p, x in zip(paths, r):
+        load[p] += x
+    assert (load <= cap * (1 + 1e-9)).all()
+    # max-min optimality: each flow crosses a saturated link on which it is among the fastest
+    for p, x in zip(paths, r):
+        ok = False
+        for link in p:
+            if load[link] >= cap[link] * (1 - 1e-9):
+                others = [y for q, y in zip(paths, r) if link in q]
+                ok |= x >= max(others) * (1 - 1e-9)
+        assert ok

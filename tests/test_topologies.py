@@ -1,0 +1,192 @@
+"""System specs, the dragonfly graph, routing, placement, and the `twin systems` / `twin topology` commands."""
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from topologies.network import GLOBAL, GPU_GPU, LOCAL, NIC_SW, build_network
+from topologies.placement import place
+from topologies.routing import MODES, minimal, route, valiant
+from topologies.system import list_systems, load_system
+from twin.cli import app
+from twin.errors import TwinError
+from twin.grid import Grid
+
+runner = CliRunner()
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    return build_network(load_system("frontier"))
+
+
+def test_every_system_loads_with_its_default_study():
+    assert set(list_systems()) >= {"frontier", "perlmutter", "alps", "h200", "cpu"}
+    expect = {"frontier": ("gpt-320b", 32768), "perlmutter": ("gpt-40b", 4096), "alps": ("gpt-60b", 6144),
+              "h200": ("gpt-1b", 1), "cpu": ("gpt-tiny", 8)}
+    for name, (model, gpus) in expect.items():
+        s = load_system(name)
+        assert (s.default_model, s.default_gpus) == (model, gpus)
+        assert s.gpu.peak_flops > 0 and s.gpu.hbm_bytes > 0 and s.gpu.hbm_bandwidth > 0
+    assert load_system("frontier").gpu.hbm_bytes == 64 * 2**30
+    assert load_system("frontier").total_gpus == 9408 * 8
+
+
+def test_node_internal_bandwidths_match_the_facts():
+    f = load_system("frontier").node_links / GB
+    for p in range(4):  # the two GCDs of a package: 200 GB/s
+        assert f[2 * p, 2 * p + 1] == 200
+    cross = f[np.array([[i // 2 != j // 2 for j in range(8)] for i in range(8)])]
+    assert cross.min() == 50 and cross.max() == 100      # 1 or 2 Infinity Fabric links
+    assert (load_system("perlmutter").node_links / GB)[~np.eye(4, dtype=bool)].tolist() == [100] * 12
+    assert (load_system("alps").node_links / GB)[~np.eye(4, dtype=bool)].tolist() == [150] * 12
+    assert load_system("frontier").gpu_nic == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert load_system("perlmutter").nic_bandwidth == 25 * GB
+
+
+def test_network_link_arrays_agree_with_formulas(frontier):
+    net = frontier
+    assert net.groups == 74 and net.nodes == 9408 and net.n_switches == 74 * 32
+    i = net.gpu_link(8 * 5 + 0, 8 * 5 + 1)
+    assert (net.src[i], net.dst[i], net.kind[i]) == (40, 41, GPU_GPU) and net.capacity[i] == 200 * GB
+    j = net.global_link(3, 70, 2)
+    assert net.kind[j] == GLOBAL and net.src[j] - net.sw0 == net.global_switch(3, 70, 2)
+    assert net.dst[j] - net.sw0 == net.global_switch(70, 3, 2)
+    assert net.link_index(net.src[j], net.dst[j]) == j
+    assert net.link_index(40, 41) == i
+    with pytest.raises(KeyError):
+        net.link_index(40, 40)
+
+
+def test_per_group_switch_and_endpoint_counts(frontier):
+    net = frontier
+    sw = net.dst[net.kind == NIC_SW] - net.sw0
+    per_switch = np.bincount(sw, minlength=net.n_switches)
+    full_groups = per_switch[: 73 * 32]
+    assert full_groups.max() == 16 and full_groups.min() == 16     # 128 nodes x 4 NICs on 32 switches
+    assert np.bincount(sw // 32).tolist()[:73] == [512] * 73 and np.bincount(sw // 32)[73] == 256  # 64 nodes left
+    loc = net.kind == LOCAL
+    grp = (net.src[loc] - net.sw0) // 32
+    assert (grp == (net.dst[loc] - net.sw0) // 32).all()
+    assert np.bincount(grp).tolist() == [32 * 31] * 74                # all-to-all inside a group
+
+
+def test_global_links_between_every_pair_of_groups(frontier):
+    net = frontier
+    g = net.kind == GLOBAL
+    a, b = (net.src[g] - net.sw0) // 32, (net.dst[g] - net.sw0) // 32
+    counts = np.zeros((74, 74), dtype=int)
+    np.add.at(counts, (a, b), 1)
+    off = ~np.eye(74, dtype=bool)
+    assert (counts[off] == 4).all() and (counts.diagonal() == 0).all()
+    ports = np.bincount(net.src[g] - net.sw0, minlength=net.n_switches)
+    assert ports.max() <= 16                                           # global ports per switch
+
+
+def test_minimal_paths_have_at_most_three_switch_hops(frontier):
+    net = frontier
+    rng = np.random.default_rng(1)
+    s, d = rng.integers(0, net.n_switches, 5000), rng.integers(0, net.n_switches, 5000)
+    m = minimal(net, s, d)
+    hops = (m >= 0).sum(1)
+    assert hops.max() == 3 and (hops[s == d] == 0).all()
+    assert (net.kind[m[m >= 0]] >= LOCAL).all()
+    for row, a, b in zip(m[:200], s[:200], d[:200]):   # consecutive links form a path from a to b
+        links = row[row >= 0]
+        if len(links):
+            assert net.src[links[0]] == net.sw0 + a and net.dst[links[-1]] == net.sw0 + b
+            assert (net.dst[links[:-1]] == net.src[links[1:]]).all()
+    v = valiant(net, s, d, seed=3)
+    assert ((v >= 0).sum(1) <= 5).all()
+    for row, a, b in zip(v[:200], s[:200], d[:200]):
+        links = row[row >= 0]
+        if len(links):
+            assert net.src[links[0]] == net.sw0 + a and net.dst[links[-1]] == net.sw0 + b
+            assert (net.dst[links[:-1]] == net.src[links[1:]]).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_routes_are_connected_paths(frontier, mode):
+    net = frontier
+    rng = np.random.default_rng(2)
+    src, dst = rng.integers(0, net.n_gpus, 3000), rng.integers(0, net.n_gpus, 3000)
+    r = route(net, src, dst, mode=mode)
+    for f in range(0, 3000, 97):
+        p = r.path(f)
+        if src[f] == dst[f]:
+            assert len(p) == 0
+            continue
+        assert net.src[p[0]] == src[f] and net.dst[p[-1]] == dst[f]
+        assert (net.dst[p[:-1]] == net.src[p[1:]]).all()
+    same_node = (src // 8) == (dst // 8)
+    assert (np.diff(r.ptr)[same_node & (src != dst)] == 1).all()
+
+
+def test_partial_network_builds_only_the_groups_a_job_touches():
+    s = load_system("frontier")
+    net = build_network(s, nodes=300)
+    assert net.groups == 3 and net.nodes == 384
+    assert build_network(s, nodes=1).groups == 1
+    assert build_network(load_system("h200")).n_links == 0
+
+
+def test_placement_fills_nodes_and_keeps_x_groups_inside_a_node():
+    s = load_system("frontier")
+    g = Grid(8, 8, 4, 128)
+    p = place(s, g.size)
+    assert len(p.nodes) == 4096 and (p.local == np.arange(g.size) % 8).all()
+    for grp in g.groups("x")[:50] + g.groups("x")[-50:]:
+        assert len(set(p.node[grp].tolist())) == 1
+    perl = place(load_system("perlmutter"), 64)
+    assert all(len(set(perl.node[grp].tolist())) == 1 for grp in Grid(4, 2, 2, 4).groups("x"))
+    sc = place(s, g.size, "scattered", seed=5)
+    assert len(set(sc.nodes.tolist())) == 4096 and len(sc.groups_used()) > 32
+    assert (sc.nodes == place(s, g.size, "scattered", seed=5).nodes).all()
+    for grp in g.groups("x")[:50]:
+        assert len(set(sc.node[grp].tolist())) == 1
+
+
+def test_a_job_larger_than_the_machine_is_refused():
+    with pytest.raises(TwinError, match="needs 9409 nodes"):
+        place(load_system("frontier"), 9408 * 8 + 1)
+    with pytest.raises(TwinError, match="unknown placement"):
+        place(load_system("frontier"), 8, "random")
+
+
+def _one_line_error(result, text):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and text in lines[0], result.output
+
+
+def test_cli_systems_and_topology(tmp_path):
+    r = runner.invoke(app, ["systems"])
+    assert r.exit_code == 0 and "frontier" in r.output and "perlmutter" in r.output and "gpt-320b" in r.output
+    out = tmp_path / "f.html"
+    r = runner.invoke(app, ["topology", "--system", "perlmutter", "--html", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "14 groups" in r.output and out.exists() and "plotly" in out.read_text()[:20000].lower()
+
+
+def test_cli_unknown_system_and_too_large_a_job():
+    _one_line_error(runner.invoke(app, ["topology", "--system", "summit"]), "unknown system 'summit'")
+    _one_line_error(runner.invoke(app, ["topology", "--system", "frontier", "--gpus", "100000"]),
+                    "needs 12500 nodes")
+
+
+@pytest.mark.parametrize("edit,text", [
+    (lambda t: t + "\n[[[", "malformed system file"),
+    (lambda t: t.replace("[network]", "[netw]"), "need a [network] table"),
+    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwidth = \"fast\""), "nic_bandwidth must be a float"),
+    (lambda t: t.replace("[  0, 100, 100, 100],", "[  0, 100, 100],"), "links_gbs must be a 4x4 matrix"),
+    (lambda t: t.replace("groups = 14 ", "groups = 2 "), "hold fewer than"),
+])
+def test_cli_malformed_system_file(tmp_path, edit, text):
+    src = load_system("perlmutter").path
+    bad = tmp_path / "bad.toml"
+    bad.write_text(edit(open(src).read()))
+    with pytest.raises(TwinError, match=text.replace("[", r"\[")):
+        load_system(str(bad))
+    _one_line_error(runner.invoke(app, ["topology", "--system", str(bad)]), text)

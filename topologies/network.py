@@ -1,0 +1,230 @@
+"""The machine as a graph of directed links: GPUs, NICs and Slingshot switches.
+
+Vertices are integers: GPUs first (id = node * gpus_per_node + local GPU), then NICs
+(node * nics_per_node + nic), then switches (group * switches_per_group + switch). Links are directed
+(a cable is two links, one per direction) and numbered in blocks, so that the index of any link
+follows from a formula (vectorized in numpy; see the `*_link` methods):
+
+    node fabric   GPU i -> GPU j of the same node (full mesh, bandwidth from the system file)
+    GPU <-> NIC   each GPU's attachment to the NIC it uses
+    NIC <-> switch
+    local         switch -> switch of the same group (all-to-all)
+    global        between two groups, `global_links_per_pair` cables for every pair of groups
+
+`capacity[link]` is in bytes/s (per direction), `latency[link]` in seconds. The networkx view
+(`Network.graph`) is built on first use from the arrays: the routing and flow code never needs it.
+
+Endpoint layout (assumed; the facts do not say it): NIC k of the i-th node of a group sits on
+endpoint port k * nodes_per_group + i of the group, ports filling switch 0, 1, ... in order. So a
+node's NICs are on different switches and NIC k of consecutive nodes shares a switch. The t-th
+global port of a group (t = peer * links_per_pair + j, peers in group order) sits on switch
+t mod switches_per_group.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import networkx as nx
+import numpy as np
+
+from topologies.system import SystemSpec
+
+GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL = range(7)
+LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global")
+
+
+class Network:
+    """Directed links of `groups` dragonfly groups (all nodes in them) of a system.
+
+    Arrays indexed by link: src, dst (vertex ids), kind (see LINK_KINDS), capacity (bytes/s),
+    latency (s).
+    """
+
+    def __init__(self, system: SystemSpec, groups: int):
+        self.system = s = system
+        self.groups = groups
+        df = s.dragonfly
+        self.nodes = min(groups * s.nodes_per_group, s.nodes)
+        self.gpn, self.nics_per_node = s.gpus_per_node, s.nics_per_node
+        self.n_gpus = self.nodes * self.gpn
+        self.n_nics = self.nodes * self.nics_per_node if df else 0
+        self.S = df.switches_per_group if df else 0
+        self.E = df.endpoints_per_switch if df else 0
+        self.L = df.global_links_per_pair if df else 0
+        self.n_switches = groups * self.S
+        self.nic0 = self.n_gpus                  # first NIC vertex
+        self.sw0 = self.n_gpus + self.n_nics     # first switch vertex
+        self.n_vertices = self.sw0 + self.n_switches
+        self.gpu_nic = np.asarray(s.gpu_nic, dtype=np.int64)
+        g = self.gpn
+        # block bases
+        self.b_gpu = 0
+        self.b_gn = self.nodes * g * (g - 1)
+        self.b_ns = self.b_gn + (2 * self.n_gpus if df else 0)
+        self.b_loc = self.b_ns + 2 * self.n_nics
+        self.b_glob = self.b_loc + groups * self.S * (self.S - 1)
+        self.n_pairs = groups * (groups - 1) // 2
+        self.n_links = self.b_glob + 2 * self.n_pairs * self.L
+        self._build_arrays()
+
+    # -- link index formulas (vectorized) ---------------------------------------------------------
+    def gpu_link(self, a, b):
+        """Link GPU a -> GPU b (machine-wide GPU ids on the same node)."""
+        a, b = np.asarray(a), np.asarray(b)
+        la, lb, node = a % self.gpn, b % self.gpn, a // self.gpn
+        return self.b_gpu + (node * self.gpn + la) * (self.gpn - 1) + lb - (lb > la)
+
+    def gpu_to_nic_link(self, gpu):
+        return self.b_gn + 2 * np.asarray(gpu)
+
+    def nic_to_gpu_link(self, gpu):
+        return self.b_gn + 2 * np.asarray(gpu) + 1
+
+    def nic_of_gpu(self, gpu):
+        """NIC index (0-based, not a vertex id) that a GPU uses."""
+        gpu = np.asarray(gpu)
+        return (gpu // self.gpn) * self.nics_per_node + self.gpu_nic[gpu % self.gpn]
+
+    def nic_to_switch_link(self, nic):
+        return self.b_ns + 2 * np.asarray(nic)
+
+    def switch_to_nic_link(self, nic):
+        return self.b_ns + 2 * np.asarray(nic) + 1
+
+    def switch_of_nic(self, nic):
+        """Switch index (0-based) a NIC is cabled to."""
+        nic = np.asarray(nic)
+        node, k = nic // self.nics_per_node, nic % self.nics_per_node
+        npg = self.system.nodes_per_group
+        grp, i = node // npg, node % npg
+        return grp * self.S + (k * npg + i) // self.E
+
+    def local_link(self, a, b):
+        """Link switch a -> switch b (switch indices of the same group, a != b)."""
+        a, b = np.asarray(a), np.asarray(b)
+        la, lb = a % self.S, b % self.S
+        return self.b_loc + a * (self.S - 1) + lb - (lb > la)
+
+    def global_link(self, g1, g2, j):
+        """j-th global link from group g1 to group g2 (g1 != g2)."""
+        g1, g2, j = np.asarray(g1), np.asarray(g2), np.asarray(j)
+        lo, hi = np.minimum(g1, g2), np.maximum(g1, g2)
+        pair = lo * self.groups - lo * (lo + 1) // 2 + (hi - lo - 1)
+        return self.b_glob + 2 * (pair * self.L + j) + (g1 > g2)
+
+    def global_switch(self, g, h, j):
+        """Switch index in group g that carries g's j-th global link to group h."""
+        g, h, j = np.asarray(g), np.asarray(h), np.asarray(j)
+        return g * self.S + ((h - (h > g)) * self.L + j) % self.S
+
+    # -- arrays ---------------------------------------------------------------------------------
+    def _build_arrays(self) -> None:
+        s, df, g = self.system, self.system.dragonfly, self.gpn
+        n = self.n_links
+        self.src = np.empty(n, dtype=np.int64)
+        self.dst = np.empty(n, dtype=np.int64)
+        self.kind = np.empty(n, dtype=np.int8)
+        self.capacity = np.empty(n)
+        self.latency = np.empty(n)
+
+        def put(base, src, dst, kind, cap, lat):
+            k = len(src)
+            sl = slice(base, base + k)
+            self.src[sl], self.dst[sl], self.kind[sl] = src, dst, kind
+            self.capacity[sl], self.latency[sl] = cap, lat
+
+        # node fabric: for each node, every ordered pair (la, lb), la != lb, in formula order
+        la, lb = np.nonzero(~np.eye(g, dtype=bool))
+        node = np.repeat(np.arange(self.nodes, dtype=np.int64), len(la))
+        a, b = node * g + np.tile(la, self.nodes), node * g + np.tile(lb, self.nodes)
+        put(self.b_gpu, a, b, GPU_GPU, np.tile(s.node_links[la, lb], self.nodes), s.link_latency)
+        if df is None:
+            return
+        gpu = np.arange(self.n_gpus, dtype=np.int64)
+        nic_v = self.nic0 + self.nic_of_gpu(gpu)
+        put(self.b_gn, np.stack([gpu, nic_v], 1).ravel(), np.stack([nic_v, gpu], 1).ravel(),
+            np.tile([GPU_NIC, NIC_GPU], self.n_gpus), s.gpu_nic_bandwidth, s.link_latency)
+        nic = np.arange(self.n_nics, dtype=np.int64)
+        sw_v = self.sw0 + self.switch_of_nic(nic)
+        put(self.b_ns, np.stack([self.nic0 + nic, sw_v], 1).ravel(), np.stack([sw_v, self.nic0 + nic], 1).ravel(),
+            np.tile([NIC_SW, SW_NIC], self.n_nics), min(s.nic_bandwidth, df.link_bandwidth),
+            np.tile([df.nic_latency, df.switch_latency + df.nic_latency], self.n_nics))
+        # local: for each switch a, every other switch b of its group, in formula order
+        S = self.S
+        la, lb = np.nonzero(~np.eye(S, dtype=bool))
+        grp = np.repeat(np.arange(self.groups, dtype=np.int64), len(la))
+        a, b = grp * S + np.tile(la, self.groups), grp * S + np.tile(lb, self.groups)
+        put(self.b_loc, self.sw0 + a, self.sw0 + b, LOCAL, df.link_bandwidth,
+            df.switch_latency + df.local_cable_latency)
+        if self.n_pairs == 0 or self.L == 0:
+            return
+        lo, hi = np.triu_indices(self.groups, 1)   # pair order matches global_link's formula
+        lo, hi = np.repeat(lo, self.L), np.repeat(hi, self.L)
+        j = np.tile(np.arange(self.L), self.n_pairs)
+        s_lo, s_hi = self.sw0 + self.global_switch(lo, hi, j), self.sw0 + self.global_switch(hi, lo, j)
+        put(self.b_glob, np.stack([s_lo, s_hi], 1).ravel(), np.stack([s_hi, s_lo], 1).ravel(), GLOBAL,
+            df.link_bandwidth, df.switch_latency + df.global_cable_latency)
+
+    # -- lookup and views -------------------------------------------------------------------------
+    @cached_property
+    def _keys(self) -> tuple[np.ndarray, np.ndarray]:
+        key = self.src * self.n_vertices + self.dst
+        order = np.argsort(key, kind="stable")
+        return key[order], order
+
+    def link_index(self, u, v):
+        """Index of the link u -> v (vertex ids; arrays allowed). Raises KeyError if there is none.
+        With several parallel links (global cables of one switch pair) the first is returned."""
+        keys, order = self._keys
+        k = np.asarray(u, dtype=np.int64) * self.n_vertices + np.asarray(v, dtype=np.int64)
+        pos = np.searchsorted(keys, k)
+        ok = (pos < len(keys)) & (keys[np.minimum(pos, len(keys) - 1)] == k)
+        if not np.all(ok):
+            raise KeyError(f"no link {u} -> {v}")
+        return order[pos]
+
+    def vertex_kind(self, v: int) -> str:
+        return "gpu" if v < self.nic0 else "nic" if v < self.sw0 else "switch"
+
+    def vertex_name(self, v: int) -> str:
+        """gpu<node>.<local>, nic<node>.<k>, sw<group>.<switch>."""
+        if v < self.nic0:
+            return f"gpu{v // self.gpn}.{v % self.gpn}"
+        if v < self.sw0:
+            n = v - self.nic0
+            return f"nic{n // self.nics_per_node}.{n % self.nics_per_node}"
+        w = v - self.sw0
+        return f"sw{w // self.S}.{w % self.S}"
+
+    def group_of_switch(self, sw):
+        return np.asarray(sw) // self.S
+
+    @cached_property
+    def graph(self) -> nx.MultiDiGraph:
+        """networkx view: vertices carry `kind`; edges carry `link` (index), `capacity` (bytes/s),
+        `latency` (s) and `kind`. A MultiDiGraph because two groups' cables may share a switch pair."""
+        G = nx.MultiDiGraph(system=self.system.name)
+        G.add_nodes_from(range(self.nic0), kind="gpu")
+        G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
+        G.add_nodes_from(range(self.sw0, self.n_vertices), kind="switch")
+        cap, lat, kind = self.capacity.tolist(), self.latency.tolist(), self.kind.tolist()
+        G.add_edges_from((u, v, {"link": i, "capacity": cap[i], "latency": lat[i], "kind": LINK_KINDS[kind[i]]})
+                         for i, (u, v) in enumerate(zip(self.src.tolist(), self.dst.tolist())))
+        return G
+
+    def summary(self) -> dict:
+        counts = np.bincount(self.kind, minlength=len(LINK_KINDS))
+        return {"groups": self.groups, "nodes": self.nodes, "gpus": self.n_gpus, "nics": self.n_nics,
+                "switches": self.n_switches, "links": self.n_links,
+                "links_by_kind": {k: int(c) for k, c in zip(LINK_KINDS, counts)}}
+
+
+def build_network(system: SystemSpec, nodes: int | None = None) -> Network:
+    """The network of the dragonfly groups a job of `nodes` nodes (the first ones, as contiguous
+    placement takes them) touches; `nodes=None` builds the whole machine."""
+    if nodes is None or system.dragonfly is None:
+        groups = system.groups
+    else:
+        groups = min(system.groups, max(1, -(-int(nodes) // system.nodes_per_group)))
+    return Network(system, groups)

@@ -1,0 +1,66 @@
+"""Rank placement: which GPU of which node each rank runs on.
+
+As `srun` does, ranks fill a node (local GPU 0, 1, ...) before the next node, so with a 4D grid the
+x-groups (consecutive ranks) sit inside a node whenever G_x divides the GPUs per node. The nodes
+come from contiguous groups by default (`placement="contiguous"`: nodes 0, 1, 2, ... of the machine),
+or are drawn at random from the whole machine (`placement="scattered"`, seeded by `seed`), as a busy
+batch system hands them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from topologies.system import SystemSpec
+from twin.errors import TwinError
+
+PLACEMENTS = ("contiguous", "scattered")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """ranks -> GPUs. Arrays are indexed by rank; `gpu` is the machine-wide GPU id
+    (node * gpus_per_node + local)."""
+
+    system: SystemSpec
+    kind: str
+    nodes: np.ndarray   # the job's nodes in rank order (node indices of the machine)
+    node: np.ndarray    # node of each rank
+    local: np.ndarray   # GPU index inside its node of each rank
+    gpu: np.ndarray     # machine-wide GPU id of each rank
+
+    @property
+    def ranks(self) -> int:
+        return len(self.gpu)
+
+    @property
+    def group(self) -> np.ndarray:
+        """Dragonfly group of each rank."""
+        return self.system.group_of_node(self.node)
+
+    def groups_used(self) -> np.ndarray:
+        return np.unique(self.system.group_of_node(self.nodes))
+
+
+def place(system: SystemSpec, ranks: int, placement: str = "contiguous", seed: int = 0) -> Placement:
+    """Place `ranks` ranks (GPUs) on `system`. Raises TwinError if the job does not fit the machine."""
+    if placement not in PLACEMENTS:
+        raise TwinError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    if not isinstance(ranks, (int, np.integer)) or ranks < 1:
+        raise TwinError(f"a job needs at least one GPU, got {ranks!r}")
+    gpn = system.gpus_per_node
+    need = -(-ranks // gpn)
+    if need > system.nodes:
+        raise TwinError(f"a job of {ranks} GPUs needs {need} nodes but {system.name} has {system.nodes} nodes "
+                        f"({system.total_gpus} GPUs): use at most {system.total_gpus} GPUs")
+    if placement == "contiguous":
+        nodes = np.arange(need, dtype=np.int64)
+    else:
+        rng = np.random.default_rng(seed)
+        nodes = np.sort(rng.choice(system.nodes, size=need, replace=False)).astype(np.int64)
+    r = np.arange(ranks, dtype=np.int64)
+    node = nodes[r // gpn]
+    local = r % gpn
+    return Placement(system, placement, nodes, node, local, node * gpn + local)

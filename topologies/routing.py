@@ -1,0 +1,185 @@
+"""Routing on a Network: minimal, non-minimal (Valiant) and adaptive (UGAL-like) paths.
+
+All functions are vectorized over flows: they take arrays of endpoints and return `Routes`, a CSR
+layout of link indices (the links of flow f are `links[ptr[f]:ptr[f+1]]`, in path order).
+
+Between switches:
+- minimal: local hop to the switch holding a global link to the destination group, the global link,
+  local hop to the destination switch: at most 3 switch-to-switch hops. Among the
+  `global_links_per_pair` cables of a group pair, a flow takes cable (src switch + dst switch) mod L,
+  like a hash on the addresses.
+- non-minimal (Valiant): a global link to an intermediate group (drawn per flow from `seed`), then a
+  minimal path from where it lands: at most 5 hops. Inside one group, via a random third switch.
+- adaptive: every flow picks, among its L minimal paths and one Valiant path, the one with the lowest
+  (hops x load of its most loaded switch link), the load being flows per byte/s of capacity already
+  placed; flows are placed in a few batches so that later ones see earlier ones (UGAL with global
+  knowledge of queue depths, a simplification of Slingshot's per-packet choice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from topologies.network import Network
+
+MODES = ("minimal", "nonminimal", "adaptive")
+_HOPS = 5  # switch-to-switch columns in a path matrix
+
+
+@dataclass
+class Routes:
+    """Paths of flows in CSR form: links of flow f are links[ptr[f]:ptr[f+1]] (link indices)."""
+
+    ptr: np.ndarray
+    links: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def path(self, f: int) -> np.ndarray:
+        return self.links[self.ptr[f]:self.ptr[f + 1]]
+
+    def flow_of_entry(self) -> np.ndarray:
+        """Flow index of each entry of `links`."""
+        return np.repeat(np.arange(len(self)), np.diff(self.ptr))
+
+    @staticmethod
+    def from_matrix(m: np.ndarray) -> "Routes":
+        """From a (flows, columns) matrix of link indices padded with -1."""
+        mask = m >= 0
+        ptr = np.zeros(len(m) + 1, dtype=np.int64)
+        np.cumsum(mask.sum(1), out=ptr[1:])
+        return Routes(ptr, m[mask])
+
+    @staticmethod
+    def concat(parts: list["Routes"]) -> "Routes":
+        ptrs, off = [np.zeros(1, dtype=np.int64)], 0
+        for r in parts:
+            ptrs.append(r.ptr[1:] + off)
+            off += len(r.links)
+        return Routes(np.concatenate(ptrs), np.concatenate([r.links for r in parts] or [np.zeros(0, np.int64)]))
+
+
+def minimal(net: Network, s, d, j=None) -> np.ndarray:
+    """(flows, 3) switch-to-switch link matrix (-1 = no hop) of minimal paths from switch s to switch d
+    (switch indices, not vertex ids), using global cable j (default: the address hash)."""
+    s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    out = np.full((len(s), 3), -1, dtype=np.int64)
+    gs, gd = s // net.S, d // net.S
+    same = gs == gd
+    i = same & (s != d)
+    out[i, 1] = net.local_link(s[i], d[i])
+    x = ~same
+    if x.any():
+        s, d, gs, gd = s[x], d[x], gs[x], gd[x]
+        jj = (s + d) % net.L if j is None else np.asarray(j, dtype=np.int64)[x] if np.ndim(j) else np.full(len(s), j)
+        a, b = net.global_switch(gs, gd, jj), net.global_switch(gd, gs, jj)
+        first = np.where(a != s, net.local_link(s, a), -1)
+        last = np.where(b != d, net.local_link(b, d), -1)
+        out[x] = np.stack([first, net.global_link(gs, gd, jj), last], 1)
+    return out
+
+
+def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
+    """(flows, 5) switch-to-switch link matrix of Valiant paths via a random intermediate group
+    (or, inside one group or with two groups only, via a random intermediate switch)."""
+    s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    n, G, S = len(s), net.groups, net.S
+    out = np.full((n, _HOPS), -1, dtype=np.int64)
+    gs, gd = s // S, d // S
+    via_group = (gs != gd) & (G > 2)
+    if via_group.any():
+        ss, dd, g1, g2 = s[via_group], d[via_group], gs[via_group], gd[via_group]
+        # an intermediate group distinct from both ends: draw from G-2 and skip the two ends
+        lo, hi = np.minimum(g1, g2), np.maximum(g1, g2)
+        gi = rng.integers(0, G - 2, len(ss))
+        gi = gi + (gi >= lo)
+        gi = gi + (gi >= hi)
+        j = rng.integers(0, net.L, len(ss))
+        land = net.global_switch(gi, g1, j)
+        out[via_group, :2] = minimal(net, ss, land, j)[:, :2]
+        out[via_group, 2:] = minimal(net, land, dd)
+    inside = (gs == gd) & (s != d)
+    if inside.any():  # same group: via a random third switch of the group
+        ss, dd = s[inside], d[inside]
+        mid = gs[inside] * S + rng.integers(0, S, len(ss))
+        detour = (mid != ss) & (mid != dd)
+        out[inside, 0] = np.where(detour, net.local_link(ss, np.where(detour, mid, dd)), net.local_link(ss, dd))
+        out[inside, 1] = np.where(detour, net.local_link(np.where(detour, mid, ss), dd), -1)
+    two = (gs != gd) & ~via_group  # two groups only: no intermediate group, stay minimal
+    if two.any():
+        out[two, :3] = minimal(net, s[two], d[two])
+    return out
+
+
+def adaptive(net: Network, s, d, seed: int = 0, batches: int = 32, detours: int = 4, refine: int = 0, hop_weight: float = 0.1,
+             load: np.ndarray | None = None) -> np.ndarray:
+    """(flows, 5) switch link matrix chosen UGAL-like among the L minimal paths and `detours` Valiant
+    paths. Cost of a path: (1 + hop_weight x hops) x the load of its most loaded link with this flow
+    added (a long path costs a little more than a short one equally loaded; plain UGAL's hops x load
+    would keep two flows on one link rather than detour one of them). `load` (flows per byte/s, per
+    link) is the background load; it is updated in place if given."""
+    s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    n = len(s)
+    cands = [np.pad(minimal(net, s, d, j), ((0, 0), (0, _HOPS - 3)), constant_values=-1) for j in range(max(net.L, 1))]
+    cands += [valiant(net, s, d, seed + 7919 * k) for k in range(detours)]
+    cand = np.stack(cands, 1)                      # (flows, candidates, hops)
+    load_ext = np.zeros(net.n_links + 1) if load is None else np.append(load, 0.0)
+    w = np.append(1.0 / net.capacity, 0.0)
+    out = np.empty((n, _HOPS), dtype=np.int64)
+    order = np.random.default_rng(seed + 1).permutation(n)
+    for sweep in range(1 + refine):   # first sweep places flows; later ones move them if that helps
+        for part in np.array_split(order, batches):
+            if sweep:
+                old = out[part][out[part] >= 0]
+                load_ext -= np.bincount(old, weights=w[old], minlength=len(load_ext))
+            c = cand[part]
+            cost = (1 + hop_weight * (c >= 0).sum(-1)) * (load_ext[c] + w[c]).max(-1)  # as if this flow were added
+            choice = c[np.arange(len(part)), cost.argmin(1)]
+            out[part] = choice
+            used = choice[choice >= 0]
+            load_ext += np.bincount(used, weights=w[used], minlength=len(load_ext))
+    if load is not None:
+        load[:] = load_ext[:-1]
+    return out
+
+
+def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str = "minimal",
+          seed: int = 0) -> Routes:
+    """Routes of flows from GPU src to GPU dst (machine-wide GPU ids).
+
+    Inside a node a flow takes the direct GPU-GPU link. Across nodes it leaves through the NIC of
+    GPU src_nic_gpu (default: src itself; another GPU of src's node models a library channel that
+    uses that GPU's NIC, reached over the node fabric) and enters through the NIC of dst_nic_gpu.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown routing mode {mode!r}: choose one of {', '.join(MODES)}")
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    sv = src if src_nic_gpu is None else np.asarray(src_nic_gpu, dtype=np.int64)
+    dv = dst if dst_nic_gpu is None else np.asarray(dst_nic_gpu, dtype=np.int64)
+    n = len(src)
+    m = np.full((n, 6 + _HOPS), -1, dtype=np.int64)
+    g = net.gpn
+    intra = (src // g) == (dst // g)
+    i = intra & (src != dst)
+    m[i, 0] = net.gpu_link(src[i], dst[i])
+    x = ~intra
+    if x.any():
+        s, t, a, b = src[x], dst[x], sv[x], dv[x]
+        rows = np.flatnonzero(x)
+        m[rows, 0] = np.where(a != s, net.gpu_link(s, a), -1)
+        nic_a, nic_b = net.nic_of_gpu(a), net.nic_of_gpu(b)
+        m[rows, 1] = net.gpu_to_nic_link(a)
+        m[rows, 2] = net.nic_to_switch_link(nic_a)
+        sa, sb = net.switch_of_nic(nic_a), net.switch_of_nic(nic_b)
+        if mode == "minimal":
+            m[rows, 3:6] = minimal(net, sa, sb)
+        else:
+            m[rows, 3:3 + _HOPS] = (valiant if mode == "nonminimal" else adaptive)(net, sa, sb, seed)
+        m[rows, 3 + _HOPS] = net.switch_to_nic_link(nic_b)
+        m[rows, 4 + _HOPS] = net.nic_to_gpu_link(b)
+        m[rows, 5 + _HOPS] = np.where(b != t, net.gpu_link(b, t), -1)
+    return Routes.from_matrix(m)

@@ -1,0 +1,212 @@
+"""System specs: what a machine is, loaded from the TOML data files in topologies/systems/.
+
+Units everywhere: flop/s for compute rates, bytes for sizes, bytes/s per direction for link and NIC
+rates, seconds for latencies. In the files, `hbm_gib` is in GiB (2^30 bytes) and the node link matrix
+`links_gbs` in GB/s (1e9 bytes/s); the loader converts both.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from twin.errors import TwinError
+
+SYSTEMS_DIR = Path(__file__).parent / "systems"
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator (or, for the CPU host, one rank's share of the CPU)."""
+
+    name: str
+    peak_flops: float       # dense bf16, flop/s
+    hbm_bytes: int          # device memory, bytes
+    hbm_bandwidth: float    # device memory bandwidth, bytes/s
+    gemm_flops: float = 0.0  # what large bf16 GEMMs reach in practice, flop/s (informational; 0 if unknown)
+
+
+@dataclass(frozen=True)
+class DragonflySpec:
+    """A Slingshot dragonfly: groups of switches joined all-to-all inside a group, global links between groups."""
+
+    groups: int
+    switches_per_group: int
+    endpoints_per_switch: int   # NIC ports per switch
+    nodes_per_group: int
+    global_links_per_pair: int  # links between every pair of groups
+    link_bandwidth: float       # bytes/s per direction of a switch port (local and global links, NIC-switch)
+    switch_latency: float       # s per switch traversal
+    nic_latency: float          # s per NIC injection or ejection
+    local_cable_latency: float  # s, switch-switch inside a group
+    global_cable_latency: float  # s, between groups
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """How the collective library behaves on this system."""
+
+    library: str
+    ring_only: tuple[str, ...]           # collective kinds the library runs only as rings
+    intra_node_efficiency: float         # fraction of a GPU-GPU link a ring step reaches (0..1]
+    inter_node_channel_efficiency: float  # fraction of the NIC rate one ring channel reaches across nodes (0..1]
+    step_latency: float                  # software latency per algorithm step, s
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """A whole machine. `node_links[i, j]` is the GPU i -> GPU j bandwidth inside a node, bytes/s
+    (0 on the diagonal); `gpu_nic[i]` is the NIC that local GPU i uses."""
+
+    name: str
+    description: str
+    gpu: GPUSpec
+    gpus_per_node: int
+    nodes: int
+    nics_per_node: int
+    nic_bandwidth: float        # bytes/s per direction per NIC
+    gpu_nic_bandwidth: float    # bytes/s per direction of a GPU's attachment to its NIC
+    link_latency: float         # s per GPU-GPU or GPU-NIC hop
+    node_links: np.ndarray      # (gpus_per_node, gpus_per_node) bytes/s
+    gpu_nic: tuple[int, ...]
+    dragonfly: DragonflySpec | None
+    collectives: CollectiveSpec
+    default_model: str
+    default_gpus: int
+    sources: tuple[str, ...] = field(default=())
+    path: str = ""
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def groups(self) -> int:
+        return self.dragonfly.groups if self.dragonfly else 1
+
+    @property
+    def nodes_per_group(self) -> int:
+        return self.dragonfly.nodes_per_group if self.dragonfly else self.nodes
+
+    def group_of_node(self, node):
+        """Dragonfly group of a node index (works on numpy arrays)."""
+        return node // self.nodes_per_group
+
+
+def list_systems() -> list[str]:
+    """Names of the systems that ship with the twin."""
+    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
+
+
+def _get(table: dict, key: str, where: str, kind=float):
+    if key not in table:
+        raise TwinError(f"system file {where}: missing key {key!r}")
+    v = table[key]
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise TwinError(f"system file {where}: {key} must be a {kind.__name__}, got {v!r}")
+    if kind in (int, float) and v < 0:
+        raise TwinError(f"system file {where}: {key} must be >= 0, got {v!r}")
+    return v
+
+
+def _table(data: dict, key: str, path: Path) -> dict:
+    t = data.get(key)
+    if not isinstance(t, dict):
+        raise TwinError(f"system file {path}: missing table [{key}]")
+    return t
+
+
+def load_system(name_or_path: str) -> SystemSpec:
+    """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
+    path = Path(str(name_or_path))
+    if not (path.suffix == ".toml" and path.exists()):
+        path = SYSTEMS_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            raise TwinError(f"unknown system {name_or_path!r}: choose one of {', '.join(list_systems())} "
+                            "or give the path of a system .toml file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TwinError(f"malformed system file {path}: {e}") from None
+    return _parse(data, path)
+
+
+def _parse(data: dict, path: Path) -> SystemSpec:
+    g, n, c, d = (_table(data, k, path) for k in ("gpu", "node", "collectives", "default"))
+    w = f"{path} [gpu]"
+    gpu = GPUSpec(name=_get(g, "name", w, str), peak_flops=_get(g, "peak_flops", w),
+                  hbm_bytes=int(_get(g, "hbm_gib", w) * GIB), hbm_bandwidth=_get(g, "hbm_bandwidth", w),
+                  gemm_flops=float(g.get("gemm_flops", 0.0)))
+    if gpu.peak_flops <= 0 or gpu.hbm_bytes <= 0 or gpu.hbm_bandwidth <= 0:
+        raise TwinError(f"system file {w}: peak_flops, hbm_gib and hbm_bandwidth must be positive")
+    w = f"{path} [node]"
+    gpn, nodes, nics = _get(n, "gpus_per_node", w, int), _get(n, "nodes", w, int), _get(n, "nics_per_node", w, int)
+    if gpn < 1 or nodes < 1:
+        raise TwinError(f"system file {w}: gpus_per_node and nodes must be at least 1")
+    links = n.get("links_gbs")
+    try:
+        mat = np.array(links, dtype=float) * 1e9
+    except (TypeError, ValueError):
+        mat = None
+    if mat is None or mat.shape != (gpn, gpn):
+        raise TwinError(f"system file {w}: links_gbs must be a {gpn}x{gpn} matrix of GB/s (one row per GPU)")
+    off = ~np.eye(gpn, dtype=bool)
+    if (mat[off] <= 0).any() or (mat != mat.T).any():
+        raise TwinError(f"system file {w}: links_gbs must be symmetric with a positive bandwidth for every "
+                        "pair of GPUs (full mesh; give a slow pair its routed bandwidth)")
+    gpu_nic = n.get("gpu_nic", [])
+    if nics and (len(gpu_nic) != gpn or any(not isinstance(x, int) or not 0 <= x < nics for x in gpu_nic)):
+        raise TwinError(f"system file {w}: gpu_nic must list, for each of the {gpn} GPUs, a NIC in 0..{nics - 1}")
+    dragonfly = None
+    if "network" in data:
+        dragonfly = _dragonfly(data["network"], f"{path} [network]", nodes, nics)
+    elif nodes > 1:
+        raise TwinError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly)")
+    w = f"{path} [collectives]"
+    ring_only = c.get("ring_only", [])
+    coll = CollectiveSpec(library=_get(c, "library", w, str), ring_only=tuple(ring_only),
+                          intra_node_efficiency=_get(c, "intra_node_efficiency", w),
+                          inter_node_channel_efficiency=_get(c, "inter_node_channel_efficiency", w),
+                          step_latency=_get(c, "step_latency", w))
+    for k in ("intra_node_efficiency", "inter_node_channel_efficiency"):
+        if not 0 < getattr(coll, k) <= 1:
+            raise TwinError(f"system file {w}: {k} must be in (0, 1], got {getattr(coll, k)}")
+    w = f"{path} [default]"
+    spec = SystemSpec(
+        name=str(data.get("name", path.stem)), description=str(data.get("description", "")), gpu=gpu,
+        gpus_per_node=gpn, nodes=nodes, nics_per_node=nics,
+        nic_bandwidth=_get(n, "nic_bandwidth", f"{path} [node]"),
+        gpu_nic_bandwidth=_get(n, "gpu_nic_bandwidth", f"{path} [node]"),
+        link_latency=_get(n, "link_latency", f"{path} [node]"), node_links=mat, gpu_nic=tuple(gpu_nic),
+        dragonfly=dragonfly, collectives=coll, default_model=_get(d, "model", w, str),
+        default_gpus=_get(d, "gpus", w, int), sources=tuple(data.get("sources", ())), path=str(path))
+    if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
+        raise TwinError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
+    if not 1 <= spec.default_gpus <= spec.total_gpus:
+        raise TwinError(f"system file {w}: gpus {spec.default_gpus} must be between 1 and {spec.total_gpus}")
+    return spec
+
+
+def _dragonfly(t: dict, w: str, nodes: int, nics: int) -> DragonflySpec:
+    ints = ("groups", "switches_per_group", "endpoints_per_switch", "nodes_per_group", "global_links_per_pair")
+    floats = ("link_bandwidth", "switch_latency", "nic_latency", "local_cable_latency", "global_cable_latency")
+    if not isinstance(t, dict):
+        raise TwinError(f"system file {w}: [network] must be a table")
+    df = DragonflySpec(**{k: _get(t, k, w, int) for k in ints}, **{k: _get(t, k, w) for k in floats})
+    if min(getattr(df, k) for k in ints[:4]) < 1 or df.link_bandwidth <= 0:
+        raise TwinError(f"system file {w}: groups, switches, endpoints, nodes per group and link_bandwidth must be positive")
+    if df.groups * df.nodes_per_group < nodes:
+        raise TwinError(f"system file {w}: {df.groups} groups x {df.nodes_per_group} nodes hold fewer than the "
+                        f"{nodes} nodes of the machine")
+    if df.nodes_per_group * nics > df.switches_per_group * df.endpoints_per_switch:
+        raise TwinError(f"system file {w}: {df.nodes_per_group} nodes x {nics} NICs do not fit on "
+                        f"{df.switches_per_group} switches x {df.endpoints_per_switch} endpoint ports")
+    if df.groups > 1 and df.global_links_per_pair < 1:
+        raise TwinError(f"system file {w}: global_links_per_pair must be at least 1 with {df.groups} groups")
+    return df

@@ -1,0 +1,217 @@
+"""Collective algorithms as phases of point-to-point flows, timed on the flow network model.
+
+A ring collective over p ranks runs p-1 steps (all-gather, reduce-scatter) or 2(p-1) steps
+(all-reduce = reduce-scatter + all-gather); in each step every member sends one chunk to its ring
+successor, so one step is a set of concurrent flows, the same in every step. Its time is therefore
+
+    time = steps * alpha + wire_bytes / bus_rate
+
+with wire_bytes = (p-1)/p * payload (x2 for all-reduce), the bytes each rank sends, and bus_rate the
+rate of the slowest member's step ("bus bandwidth" in NCCL's terms). We compute bus_rate once per
+(axis, set of concurrently running axes) by max-min fairness over the flows of one step of EVERY
+group of those axes (they contend for NICs and global links), and derive every payload size from it:
+the steady-state model, exact for rings whose steps all look alike, which ignores the overlap
+collectives only have for part of their duration. alpha = the software latency per step (system
+file) + the largest path latency of the step's flows (sum of link latencies).
+
+How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured table shows):
+- a ring inside one node runs in both directions (two channels, each half the data) over the direct
+  GPU-GPU links, which reach `intra_node_efficiency` of their rate;
+- a ring across nodes with m members per node runs m channels; channel c crosses from one node to
+  the next through the NIC of the c-th member on each node (reached over the node fabric), and one
+  channel reaches at most `inter_node_channel_efficiency` x the NIC rate. Node-internal hops of all
+  channels are one flow (their channels share the direct link anyway).
+- `algorithm="hierarchical"` instead runs a ring inside each node, then m rings across nodes (one per
+  local position, each over its own NIC, 1/m of the data), one phase after the other.
+- all-reduce may use a tree (double binary tree: 2 log2(p) steps, each rank sends the buffer twice)
+  when that is faster, as NCCL's tuner does for small buffers; all-gather and reduce-scatter are
+  ring-only (system file).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from topologies.network import GPU_GPU, build_network
+from topologies.placement import place
+from topologies.routing import Routes, route
+from topologies.system import SystemSpec
+from twin.errors import TwinError
+from twin.flows import max_min_rates
+from twin.grid import AXES, Grid
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+ALGORITHMS = ("ring", "hierarchical")
+
+
+class _FlowSet:
+    """Flows of one step of a set of rings, with how to turn flow rates into each ring's bus rate."""
+
+    def __init__(self, routes: Routes, ring: np.ndarray, weight: np.ndarray, caps: np.ndarray, n_rings: int):
+        self.routes, self.ring, self.weight, self.caps, self.n_rings = routes, ring, weight, caps, n_rings
+
+    def bus_rates(self, rates: np.ndarray) -> np.ndarray:
+        """Bus rate of each ring (bytes/s): min over its flows of weight x rate."""
+        out = np.full(self.n_rings, np.inf)
+        np.minimum.at(out, self.ring, self.weight * rates)
+        return out
+
+
+class CollectiveModel:
+    """Times of collectives on a system for a grid, all groups of an axis running together.
+
+    system: the machine; grid: the 4D grid; placement: "contiguous" or "scattered" (seed);
+    routing: "minimal", "nonminimal" or "adaptive"; algorithm: "ring" (library behaviour) or
+    "hierarchical".
+    """
+
+    def __init__(self, system: SystemSpec, grid: Grid, placement: str = "contiguous", seed: int = 0,
+                 routing: str = "adaptive", algorithm: str = "ring"):
+        if algorithm not in ALGORITHMS:
+            raise TwinError(f"unknown collective algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        self.system, self.grid, self.routing, self.algorithm = system, grid, routing, algorithm
+        self.placement = place(system, grid.size, placement, seed)
+        nodes = None if placement == "scattered" or routing != "minimal" else int(self.placement.nodes.max()) + 1
+        self.net = build_network(system, nodes)
+        cap = self.net.capacity.copy()
+        cap[self.net.kind == GPU_GPU] *= system.collectives.intra_node_efficiency
+        self.capacity = cap
+        self.channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
+        self._flows: dict[str, list[_FlowSet]] = {}
+        self._alpha: dict[str, list[float]] = {}
+        self._rates: dict[frozenset, dict[str, list[float]]] = {}
+        self._times: dict[tuple, float] = {}
+        self._phase_sizes: dict[str, list[int]] = {}
+
+    # -- flows of one step ------------------------------------------------------------------------
+    def _axis_gpus(self, axis: str) -> np.ndarray:
+        """(groups, p) machine-wide GPU ids of every group of `axis`, members in axis order."""
+        g = self.grid
+        r = np.arange(g.size).reshape(g.data, g.z, g.y, g.x)
+        r = np.moveaxis(r, 3 - AXES.index(axis), -1).reshape(-1, g.axis_size(axis))
+        return self.placement.gpu[r]
+
+    def _ring_flows(self, gpus: np.ndarray) -> _FlowSet:
+        """Flows of one step of flat rings over the rows of `gpus` (rings, q), laid out in channels
+        as the library does (see the module docstring)."""
+        R, q = gpus.shape
+        nxt = np.roll(gpus, -1, axis=1)
+        node = gpus // self.system.gpus_per_node
+        pos = np.broadcast_to(np.arange(q), (R, q))
+        cross = node != np.roll(node, -1, axis=1)       # hop i -> i+1 leaves the node
+        new_run = np.ones((R, q), dtype=bool)
+        new_run[:, 1:] = node[:, 1:] != node[:, :-1]
+        run_start = np.maximum.accumulate(np.where(new_run, pos, 0), axis=1)
+        is_end = np.ones((R, q), dtype=bool)
+        is_end[:, :-1] = new_run[:, 1:]
+        run_end = np.minimum.accumulate(np.where(is_end, pos + 1, q)[:, ::-1], axis=1)[:, ::-1]
+        single = new_run.sum(1) == 1
+        K = np.where(single, 2 if q > 2 else 1, (run_end - run_start).min(1))  # channels per ring
+        ring_id = np.broadcast_to(np.arange(R)[:, None], (R, q))
+        parts: list[tuple] = []   # (src, dst, src NIC GPU, dst NIC GPU, ring, weight, cap)
+        i = ~cross                 # node-internal hops: one flow each
+        rid = ring_id[i]
+        parts.append((gpus[i], nxt[i], gpus[i], nxt[i], rid, np.where(single[rid], K[rid], 1), np.inf))
+        if q > 2:                  # single-node rings run both directions
+            j = i & single[:, None]
+            rid = ring_id[j]
+            parts.append((nxt[j], gpus[j], nxt[j], gpus[j], rid, K[rid], np.inf))
+        rr, ii = np.nonzero(cross)  # node-crossing hops: K channels through the c-th members' NICs
+        if len(rr):
+            jj = (ii + 1) % q
+            for c in range(int(K[rr].max())):
+                ok = c < K[rr]
+                r_, i_, j_ = rr[ok], ii[ok], jj[ok]
+                parts.append((gpus[r_, i_], gpus[r_, j_], gpus[r_, run_start[r_, i_] + c],
+                              gpus[r_, run_start[r_, j_] + c], r_, K[r_], self.channel_cap))
+        cols = [np.concatenate([np.broadcast_to(np.asarray(pt[k]), (len(pt[0]),)) for pt in parts])
+                for k in range(7)]
+        routes = route(self.net, *cols[:4], mode=self.routing)
+        return _FlowSet(routes, cols[4].astype(np.int64), cols[5].astype(float), cols[6].astype(float), R)
+
+    def _phases(self, axis: str) -> list[_FlowSet]:
+        """The flow sets of an axis' collective: one (flat ring) or two (hierarchical: node, then across)."""
+        if axis not in self._flows:
+            gpus = self._axis_gpus(axis)
+            node = gpus // self.system.gpus_per_node
+            m = int((node == node[:, :1]).sum(1).min())  # members on the first member's node
+            p = gpus.shape[1]
+            if self.algorithm == "ring" or m == 1 or m == p or p % m:
+                phases = [gpus]
+            else:  # hierarchical: rings of the m members of a node, then m rings across nodes
+                local = gpus.reshape(-1, p // m, m)
+                phases = [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
+            self._flows[axis] = [self._ring_flows(g) for g in phases]
+            lat = self.net.latency
+            self._alpha[axis] = [self.system.collectives.step_latency + (
+                float(np.add.reduceat(lat[f.routes.links], f.routes.ptr[:-1][np.diff(f.routes.ptr) > 0]).max())
+                if len(f.routes.links) else 0.0) for f in self._flows[axis]]
+            self._phase_sizes[axis] = [g.shape[1] for g in phases]
+        return self._flows[axis]
+
+    def _bus_rates(self, axes: frozenset) -> dict[str, list[float]]:
+        """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together.
+        Phases of different axes are assumed concurrent phase by phase (each with the others' first phase)."""
+        if axes not in self._rates:
+            sets = {a: self._phases(a) for a in sorted(axes)}
+            out = {}
+            for a in sorted(axes):
+                out[a] = []
+                for k, fs in enumerate(sets[a]):
+                    others = [sets[b][0] for b in sorted(axes) if b != a]
+                    allf = [fs] + others
+                    rates = max_min_rates(Routes.concat([f.routes for f in allf]), self.capacity,
+                                          np.concatenate([f.caps for f in allf]))
+                    out[a].append(float(fs.bus_rates(rates[:len(fs.routes)]).min()))
+            self._rates[axes] = out
+        return self._rates[axes]
+
+    # -- public API -------------------------------------------------------------------------------
+    def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset[str] = frozenset()) -> float:
+        """Seconds for collective `kind` with payload `nbytes` (bytes; as twin.program.Op.bytes) over
+        every group of `axis` at once, while the axes in `concurrent` run collectives too."""
+        key = (kind, axis, nbytes, concurrent)
+        t = self._times.get(key)
+        if t is not None:
+            return t
+        if kind not in KINDS:
+            raise TwinError(f"unknown collective {kind!r}: choose one of {', '.join(KINDS)}")
+        if axis not in AXES:
+            raise TwinError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
+        p = self.grid.axis_size(axis)
+        if p == 1 or nbytes <= 0:
+            self._times[key] = 0.0
+            return 0.0
+        axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
+        rates = self._bus_rates(axes)[axis]
+        self._phases(axis)
+        alphas, sizes = self._alpha[axis], self._phase_sizes[axis]
+        mult = 2.0 if kind == "all_reduce" else 1.0
+        t, data = 0.0, float(nbytes)
+        for rate, alpha, q in zip(rates, alphas, sizes):
+            t += mult * ((q - 1) * alpha + (q - 1) / q * data / rate)
+            data /= q  # the next (across-node) phase carries 1/q of the data per ring
+        if kind == "all_reduce" and "all_reduce" not in self.system.collectives.ring_only:
+            steps = 2 * math.ceil(math.log2(p))
+            tree = steps * max(alphas) + 2.0 * nbytes / min(rates)
+            t = min(t, tree)
+        self._times[key] = t
+        return t
+
+    def effective_bandwidth(self, axis: str, concurrent: frozenset[str] = frozenset()) -> float:
+        """Ring bus bandwidth (bytes/s) an axis' groups get, all of them running at once: the
+        bytes each rank sends divided by the time, for a large all-gather (latency excluded)."""
+        if self.grid.axis_size(axis) == 1:
+            return math.inf
+        axes = frozenset({axis} | {a for a in concurrent if self.grid.axis_size(a) > 1})
+        rates = self._bus_rates(axes)[axis]
+        sizes = self._phase_sizes[axis]
+        # wire bytes per unit payload over the time per unit payload
+        p = self.grid.axis_size(axis)
+        t, data = 0.0, 1.0
+        for rate, q in zip(rates, sizes):
+            t += (q - 1) / q * data / rate
+            data /= q
+        return (p - 1) / p / t
