@@ -248,15 +248,57 @@ def search_cmd(
 @app.command("systems")
 @handles_errors
 def systems_cmd() -> None:
-    """List the systems with their key figures (issue 3)."""
-    not_implemented("systems")
+    """List the systems with their key figures."""
+    from topologies.system import list_systems, load_system
+    table = Table("system", "GPU", "peak bf16 TF/s", "HBM GiB", "nodes x GPUs", "NICs x GB/s",
+                  "groups x global links/pair", "default study", title="systems (per GPU; GB/s per direction)")
+    table.columns[0].no_wrap = table.columns[-1].no_wrap = True
+    for name in list_systems():
+        s = load_system(name)
+        df = s.dragonfly
+        table.add_row(name, s.gpu.name, f"{s.gpu.peak_flops / 1e12:.4g}", f"{s.gpu.hbm_bytes / 2**30:.3g}",
+                      f"{s.nodes} x {s.gpus_per_node}", f"{s.nics_per_node} x {s.nic_bandwidth / 1e9:.0f}",
+                      f"{df.groups} x {df.global_links_per_pair}" if df else "-",
+                      f"{s.default_model} on {s.default_gpus}")
+    console.print(table)
 
 
 @app.command("topology")
 @handles_errors
-def topology_cmd() -> None:
-    """Draw a system's dragonfly and node fabric (issue 3)."""
-    not_implemented("topology")
+def topology_cmd(
+    system: Annotated[str, typer.Option("--system", "-s", help="System name (see `twin systems`) or a system .toml file.")] = "frontier",
+    html: Annotated[Optional[Path], typer.Option("--html", help="Write the dragonfly and node fabric as one HTML file here.")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="Place a job of this many GPUs (default: the system's default study).")] = None,
+    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
+    seed: Annotated[int, typer.Option(help="Seed of the scattered placement.")] = 0,
+) -> None:
+    """Build a system's network, place a job on it, print a summary and optionally draw it."""
+    import time
+
+    from topologies.network import build_network
+    from topologies.placement import place
+    from topologies.system import load_system
+    s = load_system(system)
+    job = place(s, s.default_gpus if gpus is None else gpus, placement, seed)
+    t0 = time.perf_counter()
+    net = build_network(s)
+    dt = time.perf_counter() - t0
+    info = net.summary()
+    console.print(f"[bold]{s.name}[/]: {s.description}")
+    console.print(f"network built in {dt:.3f} s: {info['groups']} groups, {info['nodes']} nodes, {info['gpus']} GPUs, "
+                  f"{info['nics']} NICs, {info['switches']} switches, {info['links']} directed links")
+    table = Table("link kind", "links", "bandwidth (GB/s per direction)")
+    for kind, n in info["links_by_kind"].items():
+        if n:
+            cap = net.capacity[net.kind == list(info["links_by_kind"]).index(kind)]
+            table.add_row(kind, str(n), f"{cap.min() / 1e9:.0f}" + ("" if cap.min() == cap.max() else f"-{cap.max() / 1e9:.0f}"))
+    console.print(table)
+    console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes in "
+                  f"{len(job.groups_used())} of {s.groups} groups")
+    if html is not None:
+        from topologies.draw import topology_figure
+        write_file(html, topology_figure(net, job).to_html(include_plotlyjs=True))
+        console.print(f"wrote {html}")
 
 
 if __name__ == "__main__":
