@@ -123,6 +123,9 @@ class Schedule:
         self.prefix = f"mb{micro_batch}." if self.options.micro_batches > 1 else ""
         self.phase, self.shape = "fwd", (sequences, seq_len)
         self.first_micro_batch = micro_batch == 0
+        if self.first_micro_batch:  # a new step: weights may have changed since the cache was filled
+            self.finish_grads()
+            self.cache = {}
         order = ["emb"]
         for i in range(self.layers):
             if not (i < self.options.cache_layers and not self.first_micro_batch):
