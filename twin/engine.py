@@ -58,92 +58,120 @@ class EngineResult:
 class _Sim:
     """Shared state of one run: the clock, per-rank done flags, waiters, in-flight bookkeeping."""
 
-    def __init__(self, program: Program, nranks: int, record: bool):
+    def __init__(self, program: Program, nranks: int, record: bool,
+                 collective_s: Callable[[int, frozenset], float]):
         self.env = simpy.Environment()
         self.ops = program.ops
         self.n = len(self.ops)
         self.deps = [op.deps for op in self.ops]
+        self.axis_of = [op.axis for op in self.ops]
         self.done = [bytearray(self.n) for _ in range(nranks)]
         self.waiters: dict[int, list] = {}
         self.busy = [0] * nranks                        # collectives in flight that include the rank
         self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
         self.running: dict[str, dict] = {a: {} for a in AXES}  # axis -> in-flight group streams
+        self.conc = {a: frozenset() for a in AXES}     # axis -> the other axes now in flight
         self.compute: list[_ComputeStream] = []
         self.end_ns = 0
         self.record = record
         self.spans: list[tuple[int, int, int, int]] = []
+        self._collective_s = collective_s
+        self._coll_ns: dict[tuple[int, frozenset], float] = {}
+
+    def coll_ns(self, i: int, conc: frozenset) -> float:
+        """Duration of collective op i under concurrency `conc` (ns, memoised)."""
+        key = (i, conc)
+        t = self._coll_ns.get(key)
+        if t is None:
+            t = self._coll_ns[key] = self._collective_s(i, conc) * NS
+        return t
 
     def wait(self, rank: int, op: int, stream) -> None:
         self.waiters.setdefault(rank * self.n + op, []).append(stream)
-
-    def finish(self, rank: int, op: int) -> None:
-        self.done[rank][op] = 1
-        ws = self.waiters.pop(rank * self.n + op, None)
-        if ws:
-            for s in ws:
-                s.advance()
 
     def schedule(self, delay_ns: float, callback) -> Timeout:
         t = Timeout(self.env, int(delay_ns + 0.5) if delay_ns > 0 else 0)
         t.callbacks.append(callback)
         return t
 
+    def axis_changed(self, axis: str) -> None:
+        """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
+        infl = self.inflight
+        for a in AXES:
+            self.conc[a] = frozenset(b for b in AXES if b != a and infl[b])
+        for a in AXES:
+            if a != axis:
+                for g in list(self.running[a]):
+                    g.rerate()
+
 
 class _ComputeStream:
-    __slots__ = ("sim", "rank", "ops", "pc", "base", "slow", "overlap", "event", "work", "factor",
-                 "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running")
+    __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "event", "due", "work",
+                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running")
 
     def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
                  overlap: float):
-        self.sim, self.rank, self.ops, self.pc = sim, rank, ops, 0
+        self.sim, self.rank, self.ops, self.pc, self.end = sim, rank, ops, 0, len(ops)
+        self.todo = [(i, sim.deps[i]) for i in ops]
         self.base, self.slow, self.overlap = base_ns, slow, overlap
         self.event = None
         self.work = self.factor = 0.0
-        self.seg = self.start = self.prev_end = 0
+        self.due = self.seg = self.start = self.prev_end = 0
         self.waited: str | None = None
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
 
     def advance(self) -> None:
-        sim = self.sim
-        if self.running or self.pc >= len(self.ops):
+        if self.running or self.pc == self.end:
             return
-        i = self.ops[self.pc]
+        sim = self.sim
+        i, deps = self.todo[self.pc]
         done = sim.done[self.rank]
-        for d in sim.deps[i]:
+        for d in deps:
             if not done[d]:
-                self.waited = sim.ops[d].axis
+                self.waited = sim.axis_of[d]
                 sim.wait(self.rank, d, self)
                 return
-        now = sim.env.now
+        now = sim.env._now
         gap = now - self.prev_end
-        if gap > 0:
-            if self.waited is not None:
-                self.exposed[self.waited] += gap
+        if gap > 0 and self.waited is not None:
+            self.exposed[self.waited] += gap
         self.waited = None
         self.running = True
         self.start = self.seg = now
-        self.work = self.base[i]
-        self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
-        self.event = sim.schedule(self.work * self.factor, self.on_done)
+        self.work = w = self.base[i]
+        self.factor = f = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
+        delay = int(w * f + 0.5)
+        self.due = now + delay
+        self.event = t = Timeout(sim.env, delay)
+        t.callbacks.append(self.on_done)
 
     def rerate(self) -> None:
-        """The rank's communication state changed: carry the remaining work over at the new rate."""
+        """The rank's communication state changed: carry the remaining work over at the new rate.
+        A later finish needs no new event (the pending one fires early and reschedules)."""
         if not self.running:
             return
         sim = self.sim
-        now = sim.env.now
+        now = sim.env._now
         self.work = max(0.0, self.work - (now - self.seg) / self.factor)
         self.seg = now
         self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
-        self.event = sim.schedule(self.work * self.factor, self.on_done)
+        due = now + int(self.work * self.factor + 0.5)
+        if due < self.due:
+            self.due = due
+            self.event = sim.schedule(due - now, self.on_done)
 
     def on_done(self, event) -> None:
         if event is not self.event:
             return  # stale: re-rated after this completion was scheduled
         sim = self.sim
-        now = sim.env.now
+        now = sim.env._now
+        left = self.work * self.factor - (now - self.seg)
+        if left >= 0.5:  # slowed down since scheduled: not finished yet
+            self.due = now + int(left + 0.5)
+            self.event = sim.schedule(left, self.on_done)
+            return
         i = self.ops[self.pc]
         self.compute_ns += now - self.start
         if sim.record:
@@ -153,95 +181,104 @@ class _ComputeStream:
             sim.end_ns = now
         self.running = False
         self.pc += 1
-        sim.finish(self.rank, i)
+        ws = sim.waiters.pop(self.rank * sim.n + i, None)
+        sim.done[self.rank][i] = 1
+        if ws:
+            for s in ws:
+                s.advance()
         self.advance()
 
 
 class _GroupStream:
-    __slots__ = ("sim", "axis", "members", "ops", "pc", "timer", "event", "frac", "dur", "seg",
+    __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
                  "start", "running")
 
-    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int],
-                 timer: Callable[[int, frozenset], float]):
-        self.sim, self.axis, self.members, self.ops, self.pc = sim, axis, members, ops, 0
-        self.timer = timer
+    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
+        self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
+        self.todo = [(i, sim.deps[i]) for i in ops]
         self.event = None
         self.frac = self.dur = 0.0
-        self.seg = self.start = 0
+        self.due = self.seg = self.start = 0
         self.running = False
 
-    def concurrent(self) -> frozenset:
-        infl = self.sim.inflight
-        return frozenset(a for a in AXES if a != self.axis and infl[a])
-
     def advance(self) -> None:
-        sim = self.sim
-        if self.running or self.pc >= len(self.ops):
+        if self.running or self.pc == self.end:
             return
-        i = self.ops[self.pc]
+        sim = self.sim
+        i, deps = self.todo[self.pc]
         done = sim.done
-        for d in sim.deps[i]:
+        for d in deps:
             for r in self.members:
                 if not done[r][d]:
                     sim.wait(r, d, self)
                     return
-        now = sim.env.now
+        now = sim.env._now
+        axis = self.axis
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
-        self.dur = self.timer(i, self.concurrent()) * NS
-        self.event = sim.schedule(self.dur, self.on_done)
-        sim.running[self.axis][self] = None
-        sim.inflight[self.axis] += 1
-        if sim.inflight[self.axis] == 1:
-            _axis_changed(sim, self.axis)
-        _busy_change(sim, self.members, +1)
+        self.dur = dur = sim.coll_ns(i, sim.conc[axis])
+        delay = int(dur + 0.5)
+        self.due = now + delay
+        self.event = t = Timeout(sim.env, delay)
+        t.callbacks.append(self.on_done)
+        sim.running[axis][self] = None
+        sim.inflight[axis] += 1
+        if sim.inflight[axis] == 1:
+            sim.axis_changed(axis)
+        busy, compute = sim.busy, sim.compute
+        for r in self.members:
+            busy[r] += 1
+            if busy[r] == 1:
+                compute[r].rerate()
 
     def rerate(self) -> None:
         sim = self.sim
-        now = sim.env.now
+        now = sim.env._now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
-        self.dur = self.timer(self.ops[self.pc], self.concurrent()) * NS
-        self.event = sim.schedule(self.frac * self.dur, self.on_done)
+        self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis])
+        due = now + int(self.frac * self.dur + 0.5)
+        if due < self.due:
+            self.due = due
+            self.event = sim.schedule(due - now, self.on_done)
 
     def on_done(self, event) -> None:
         if event is not self.event:
             return
         sim = self.sim
-        now = sim.env.now
+        now = sim.env._now
+        left = self.frac * self.dur - (now - self.seg)
+        if left >= 0.5:  # slowed down since scheduled: not finished yet
+            self.due = now + int(left + 0.5)
+            self.event = sim.schedule(left, self.on_done)
+            return
         i = self.ops[self.pc]
+        members = self.members
         if sim.record:
-            for r in self.members:
+            for r in members:
                 sim.spans.append((r, i, self.start, now - self.start))
         if now > sim.end_ns:
             sim.end_ns = now
         self.running = False
         self.pc += 1
-        del sim.running[self.axis][self]
-        sim.inflight[self.axis] -= 1
-        if sim.inflight[self.axis] == 0:
-            _axis_changed(sim, self.axis)
-        _busy_change(sim, self.members, -1)
-        for r in self.members:
-            sim.finish(r, i)
+        axis = self.axis
+        del sim.running[axis][self]
+        sim.inflight[axis] -= 1
+        if sim.inflight[axis] == 0:
+            sim.axis_changed(axis)
+        busy, compute, done, waiters, n = sim.busy, sim.compute, sim.done, sim.waiters, sim.n
+        for r in members:
+            busy[r] -= 1
+            if busy[r] == 0:
+                compute[r].rerate()
+        for r in members:
+            done[r][i] = 1
+            ws = waiters.pop(r * n + i, None)
+            if ws:
+                for s in ws:
+                    s.advance()
         self.advance()
-
-
-def _axis_changed(sim: _Sim, axis: str) -> None:
-    """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
-    for a in AXES:
-        if a != axis:
-            for g in list(sim.running[a]):
-                g.rerate()
-
-
-def _busy_change(sim: _Sim, members: list[int], delta: int) -> None:
-    busy, compute = sim.busy, sim.compute
-    for r in members:
-        busy[r] += delta
-        if busy[r] == (1 if delta > 0 else 0):
-            compute[r].rerate()
 
 
 def simulate_program(program: Program, compute_s: list[float],
@@ -263,7 +300,7 @@ def simulate_program(program: Program, compute_s: list[float],
     slowdown = slowdown or {}
     if slowdown and not full:
         raise ValueError("per-rank slowdown factors need full mode")
-    sim = _Sim(program, nranks, record)
+    sim = _Sim(program, nranks, record, collective_s)
     base_ns = [t * NS for t in compute_s]
     by_stream: dict[str, list[int]] = {s: [] for s in ("compute",) + AXES}
     for op in program.ops:
@@ -275,7 +312,7 @@ def simulate_program(program: Program, compute_s: list[float],
         if not by_stream[axis]:
             continue
         members = grid.groups(axis) if full else [[0]]
-        groups += [_GroupStream(sim, axis, g, by_stream[axis], collective_s) for g in members]
+        groups += [_GroupStream(sim, axis, g, by_stream[axis]) for g in members]
     for s in sim.compute:
         s.advance()
     for g in groups:
