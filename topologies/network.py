@@ -220,11 +220,26 @@ class Network:
                 "links_by_kind": {k: int(c) for k, c in zip(LINK_KINDS, counts)}}
 
 
+_CACHE: dict[tuple[int, int], tuple[SystemSpec, Network]] = {}
+_CACHE_SIZE = 4
+
+
 def build_network(system: SystemSpec, nodes: int | None = None) -> Network:
     """The network of the dragonfly groups a job of `nodes` nodes (the first ones, as contiguous
-    placement takes them) touches; `nodes=None` builds the whole machine."""
+    placement takes them) touches; `nodes=None` builds the whole machine.
+
+    The last few networks are cached by system object (a configuration search builds the same one
+    for every grid it probes); treat a Network as read-only."""
     if nodes is None or system.dragonfly is None:
         groups = system.groups
     else:
         groups = min(system.groups, max(1, -(-int(nodes) // system.nodes_per_group)))
-    return Network(system, groups)
+    key = (id(system), groups)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is system:
+        return hit[1]
+    net = Network(system, groups)
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (system, net)
+    return net

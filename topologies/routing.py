@@ -135,13 +135,13 @@ def adaptive(net: Network, s, d, seed: int = 0, batches: int = 32, detours: int 
         for part in np.array_split(order, batches):
             if sweep:
                 old = out[part][out[part] >= 0]
-                load_ext -= np.bincount(old, weights=w[old], minlength=len(load_ext))
+                np.subtract.at(load_ext, old, w[old])
             c = cand[part]
             cost = (1 + hop_weight * (c >= 0).sum(-1)) * (load_ext[c] + w[c]).max(-1)  # as if this flow were added
             choice = c[np.arange(len(part)), cost.argmin(1)]
             out[part] = choice
             used = choice[choice >= 0]
-            load_ext += np.bincount(used, weights=w[used], minlength=len(load_ext))
+            np.add.at(load_ext, used, w[used])
     if load is not None:
         load[:] = load_ext[:-1]
     return out

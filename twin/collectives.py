@@ -153,18 +153,19 @@ class CollectiveModel:
 
     def _bus_rates(self, axes: frozenset) -> dict[str, list[float]]:
         """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together.
-        Phases of different axes are assumed concurrent phase by phase (each with the others' first phase)."""
+        Phase k of an axis is taken to overlap the other axes' phase min(k, last) (one phase for rings)."""
         if axes not in self._rates:
             sets = {a: self._phases(a) for a in sorted(axes)}
-            out = {}
-            for a in sorted(axes):
-                out[a] = []
-                for k, fs in enumerate(sets[a]):
-                    others = [sets[b][0] for b in sorted(axes) if b != a]
-                    allf = [fs] + others
-                    rates = max_min_rates(Routes.concat([f.routes for f in allf]), self.capacity,
-                                          np.concatenate([f.caps for f in allf]))
-                    out[a].append(float(fs.bus_rates(rates[:len(fs.routes)]).min()))
+            out: dict[str, list[float]] = {a: [] for a in sets}
+            for k in range(max(len(v) for v in sets.values())):
+                allf = [v[min(k, len(v) - 1)] for v in sets.values()]
+                rates = max_min_rates(Routes.concat([f.routes for f in allf]), self.capacity,
+                                      np.concatenate([f.caps for f in allf]))
+                off = 0
+                for (a, v), f in zip(sets.items(), allf):
+                    if k < len(v):
+                        out[a].append(float(f.bus_rates(rates[off:off + len(f.routes)]).min()))
+                    off += len(f.routes)
             self._rates[axes] = out
         return self._rates[axes]
 

@@ -50,32 +50,31 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     if links.size == 0:
         return rate
     flow_e = np.repeat(np.arange(n), lens)            # flow of each entry
-    # entries grouped by link, for per-link reductions
-    by_link = np.argsort(links, kind="stable")
-    lk_sorted = links[by_link]
-    starts = np.flatnonzero(np.r_[True, lk_sorted[1:] != lk_sorted[:-1]])
-    used = lk_sorted[starts]                            # links that carry at least one flow
-    starts_flow = ptr[:-1][~empty]                      # first entry of every non-empty flow
+    # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
+    used = np.flatnonzero(np.bincount(links, minlength=len(cap_link)))
+    local = np.empty(len(cap_link), dtype=np.int64)
+    local[used] = np.arange(len(used))
+    lk = local[links]                                  # local link id of each entry
+    rem = cap_link[used].copy()                        # remaining capacity of each used link
+    U = len(rem)
+    starts_flow = ptr[:-1][~empty]                     # first entry of every non-empty flow
     nonempty = np.flatnonzero(~empty)
-    rem = cap_link.copy()
     active = ~empty
     while active.any():
         act_e = active[flow_e]
-        cnt = np.bincount(links[act_e], minlength=len(rem))
+        cnt = np.bincount(lk[act_e], minlength=U)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
         # per flow: smallest share on its path (and its own cap)
-        e_share = share[links]
         fmin = np.full(n, np.inf)
-        fmin[nonempty] = np.minimum.reduceat(e_share, starts_flow)
+        fmin[nonempty] = np.minimum.reduceat(share[lk], starts_flow)
         fmin = np.minimum(fmin, cap_flow)
         # per link: smallest fmin among its active flows
-        vals = np.where(act_e, fmin[flow_e], np.inf)[by_link]
-        lmin = np.full(len(rem), np.inf)
-        lmin[used] = np.minimum.reduceat(vals, starts)
+        lmin = np.full(U, np.inf)
+        np.minimum.at(lmin, lk[act_e], fmin[flow_e[act_e]])
         bottleneck = (cnt > 0) & (share <= lmin * (1 + rtol))
         hit = np.zeros(n, dtype=bool)
-        hit[flow_e[act_e & bottleneck[links]]] = True
+        hit[flow_e[act_e & bottleneck[lk]]] = True
         hit |= active & (cap_flow <= fmin * (1 + rtol))
         hit &= active
         if not hit.any():  # numerical safety: freeze the globally tightest flows
@@ -83,6 +82,6 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
         rate[hit] = fmin[hit]
         active &= ~hit
         done_e = hit[flow_e]
-        rem -= np.bincount(links[done_e], weights=rate[flow_e[done_e]], minlength=len(rem))
+        rem -= np.bincount(lk[done_e], weights=rate[flow_e[done_e]], minlength=U)
         np.maximum(rem, 0.0, out=rem)
     return rate
