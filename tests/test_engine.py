@@ -77,6 +77,15 @@ def test_rerating_when_another_axis_starts_and_stops():
     assert f.iteration_s == pytest.approx(3.5) and f.ranks == 4
 
 
+def test_exposed_time_follows_the_chain_of_waits():
+    # c1 waits for an x all-reduce that itself waits for a y all-reduce: 1 s of y, then 2 s of x
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ay", "all_reduce", "y", deps=(0,), axis="y"),
+           Op(2, "ax", "all_reduce", "x", deps=(1,), axis="x"), Op(3, "c1", "gemm", "compute", deps=(2,))]
+    r = simulate_program(hand_program(ops), [1.0, 0, 0, 1.0], lambda i, c: {1: 1.0, 2: 2.0}[i])
+    assert r.exposed_s["y"] == pytest.approx(1.0) and r.exposed_s["x"] == pytest.approx(2.0)
+    assert r.iteration_s == pytest.approx(5.0)
+
+
 def test_compute_slows_while_communication_overlaps():
     ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", deps=(0,), axis="x"),
            Op(2, "c1", "gemm", "compute"), Op(3, "c2", "gemm", "compute", deps=(1,))]
@@ -111,6 +120,10 @@ def test_straggler_slows_everyone():
     base = run(grid="2x2x2x2", full=True)
     slow = run(grid="2x2x2x2", full=True, slowdown={5: 1.5})
     assert slow.iteration_s > 1.2 * base.iteration_s
+    # waiting for the straggler is idle time, not exposed communication
+    assert slow.idle_s > 0.5 * (slow.iteration_s - base.iteration_s)
+    assert sum(slow.exposed_s.values()) < sum(base.exposed_s.values()) + 0.3 * (slow.iteration_s - base.iteration_s)
+    assert total(slow) == pytest.approx(slow.iteration_s)
     with pytest.raises(ValueError):
         run(grid="2x2x2x2", slowdown={5: 1.5})
 

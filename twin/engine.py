@@ -18,14 +18,19 @@ a Timeout, so each stream keeps its latest one and a callback from any other (st
 Time is kept in integer nanoseconds (simpy's clock holds ints), so no remaining time of 1e-18 s can
 stall the clock; each scheduled delay is rounded to the nearest nanosecond.
 
-Modes. Symmetric: one representative rank whose groups have one member (every rank runs the same
-program and the collective model gives the time of all groups at once). Full: every rank, each with
-an optional slowdown factor (stragglers); both agree on a symmetric case.
+Modes. Symmetric: one representative rank whose groups have one member. Every rank runs the same
+program and the collective model gives one time per axis for all its groups at once (the slowest
+group's), so every placement, regular or scattered, has a single placement class and one rank stands
+for all. Full: every rank, each with an optional compute slowdown factor (stragglers); a collective
+starts when its last member arrives. Both agree on a symmetric case (to rounding of re-rates, ns).
 
-Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops; when the
-compute stream waits, the gap is exposed communication of the axis of the collective whose completion
-let the next compute op start (the last one it waited for); anything else (the tail after the rank's
-last compute op) is idle. compute + exposed + idle = iteration time.
+Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops. A wait
+of the compute stream ends when the op it waited for last completes; the wait is attributed by
+walking back what delayed that collective: its transfer time is exposed communication of its axis;
+before its transfer it waited either for its stream's previous collective or for a collective of
+another axis (the walk continues there), or for a compute op of another rank (a straggler: idle).
+Anything left (including the tail after the rank's last compute op) is idle, so
+compute + exposed + idle = iteration time exactly.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class _Sim:
         self.running: dict[str, dict] = {a: {} for a in AXES}  # axis -> in-flight group streams
         self.conc = {a: frozenset() for a in AXES}     # axis -> the other axes now in flight
         self.compute: list[_ComputeStream] = []
+        self.group_of: dict[str, dict[int, _GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
+        self.pos = [0] * self.n                         # position of each op in its stream
         self.end_ns = 0
         self.record = record
         self.spans: list[tuple[int, int, int, int]] = []
@@ -93,6 +100,31 @@ class _Sim:
         t = Timeout(self.env, int(delay_ns + 0.5) if delay_ns > 0 else 0)
         t.callbacks.append(callback)
         return t
+
+    def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
+        """Attribute the compute stream's wait [t1, t2] (ns), which ended when `op` completed, by walking
+        back what delayed each collective: its transfer time is exposed communication of its axis; a wait
+        for its stream's previous collective or for a collective of another axis continues the walk;
+        a wait for a compute op of another rank (a straggler) is left to idle."""
+        while t2 > t1:
+            axis = self.axis_of[op]
+            if axis is None:
+                return  # a compute op delayed it: load imbalance, counted as idle
+            g = self.group_of[axis][rank]
+            pc = self.pos[op]
+            start = g.starts[pc]
+            if start <= t1:
+                exposed[axis] += t2 - t1
+                return
+            exposed[axis] += t2 - start
+            t2 = start
+            blk = g.blockers[pc]
+            if blk is None:
+                if pc == 0:
+                    return
+                op = g.ops[pc - 1]
+            else:
+                rank, op = blk
 
     def axis_changed(self, axis: str) -> None:
         """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
@@ -117,7 +149,7 @@ class _ComputeStream:
         self.event = None
         self.work = self.factor = 0.0
         self.due = self.seg = self.start = self.prev_end = 0
-        self.waited: str | None = None
+        self.waited: int | None = None  # the op it last waited for
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
@@ -130,13 +162,13 @@ class _ComputeStream:
         done = sim.done[self.rank]
         for d in deps:
             if not done[d]:
-                self.waited = sim.axis_of[d]
+                self.waited = d
                 sim.wait(self.rank, d, self)
                 return
         now = sim.env._now
         gap = now - self.prev_end
         if gap > 0 and self.waited is not None:
-            self.exposed[self.waited] += gap
+            sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
         self.waited = None
         self.running = True
         self.start = self.seg = now
@@ -191,11 +223,14 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
-                 "start", "running")
+                 "start", "running", "blk", "starts", "blockers")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = [(i, sim.deps[i]) for i in ops]
+        self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
+        self.starts = [0] * len(ops)                 # start of each op (ns)
+        self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
         self.event = None
         self.frac = self.dur = 0.0
         self.due = self.seg = self.start = 0
@@ -210,10 +245,14 @@ class _GroupStream:
         for d in deps:
             for r in self.members:
                 if not done[r][d]:
+                    self.blk = (r, d)
                     sim.wait(r, d, self)
                     return
         now = sim.env._now
         axis = self.axis
+        self.starts[self.pc] = now
+        self.blockers[self.pc] = self.blk
+        self.blk = None
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
@@ -312,7 +351,14 @@ def simulate_program(program: Program, compute_s: list[float],
         if not by_stream[axis]:
             continue
         members = grid.groups(axis) if full else [[0]]
-        groups += [_GroupStream(sim, axis, g, by_stream[axis]) for g in members]
+        for m in members:
+            g = _GroupStream(sim, axis, m, by_stream[axis])
+            groups.append(g)
+            for r in m:
+                sim.group_of[axis][r] = g
+    for ops in by_stream.values():
+        for k, i in enumerate(ops):
+            sim.pos[i] = k
     for s in sim.compute:
         s.advance()
     for g in groups:
