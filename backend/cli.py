@@ -1,29 +1,171 @@
-"""The `backend` command: real training, replay and microbenchmarks with PyTorch."""
+"""The `backend` command: real training, replay and microbenchmarks with PyTorch.
+
+Each command checks its input here, in the launching process, then starts the ranks (backend.launch):
+on one machine it spawns them itself; under torchrun or srun this process is one rank. Bad input
+ends with one line on stderr and exit code 2, on every rank, without a traceback.
+"""
 
 from __future__ import annotations
 
+import datetime
+import functools
+import socket
+import sys
+from dataclasses import asdict
+from typing import Annotated, Optional
+
 import typer
+
+from twin.errors import TwinError
+from twin.grid import Grid
+from twin.model import load_model
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Train for real with PyTorch, running the same schedule the twin simulates.")
 
 
-def not_implemented(what: str) -> None:
-    typer.echo(f"error: `backend {what}` is not implemented yet", err=True)
-    raise typer.Exit(1)
+def handles_errors(fn):
+    """Turn bad input (TwinError, a missing file) into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            code = fn(*args, **kwargs)
+        except (TwinError, OSError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        if code:
+            raise typer.Exit(code if code > 0 else 1)
+
+    return wrapper
+
+
+def check_launcher_world(grid: Grid) -> None:
+    from backend.launch import check_world_size
+    check_world_size(grid.size, str(grid))
+
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
+GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest); its product is the number of ranks.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL/RCCL).")]
+DtypeOpt = Annotated[str, typer.Option(help="Compute precision: fp32 or bf16.")]
+OarOpt = Annotated[bool, typer.Option(help="Overlap the backward y all-reduce with the weight-gradient GEMM.")]
+OrsOpt = Annotated[bool, typer.Option(help="Defer z reduce-scatters and overlap them with earlier layers.")]
+OagOpt = Annotated[bool, typer.Option(help="Prefetch the next layer's z all-gather one layer ahead.")]
+CacheOpt = Annotated[int, typer.Option(help="Keep the gathered weights of the first N blocks for the step.")]
+RecomputeOpt = Annotated[bool, typer.Option(help="Recompute each block's forward in the backward pass.")]
+MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient accumulation).")]
+BatchOpt = Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")]
 
 
 @app.command("run")
-def run_cmd() -> None:
-    """Train a GPT with the 4D algorithm (issue 5)."""
-    not_implemented("run")
+@handles_errors
+def run_cmd(
+    model: ModelOpt = "gpt-tiny",
+    grid: GridOpt = "1x1x1x1",
+    steps: Annotated[int, typer.Option(help="Number of training steps.")] = 50,
+    batch: BatchOpt = None,
+    micro_batches: MicroOpt = 1,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 1e-3,
+    min_lr: Annotated[float, typer.Option(help="Learning rate at the end of the cosine decay.")] = 1e-4,
+    warmup: Annotated[int, typer.Option(help="Linear warm-up steps.")] = 10,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.1,
+    grad_clip: Annotated[float, typer.Option(help="Clip the global gradient norm to this; 0: off.")] = 1.0,
+    oar: OarOpt = True, ors: OrsOpt = True, oag: OagOpt = True,
+    cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
+    data: Annotated[str, typer.Option(help="'synthetic', a .bin of uint16 token ids, or any file read as bytes.")] = "synthetic",
+    out: Annotated[str, typer.Option(help="Directory for log.jsonl and trace.json.")] = "runs/latest",
+    ckpt_dir: Annotated[Optional[str], typer.Option(help="Checkpoint directory; a run resumes from its latest checkpoint.")] = None,
+    ckpt_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps (0: never).")] = 0,
+    log_every: Annotated[int, typer.Option(help="Log every N steps.")] = 1,
+    trace_step: Annotated[Optional[int], typer.Option(help="Step whose ops are written to trace.json (default: the last).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and the data order.")] = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "fp32",
+) -> int:
+    """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
+    from backend.launch import launch
+    from backend.train import TrainConfig, validate
+
+    cfg = TrainConfig(model=model, grid=grid, steps=steps, batch=batch, micro_batches=micro_batches,
+                      lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
+                      grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
+                      recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
+                      log_every=log_every, trace_step=trace_step, seed=seed, device=device, dtype=dtype)
+    g = cfg.parsed_grid()
+    check_launcher_world(g)
+    validate(cfg)
+    return launch("run", asdict(cfg), g.size)
 
 
 @app.command("replay")
-def replay_cmd() -> None:
-    """Execute the twin's program op by op with random tensors (issue 5)."""
-    not_implemented("replay")
+@handles_errors
+def replay_cmd(
+    model: ModelOpt = "gpt-tiny",
+    grid: GridOpt = "1x1x1x1",
+    steps: Annotated[int, typer.Option(help="Iterations to replay (the last one is traced).")] = 2,
+    batch: BatchOpt = None,
+    micro_batches: MicroOpt = 1,
+    oar: OarOpt = True, ors: OrsOpt = True, oag: OagOpt = True,
+    cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
+    out: Annotated[str, typer.Option(help="Trace file (Chrome trace JSON).")] = "runs/replay-trace.json",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "fp32",
+) -> int:
+    """Execute the twin's program op by op with random tensors (GEMMs and collectives) and trace it."""
+    from backend.launch import launch
+    from backend.replay import ReplayConfig, validate
+
+    cfg = ReplayConfig(model=model, grid=grid, steps=steps, batch=batch, micro_batches=micro_batches,
+                       oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
+                       out=out, device=device, dtype=dtype)
+    g = Grid.parse(grid)
+    check_launcher_world(g)
+    validate(cfg)
+    return launch("replay", asdict(cfg), g.size)
+
+
+def default_bench_out(device: str) -> str:
+    day = datetime.date.today().isoformat()
+    return f"calibration/measurements/bench-{socket.gethostname()}-{device}-{day}.json"
+
+
+@app.command("bench")
+@handles_errors
+def bench_cmd(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Also time this model's local GEMM shapes on --grid.")] = "gpt-tiny",
+    grid: GridOpt = "1x1x1x1",
+    squares: Annotated[str, typer.Option(help="Comma-separated sizes of square GEMMs to time.")] = "1024",
+    sizes_mib: Annotated[str, typer.Option(help="Comma-separated collective payloads in MiB.")] = "0.0625,1,16",
+    gemm: Annotated[bool, typer.Option(help="Time GEMMs (rank 0).")] = True,
+    comm: Annotated[bool, typer.Option(help="Time collectives over each axis of size > 1.")] = True,
+    min_time: Annotated[float, typer.Option(help="Seconds to spend timing each entry.")] = 0.2,
+    out: Annotated[Optional[str], typer.Option(help="JSON table to write (default: calibration/measurements/bench-<host>-<device>-<date>.json).")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "fp32",
+) -> int:
+    """Microbenchmarks: GEMM flop/s by shape and layout; collective bandwidth by size per axis."""
+    from backend.launch import launch
+
+    g = Grid.parse(grid)
+    if model:
+        load_model(model)
+    if device not in ("cpu", "cuda") or dtype not in ("fp32", "bf16", "fp16"):
+        raise TwinError("--device must be cpu or cuda and --dtype fp32, bf16 or fp16")
+    try:
+        sq = [int(s) for s in squares.split(",") if s.strip()]
+        sizes = [float(s) for s in sizes_mib.split(",") if s.strip()]
+    except ValueError:
+        raise TwinError("--squares takes integers and --sizes-mib numbers, comma-separated") from None
+    check_launcher_world(g)
+    cfg = {"model": model, "grid": grid, "squares": sq, "sizes_mib": sizes, "gemm": gemm, "comm": comm,
+           "min_time_s": min_time, "out": out or default_bench_out(device), "device": device, "dtype": dtype}
+    return launch("bench", cfg, g.size)
+
+
+def main() -> None:
+    app()
 
 
 if __name__ == "__main__":
-    app()
+    sys.exit(main())

@@ -102,7 +102,7 @@ def run_job(kind: str, config: dict) -> int:
     try:
         module, fn = JOBS[kind].split(":")
         getattr(importlib.import_module(module), fn)(config)
-    except TwinError as e:
+    except (TwinError, OSError) as e:
         if not quiet:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT

@@ -1,0 +1,160 @@
+"""The training loop: config, learning-rate schedule, logging, checkpoints, traces.
+
+`main(config_dict)` is the job of one rank (started by backend.launch). Each step: the micro-batches
+of this rank's data shard, forward/backward over them with gradient accumulation, the data all-reduce,
+clipping and AdamW (backend.optim), then logging and, every `ckpt_every` steps, a checkpoint.
+
+Throughput convention: `flops_per_s` uses ModelSpec.reference_flops (Narayanan et al., SC'21:
+96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per step, V the padded vocabulary) with the recomputed forward
+counted when recomputation is on (as the AxoNN papers count); `model_flops_per_s` uses the same
+formula without recomputation (72 instead of 96: useful work only, like MFU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from twin.errors import TwinError
+from twin.grid import Grid
+from twin.model import ModelSpec, load_model
+from twin.program import Options, build_program
+
+CRASH_ENV = "BACKEND_TEST_CRASH_AFTER_STEP"  # tests: rank 0 SIGKILLs itself after this step
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. Steps count from 1; `steps` is the last step."""
+
+    model: str = "gpt-tiny"
+    grid: str = "1x1x1x1"
+    steps: int = 50
+    batch: int | None = None          # global batch, sequences (default: the model's)
+    micro_batches: int = 1
+    lr: float = 1e-3                  # peak learning rate
+    min_lr: float = 1e-4              # end of the cosine decay
+    warmup: int = 10                  # linear warm-up steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0            # global-norm clip; 0 turns clipping off
+    oar: bool = True
+    ors: bool = True
+    oag: bool = True
+    cache_layers: int = 0
+    recompute: bool = True
+    data: str = "synthetic"           # 'synthetic', a .bin of uint16 token ids, or any file (bytes)
+    out: str = "runs/latest"          # log.jsonl and trace.json go here
+    ckpt_dir: str | None = None       # checkpoints (resumes from its latest one when present)
+    ckpt_every: int = 0               # steps between checkpoints; 0: none
+    keep_ckpts: int = 2
+    log_every: int = 1
+    trace_step: int | None = None     # step whose ops go to trace.json (default: the last one)
+    seed: int = 0
+    device: str = "cpu"               # cpu or cuda
+    dtype: str = "fp32"               # fp32 or bf16 (compute precision; master weights stay fp32)
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def spec(self) -> ModelSpec:
+        return load_model(self.model)
+
+    def parsed_grid(self) -> Grid:
+        return Grid.parse(self.grid)
+
+    def options(self) -> Options:
+        return Options(oar=self.oar, ors=self.ors, oag=self.oag, cache_layers=self.cache_layers,
+                       recompute=self.recompute, micro_batches=self.micro_batches,
+                       grad_clip=self.grad_clip > 0)
+
+    def global_batch(self) -> int:
+        return self.spec().global_batch if self.batch is None else self.batch
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of `step` (1-based): linear warm-up to cfg.lr, then cosine decay to cfg.min_lr."""
+    if cfg.warmup > 0 and step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check a config before any rank starts (raises TwinError with one clear line)."""
+    from backend import checkpoint
+    from backend.data import open_source
+
+    spec, grid = cfg.spec(), cfg.parsed_grid()
+    if cfg.steps < 1:
+        raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise TwinError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
+        raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
+    if cfg.ckpt_every and not cfg.ckpt_dir:
+        raise TwinError("--ckpt-every needs --ckpt-dir")
+    build_program(spec, grid, cfg.options(), batch=cfg.global_batch())  # grid x model x batch checks
+    open_source(cfg.data, spec.vocab, cfg.seed)
+    if cfg.ckpt_dir:
+        path = checkpoint.latest(cfg.ckpt_dir)
+        if path is not None:
+            checkpoint.check_compatible(path, grid, spec)
+
+
+def step_flops(cfg: TrainConfig, recompute: bool) -> float:
+    """Reference flops of one step (flop), see the module docstring."""
+    spec, grid = cfg.spec(), cfg.parsed_grid()
+    return spec.reference_flops(cfg.global_batch(), spec.seq_len, spec.padded_vocab(grid.y), recompute)
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLog:
+    """Per-step metrics: one JSON line per logged step in `path`, and a progress line on stdout."""
+
+    def __init__(self, path: Path, cfg: TrainConfig, enabled: bool):
+        self.path, self.cfg, self.enabled = path, cfg, enabled
+        self.flops = step_flops(cfg, cfg.recompute)
+        self.model_flops = step_flops(cfg, False)
+        self.tokens = cfg.global_batch() * cfg.spec().seq_len
+        self.gpus = cfg.parsed_grid().size
+        self.times: list[float] = []
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, loss: float, lr: float, seconds: float, extra: dict | None = None) -> dict:
+        """Record one step that took `seconds`; returns the record."""
+        self.times.append(seconds)
+        recent = self.times[-10:]
+        avg = sum(recent) / len(recent)
+        rec = {"step": step, "loss": loss, "lr": lr, "step_time_s": seconds,
+               "tokens_per_s": self.tokens / seconds, "flops_per_s": self.flops / seconds,
+               "flops_per_s_per_gpu": self.flops / seconds / self.gpus,
+               "model_flops_per_s": self.model_flops / seconds,
+               "flops_convention": "narayanan-sc21" + ("+recompute" if self.cfg.recompute else ""),
+               "eta_s": avg * (self.cfg.steps - step), **(extra or {})}
+        if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            pct = 100.0 * step / self.cfg.steps
+            print(f"step {step:>5}/{self.cfg.steps} ({pct:5.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
+                  f"{rec['tokens_per_s']:,.0f} tok/s | {rec['flops_per_s_per_gpu'] / 1e12:.3f} TF/s/gpu "
+                  f"({rec['flops_convention']}) | eta {format_eta(rec['eta_s'])}", flush=True)
+        return rec
