@@ -19,6 +19,8 @@ from backend.comm import MAX
 from backend.schedule import Schedule
 from twin.program import STAT_BYTES
 
+IGNORE = -100  # a target left out of the loss (any negative target is)
+
 
 def _uniform_init(p: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
     with torch.no_grad():
@@ -290,7 +292,8 @@ def tied_head(x: torch.Tensor, emb: ParallelEmbedding) -> torch.Tensor:
 
 
 class _CrossEntropyFn(Function):
-    """Sum over this rank's tokens of the vocab-parallel cross-entropy, times `scale`."""
+    """Sum over this rank's tokens of the vocab-parallel cross-entropy, times `scale`; tokens whose
+    target is negative (IGNORE) count zero."""
 
     @staticmethod
     def forward(ctx, logits, targets, emb: ParallelEmbedding, scale: float):
@@ -300,14 +303,15 @@ class _CrossEntropyFn(Function):
             lmax = lf.max(-1).values
         s.comm.all_reduce(lmax, "y", s.name("loss", "ar_y_max"), op=MAX, width=STAT_BYTES)
         e = torch.exp(lf - lmax[:, None])
+        valid = targets.reshape(-1) >= 0
         tgt = targets.reshape(-1) - emb.vocab_start
-        ok = (tgt >= 0) & (tgt < lf.shape[1])
+        ok = valid & (tgt >= 0) & (tgt < lf.shape[1])
         tlogit = lf.gather(1, tgt.clamp(0, lf.shape[1] - 1)[:, None])[:, 0] * ok
         sums = torch.stack([e.sum(-1), tlogit], -1)
         s.comm.all_reduce(sums, "y", s.name("loss", "ar_y_sum"), width=STAT_BYTES)
-        loss = (torch.log(sums[:, 0]) + lmax - sums[:, 1]).sum() * scale
+        loss = ((torch.log(sums[:, 0]) + lmax - sums[:, 1]) * valid).sum() * scale
         ctx.emb, ctx.scale, ctx.dtype = emb, scale, logits.dtype
-        ctx.save_for_backward(e / sums[:, 0:1], tgt, ok)
+        ctx.save_for_backward(e / sums[:, 0:1] * valid[:, None], tgt, ok)
         return loss
 
     @staticmethod

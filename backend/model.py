@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.dist import ParallelContext
-from backend.layers import (ParallelEmbedding, ParallelLayerNorm, ParallelLinear, causal_attention,
+from backend.layers import (IGNORE, ParallelEmbedding, ParallelLayerNorm, ParallelLinear, causal_attention,
                             recompute, recorded, tied_head, vocab_parallel_loss)
 from backend.recorder import NULL_RECORDER, Recorder
 from backend.schedule import LINEARS, Schedule
@@ -56,15 +56,18 @@ class GPT(nn.Module):
     """The 4D-parallel GPT on one rank. Parameters are this rank's fp32 shards.
 
     vocab: padded vocabulary (default spec.padded_vocab(G_y)). Initialization: N(0, 0.02) shards
-    (load_from_reference for exact copies of a ReferenceGPT).
+    (load_from_reference for exact copies of a ReferenceGPT). tune_gemms: time the GEMM layouts
+    once per shape and keep the fastest (default: on GPU only). The position table has spec.seq_len
+    rows: build the program with the same seq_len (or a spec replaced with the run's seq_len).
     """
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, options: Options | None = None,
-                 recorder: Recorder = NULL_RECORDER, vocab: int | None = None, seed: int = 0):
+                 recorder: Recorder = NULL_RECORDER, vocab: int | None = None, seed: int = 0,
+                 tune_gemms: bool | None = None):
         super().__init__()
         self.spec, self.ctx, self.options = spec, ctx, options or Options()
         self.vocab = vocab or spec.padded_vocab(ctx.size("y"))
-        self.sched = Schedule(ctx, self.options, spec.layers, recorder)
+        self.sched = Schedule(ctx, self.options, spec.layers, recorder, tune_gemms)
         self.emb = ParallelEmbedding(self.sched, self.vocab, spec.seq_len, spec.hidden)
         self.blocks = nn.ModuleList(Block(self.sched, spec, i) for i in range(spec.layers))
         self.lnf = ParallelLayerNorm(self.sched, "lnf", spec.hidden)
@@ -98,21 +101,28 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, micro_batch: int = 0,
                 total_tokens: int | None = None, reduce_loss: bool = True) -> torch.Tensor:
-        """Loss of this rank's sequences tokens [seqs, s] -> scalar.
+        """Loss of this rank's sequences: tokens, targets [seqs, s] -> scalar.
 
-        The value is scale * (sum of this rank's token losses), scale = 1/total_tokens (default: the
-        tokens of this call over all z and data shards), so gradients are those of the global mean.
-        reduce_loss: also sum the value over z and data (an extra scalar all-reduce outside the
-        program, not recorded) so that it is the global mean on every rank; gradients unchanged.
+        Targets equal to IGNORE (-100; any negative) are left out of the loss (goldfish loss).
+        The value is (sum of this rank's token losses) / total_tokens, so that gradients are those
+        of the mean over the global batch. total_tokens default: the tokens counted in the loss
+        over all z and data shards (a scalar all-reduce outside the program, not recorded).
+        reduce_loss: also sum the value over z and data (outside the program, not recorded) so that
+        it is the global mean on every rank; gradients are unchanged.
         """
+        tokens, targets = tokens.to(self.ctx.device), targets.to(self.ctx.device)
         seqs, seq_len = tokens.shape
-        total = total_tokens or seqs * seq_len * self.ctx.batch_shards
+        if seq_len > self.spec.seq_len:
+            raise ValueError(f"sequences of {seq_len} tokens exceed the position table ({self.spec.seq_len})")
+        if total_tokens is None:
+            counted = (targets >= 0).sum().to(torch.float32)
+            total_tokens = int(sum_over_batch_shards(counted, self.ctx).item())
         self.sched.begin_forward(micro_batch, seqs, seq_len)
         x = self.emb(tokens)
         for block in self.blocks:
             x = block(x)
         logits = tied_head(self.lnf(x), self.emb)
-        loss = vocab_parallel_loss(logits, targets, self.emb, 1.0 / total)
+        loss = vocab_parallel_loss(logits, targets, self.emb, 1.0 / max(total_tokens, 1))
         if reduce_loss:
             loss = loss + (sum_over_batch_shards(loss.detach(), self.ctx) - loss.detach())
         return loss
@@ -153,7 +163,7 @@ class ReferenceGPT(nn.Module):
         self.lnf = nn.LayerNorm(h)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens [batch, s]."""
+        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE."""
         B, s = tokens.shape
         nh, hd = self.spec.heads, self.spec.head_dim
         x = self.wte[tokens] + self.wpe[:s]
@@ -163,7 +173,7 @@ class ReferenceGPT(nn.Module):
             x = x + a @ b.attn_out
             x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down
         logits = self.lnf(x) @ self.wte.t()
-        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1), ignore_index=IGNORE)
 
 
 # -- reference <-> shards ---------------------------------------------------------------------------

@@ -100,7 +100,12 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer,
                max_norm: float = 1.0) -> float:
     """One iteration: forward and backward of each micro-batch, gradient reductions, clipping (if
     options.grad_clip), AdamW. batches: this rank's (tokens, targets) [seqs, s] per micro-batch
-    (len = options.micro_batches). Returns the mean loss over the global batch (same on every rank).
+    (len = options.micro_batches); targets IGNORE (-100) are left out of the loss. Returns the mean
+    loss over the counted tokens of the global batch (the same on every rank).
+
+    Outside the program (not recorded): one all-reduce over z and data of [loss sum, counted
+    tokens] after the gradient reductions; the gradients, computed with the scale 1/(all tokens),
+    are then rescaled to 1/(counted tokens) (exact: the gradient is linear in the scale).
     """
     if recorder is not None:
         model.recorder = recorder
@@ -108,20 +113,28 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer,
     if len(batches) != n:
         raise ValueError(f"{len(batches)} micro-batches given, options.micro_batches is {n}")
     optimizer.zero_grad(set_to_none=True)
-    total = sum(t.numel() for t, _ in batches) * model.ctx.batch_shards
-    loss_sum = torch.zeros((), dtype=torch.float32, device=model.ctx.device)
+    # backward with the scale 1/(all tokens); rescaled below to 1/(tokens counted in the loss)
+    all_tokens = sum(t.numel() for t, _ in batches) * model.ctx.batch_shards
+    sums = torch.zeros(2, dtype=torch.float32, device=model.ctx.device)  # loss sum, counted tokens
     for j, (tokens, targets) in enumerate(batches):
-        loss = model(tokens, targets, micro_batch=j, total_tokens=total, reduce_loss=False)
+        loss = model(tokens, targets, micro_batch=j, total_tokens=all_tokens, reduce_loss=False)
         loss.backward()
-        loss_sum += loss.detach()
+        sums[0] += loss.detach()
+        sums[1] += float((targets >= 0).sum())
     model.sched.finish_grads()
     reduce_gradients(model)
+    sums = sum_over_batch_shards(sums, model.ctx)  # outside the program: loss and token count
+    factor = all_tokens / max(float(sums[1]), 1.0)
+    if factor != 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
     if model.options.grad_clip:
         clip_gradients(model, max_norm)
     with model.sched.compute("opt.step", "optimizer"):
         optimizer.step()
     model.sched.end_step()
-    return float(sum_over_batch_shards(loss_sum, model.ctx))
+    return float(sums[0]) * factor
 
 
 def micro_batches(tokens: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

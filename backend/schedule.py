@@ -52,13 +52,14 @@ class GemmTuner:
         key = (tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype)
         if key not in self.choice:
             best, best_t = "NN", float("inf")
+            sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
             for v in self.VARIANTS:
                 self._run(a, b, v)  # warm up
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(self.repeats):
                     self._run(a, b, v)
-                torch.cuda.synchronize()
+                sync()
                 if (dt := time.perf_counter() - t0) < best_t:
                     best, best_t = v, dt
             self.choice[key] = best

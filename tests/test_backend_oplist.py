@@ -115,3 +115,22 @@ def test_slurm_first_host() -> None:
     assert _first_host("nid[001234-001240,001300]") == "nid001234"
     assert _first_host("a01,a02") == "a01"
     assert _first_host("node7") == "node7"
+
+
+def test_gemm_layout_tuning_keeps_results() -> None:
+    from backend.schedule import GemmTuner
+
+    tuner = GemmTuner(enabled=True, repeats=1)
+    a, b = torch.randn(64, 32), torch.randn(48, 32)
+    out, used = tuner.matmul(a, b.t())
+    assert used in GemmTuner.VARIANTS and torch.allclose(out, a @ b.t(), atol=1e-5)
+    assert tuner.matmul(a, b.t())[1] == used and len(tuner.choice) == 1  # timed once per shape
+    with fake_grid("2x2x2x1") as ctx:  # the recorded layout stays the program's; the one used is in args
+        spec = load_model("gpt-tiny")
+        rec = Recorder()
+        model = GPT(spec, ctx, Options(), recorder=rec, tune_gemms=True)
+        tokens = torch.randint(0, spec.vocab, (4, spec.seq_len))
+        model(tokens, tokens, total_tokens=tokens.numel() * 2, reduce_loss=False).backward()
+    gemms = [r for r in rec.records if r.kind == "gemm"]
+    assert gemms and all(r.args.get("impl") in GemmTuner.VARIANTS for r in gemms)
+    assert {r.layout for r in gemms} == {"NN", "NT", "TN"}
