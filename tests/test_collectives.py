@@ -100,6 +100,8 @@ def test_bad_input_is_a_twin_error():
         m.time("all_gather", "w", 10)
     with pytest.raises(TwinError, match="needs 2 nodes"):
         CollectiveModel(load_system("cpu"), Grid(2, 2, 2, 2))
+    with pytest.raises(TwinError, match="unknown routing"):
+        CollectiveModel(load_system("cpu"), Grid(2, 2, 2, 1), routing="random")
     with pytest.raises(TwinError, match="unknown collective algorithm"):
         CollectiveModel(load_system("cpu"), Grid(2, 2, 2, 1), algorithm="butterfly")
 

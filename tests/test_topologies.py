@@ -190,3 +190,15 @@ def test_cli_malformed_system_file(tmp_path, edit, text):
     with pytest.raises(TwinError, match=text.replace("[", r"\[")):
         load_system(str(bad))
     _one_line_error(runner.invoke(app, ["topology", "--system", str(bad)]), text)
+
+
+def test_networkx_views_agree_with_the_arrays():
+    import networkx as nx
+    net = build_network(load_system("perlmutter"))
+    sw = net.switch_graph()
+    assert sw.number_of_nodes() == 14 * 32
+    assert nx.diameter(sw) == 3                     # local, global, local
+    g = build_network(load_system("alps"), nodes=200).graph
+    assert g.number_of_edges() == build_network(load_system("alps"), nodes=200).n_links  # no parallel links
+    e = next(iter(g.edges(data=True)))
+    assert "link" in e[2]

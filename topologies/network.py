@@ -201,16 +201,29 @@ class Network:
         return np.asarray(sw) // self.S
 
     @cached_property
-    def graph(self) -> nx.MultiDiGraph:
-        """networkx view: vertices carry `kind`; edges carry `link` (index), `capacity` (bytes/s),
-        `latency` (s) and `kind`. A MultiDiGraph because two groups' cables may share a switch pair."""
-        G = nx.MultiDiGraph(system=self.system.name)
+    def graph(self) -> nx.DiGraph:
+        """networkx view: vertices carry `kind` (gpu, nic, switch); each edge carries `link`, its index
+        into `capacity` (bytes/s), `latency` (s) and `kind`. Built on first use: the full Frontier takes
+        seconds and a few hundred MB (see benchmarks/bench_topology.py), so routing and the flow model
+        use the arrays instead. A DiGraph suffices: no two links join the same pair of vertices (the
+        cables between two groups sit on distinct switches while global_links_per_pair <= switches)."""
+        G = nx.DiGraph(system=self.system.name)
         G.add_nodes_from(range(self.nic0), kind="gpu")
         G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
         G.add_nodes_from(range(self.sw0, self.n_vertices), kind="switch")
-        cap, lat, kind = self.capacity.tolist(), self.latency.tolist(), self.kind.tolist()
-        G.add_edges_from((u, v, {"link": i, "capacity": cap[i], "latency": lat[i], "kind": LINK_KINDS[kind[i]]})
-                         for i, (u, v) in enumerate(zip(self.src.tolist(), self.dst.tolist())))
+        G.add_edges_from(zip(self.src.tolist(), self.dst.tolist(), ({"link": i} for i in range(self.n_links))))
+        return G
+
+    def switch_graph(self) -> nx.Graph:
+        """The dragonfly alone: switches (named sw<group>.<switch>, with `group`) and undirected
+        local and global cables (`kind`, `bandwidth` in bytes/s per direction). Small enough to draw."""
+        G = nx.Graph(system=self.system.name)
+        for v in range(self.sw0, self.n_vertices):
+            G.add_node(self.vertex_name(v), group=(v - self.sw0) // max(self.S, 1))
+        sel = np.flatnonzero(((self.kind == LOCAL) | (self.kind == GLOBAL)) & (self.src < self.dst))
+        for i in sel.tolist():
+            G.add_edge(self.vertex_name(int(self.src[i])), self.vertex_name(int(self.dst[i])),
+                       kind=LINK_KINDS[self.kind[i]], bandwidth=float(self.capacity[i]))
         return G
 
     def summary(self) -> dict:

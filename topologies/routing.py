@@ -10,10 +10,11 @@ Between switches:
   like a hash on the addresses.
 - non-minimal (Valiant): a global link to an intermediate group (drawn per flow from `seed`), then a
   minimal path from where it lands: at most 5 hops. Inside one group, via a random third switch.
-- adaptive: every flow picks, among its L minimal paths and one Valiant path, the one with the lowest
-  (hops x load of its most loaded switch link), the load being flows per byte/s of capacity already
-  placed; flows are placed in a few batches so that later ones see earlier ones (UGAL with global
-  knowledge of queue depths, a simplification of Slingshot's per-packet choice).
+- adaptive: every flow picks, among its L minimal paths and a few Valiant paths, the one with the
+  lowest (1 + 0.1 x hops) x (load of its most loaded link), the load being flows per byte/s of
+  capacity already placed; flows are placed in batches (random order) so that later ones see earlier
+  ones: UGAL with global knowledge of queue depths, a simplification of Slingshot's per-packet
+  choice (callers that want packet-level spreading route a flow as several sub-flows).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from twin.errors import TwinError
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 GIB = 2 ** 30
+SWITCH_PORTS = 64  # Rosetta switch ports (systems.md: De Sensi et al., SC'20)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ def _dragonfly(t: dict, w: str, nodes: int, nics: int) -> DragonflySpec:
     if df.nodes_per_group * nics > df.switches_per_group * df.endpoints_per_switch:
         raise TwinError(f"system file {w}: {df.nodes_per_group} nodes x {nics} NICs do not fit on "
                         f"{df.switches_per_group} switches x {df.endpoints_per_switch} endpoint ports")
-    if df.groups > 1 and df.global_links_per_pair < 1:
-        raise TwinError(f"system file {w}: global_links_per_pair must be at least 1 with {df.groups} groups")
+    if df.groups > 1 and not 1 <= df.global_links_per_pair <= df.switches_per_group:
+        raise TwinError(f"system file {w}: global_links_per_pair must be between 1 and switches_per_group "
+                        f"({df.switches_per_group}) with {df.groups} groups")
+    ports = -(-(df.groups - 1) * df.global_links_per_pair // df.switches_per_group)
+    used = df.endpoints_per_switch + df.switches_per_group - 1 + ports
+    if used > SWITCH_PORTS:
+        raise TwinError(f"system file {w}: a switch would need {used} ports ({df.endpoints_per_switch} endpoints, "
+                        f"{df.switches_per_group - 1} local, {ports} global) but a Rosetta switch has {SWITCH_PORTS}")
     return df
