@@ -22,11 +22,6 @@ from twin.program import STAT_BYTES
 IGNORE = -100  # a target left out of the loss (any negative target is)
 
 
-def _uniform_init(p: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
-    with torch.no_grad():
-        p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
 # -- linear -------------------------------------------------------------------------------------------
 class _LinearFn(Function):
     """y = all_reduce_in(x @ W); backward: dgrad + all_reduce_out, wgrad + reduce-scatter over z."""

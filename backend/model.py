@@ -238,22 +238,42 @@ def reference_shards(model: GPT, full: dict[str, torch.Tensor]) -> dict[str, tor
     return {name: fn(full[name].detach().to(p.device, torch.float32), coords) for name, p, fn in shard_map(model)}
 
 
-def gather_full_grads(model: GPT, ref_shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Full gradients from every rank's shards (a collective over all ranks; every rank gets them).
+def full_shapes(model: GPT) -> dict[str, tuple[int, ...]]:
+    """Shapes of the full (reference) tensors, keyed by ReferenceGPT parameter name."""
+    spec, h = model.spec, model.spec.hidden
+    out: dict[str, tuple[int, ...]] = {"wte": (model.vocab, h), "wpe": (spec.seq_len, h)}
+    for i in range(spec.layers):
+        for name, k, n, _ in spec.linear_shapes():
+            out[f"blocks.{i}.{name}"] = (k, n)
+        for ln in ("ln1", "ln2"):
+            out[f"blocks.{i}.{ln}.weight"] = out[f"blocks.{i}.{ln}.bias"] = (h,)
+    out["lnf.weight"] = out["lnf.bias"] = (h,)
+    return out
 
-    Call after the gradient reductions (data and norms), when replicas agree. ref_shapes: the
-    reference parameters' shapes (e.g. {n: p.shape for n, p in ReferenceGPT.named_parameters()}).
+
+def gather_full(model: GPT, what: str = "param") -> dict[str, torch.Tensor]:
+    """Full tensors (on CPU) from every rank's shards: 'param' (a ReferenceGPT state_dict) or 'grad'.
+
+    A collective over all ranks; every rank gets the result. Gradients: call after the gradient
+    reductions (data, norms), when the replicas agree.
     """
     g = model.ctx.grid
+    shapes = full_shapes(model)
     out = {}
     for name, p, fn in shard_map(model):
-        local = p.grad if p.grad is not None else torch.zeros_like(p)
+        local = p.detach() if what == "param" else p.grad
+        local = torch.zeros_like(p) if local is None else local
         parts = [torch.zeros_like(local) for _ in range(g.size)]
         dist.all_gather(parts, local.contiguous())
-        shape = ref_shapes[name]
+        shape = shapes[name]
         index = torch.arange(math.prod(shape)).view(shape)
         full = torch.zeros(math.prod(shape), dtype=local.dtype)
         for r, part in enumerate(parts):
             full[fn(index, g.coords(r)).reshape(-1)] = part.cpu().reshape(-1)
         out[name] = full.view(shape)
     return out
+
+
+def gather_full_grads(model: GPT) -> dict[str, torch.Tensor]:
+    """Full gradients, keyed by ReferenceGPT parameter name (see gather_full)."""
+    return gather_full(model, "grad")

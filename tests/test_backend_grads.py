@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from backend_helpers import run_on_grid  # noqa: E402
 
 from backend.layers import IGNORE  # noqa: E402
-from backend.model import GPT, ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
+from backend.model import GPT, ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
 from backend.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                            reduce_gradients, train_step)
 from backend.recorder import Recorder  # noqa: E402
@@ -37,6 +37,8 @@ def _compare(ctx, options: Options, batch: int) -> dict:
     ref = ReferenceGPT(spec, seed=7)
     model = GPT(spec, ctx, options)
     load_from_reference(model, ref.state_dict())
+    back = gather_full(model, "param")
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items()) and len(back) == len(ref.state_dict())
     n = options.micro_batches
 
     # forward and gradients of one batch
@@ -49,7 +51,7 @@ def _compare(ctx, options: Options, batch: int) -> dict:
         mb_loss.backward()
         loss += float(mb_loss.detach())
     reduce_gradients(model)
-    full = gather_full_grads(model, {k: p.shape for k, p in ref.named_parameters()})
+    full = gather_full_grads(model)
     abs_err, rel_err = {}, {}
     for k, p in ref.named_parameters():
         diff = float((full[k] - p.grad).abs().max())
