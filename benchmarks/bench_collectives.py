@@ -5,7 +5,8 @@
 1. Model vs measured ring bandwidth (GB/s) for Perlmutter and Frontier groups of size p = 2, 4, 8, 16
    and rank stride s = 1, 2, 4, 8 (../shared/reference/collective-bandwidth.md; "p>8" read at 16),
    all groups of the axis running at once, with the ratio model/measured.
-2. Speed on the default Frontier study (gpt-320b, 32,768 GCDs, grid 8x8x4x128): building the
+2. Alps: NCCL all-reduce bus bandwidth on 2 nodes (systems.md) against the model.
+3. Speed on the default Frontier study (gpt-320b, 32,768 GCDs, grid 8x8x4x128): building the
    CollectiveModel, then every distinct (kind, axis, bytes) of the program, alone and with each
    subset of the other axes running concurrently; and the effective bandwidth of each axis by routing mode.
 """
@@ -42,6 +43,16 @@ def table() -> None:
           f"{sum(0.9 <= x <= 1.1 for x in r)} of {len(r)} within 10%")
 
 
+def alps() -> None:
+    """docs.cscs.ch (systems.md): NCCL all-reduce on 2 Alps nodes (8 GPUs), bus bandwidth by size."""
+    m = CollectiveModel(load_system("alps"), Grid(8, 1, 1, 1))
+    print("\nAlps, NCCL all-reduce on 2 nodes (8 GPUs), bus bandwidth 2(p-1)/p x size / time (GB/s)")
+    for mib, measured in ((128, 122.6), (64, 107.7), (32, 85.5)):
+        size = mib * 2**20
+        bus = 2 * 7 / 8 * size / m.time("all_reduce", "x", size) / 1e9
+        print(f"  {mib:4d} MiB: measured {measured:6.1f}, model {bus:6.1f}, ratio {bus / measured:.2f}")
+
+
 def speed() -> None:
     system, grid = load_system("frontier"), Grid(8, 8, 4, 128)
     prog = build_program(load_model("gpt-320b"), grid)
@@ -72,4 +83,5 @@ def speed() -> None:
 
 if __name__ == "__main__":
     table()
+    alps()
     speed()

@@ -47,6 +47,18 @@ def test_ring_bandwidth_matches_the_measured_table():
     assert close >= 0.85 * len(ratios), ratios
 
 
+def test_alps_two_node_all_reduce():
+    """NCCL all-reduce on 2 Alps nodes (systems.md: 122.6, 107.7, 85.5 GB/s bus bandwidth at 128, 64,
+    32 MiB). Not fitted: Alps' efficiencies are assumed. The model takes the hierarchical ring (NVLink
+    inside the node, 4 NICs across) and stays below 100 GB/s, the 4 NICs' rate, where NCCL gets more
+    (its tree/NVLS algorithms); within a factor 1.3, and it must fall with size as the measurement does."""
+    m = CollectiveModel(load_system("alps"), Grid(8, 1, 1, 1))
+    bus = [2 * 7 / 8 * mib * 2**20 / m.time("all_reduce", "x", mib * 2**20) / 1e9 for mib in (128, 64, 32)]
+    for b, measured in zip(bus, (122.6, 107.7, 85.5)):
+        assert 1 / 1.3 < b / measured < 1.3, bus
+    assert bus[0] > bus[1] > bus[2]
+
+
 def test_strided_groups_get_fewer_nics():
     # Perlmutter: 4, 2, 1 ring members per node -> 80, 40, 20 GB/s (the NICs a ring can use)
     assert [round(model_bandwidth("perlmutter", s, 16)) for s in (1, 2, 4)] == [76, 40, 20]

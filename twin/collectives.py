@@ -96,11 +96,9 @@ class CollectiveModel:
         self.channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
         self.seed = seed
         self.spread = 1 if routing == "minimal" else spread
-        self._flows: dict[str, list[_FlowSet]] = {}
-        self._alpha: dict[str, list[float]] = {}
-        self._rates: dict[frozenset, dict[str, list[float]]] = {}
+        self._flows: dict[tuple, tuple] = {}
+        self._rates: dict[tuple, dict[str, list[float]]] = {}
         self._times: dict[tuple, float] = {}
-        self._phase_sizes: dict[str, list[int]] = {}
 
     # -- flows of one step ------------------------------------------------------------------------
     def _axis_gpus(self, axis: str) -> np.ndarray:
@@ -155,31 +153,42 @@ class CollectiveModel:
         caps = np.repeat(cols[6].astype(float) / spread, spread)
         return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, R)
 
-    def _phases(self, axis: str) -> list[_FlowSet]:
-        """The flow sets of an axis' collective: one (flat ring) or two (hierarchical: node, then across)."""
-        if axis not in self._flows:
+    def _algorithm(self, axis: str, algorithm: str) -> str:
+        """`algorithm`, or "ring" where a hierarchical ring would be the flat ring (1 or all members per node)."""
+        if algorithm == "hierarchical":
+            node = self._axis_gpus(axis) // self.system.gpus_per_node
+            m, p = int((node == node[:, :1]).sum(1).min()), node.shape[1]
+            if m == 1 or m == p or p % m:
+                return "ring"
+        return algorithm
+
+    def _phases(self, axis: str, algorithm: str) -> tuple[list[_FlowSet], list[float], list[int]]:
+        """(flow sets, alpha per step in s, ring size) of each phase of an axis' collective: one phase
+        (flat ring) or two (hierarchical: rings inside nodes, then m rings across nodes)."""
+        key = (axis, algorithm)
+        if key not in self._flows:
             gpus = self._axis_gpus(axis)
-            node = gpus // self.system.gpus_per_node
-            m = int((node == node[:, :1]).sum(1).min())  # members on the first member's node
-            p = gpus.shape[1]
-            if self.algorithm == "ring" or m == 1 or m == p or p % m:
+            if algorithm == "ring":
                 phases = [gpus]
             else:  # hierarchical: rings of the m members of a node, then m rings across nodes
+                node = gpus // self.system.gpus_per_node
+                m, p = int((node == node[:, :1]).sum(1).min()), gpus.shape[1]
                 local = gpus.reshape(-1, p // m, m)
                 phases = [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
-            self._flows[axis] = [self._ring_flows(g) for g in phases]
+            flows = [self._ring_flows(g) for g in phases]
             lat = self.net.latency
-            self._alpha[axis] = [self.system.collectives.step_latency + (
+            alphas = [self.system.collectives.step_latency + (
                 float(np.add.reduceat(lat[f.routes.links], f.routes.ptr[:-1][np.diff(f.routes.ptr) > 0]).max())
-                if len(f.routes.links) else 0.0) for f in self._flows[axis]]
-            self._phase_sizes[axis] = [g.shape[1] for g in phases]
-        return self._flows[axis]
+                if len(f.routes.links) else 0.0) for f in flows]
+            self._flows[key] = (flows, alphas, [g.shape[1] for g in phases])
+        return self._flows[key]
 
-    def _bus_rates(self, axes: frozenset) -> dict[str, list[float]]:
-        """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together.
-        Phase k of an axis is taken to overlap the other axes' phase min(k, last) (one phase for rings)."""
-        if axes not in self._rates:
-            sets = {a: self._phases(a) for a in sorted(axes)}
+    def _bus_rates(self, axes: frozenset, algorithm: str) -> dict[str, list[float]]:
+        """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together
+        with `algorithm`. Phase k of an axis overlaps the others' phase min(k, last)."""
+        key = (axes, algorithm)
+        if key not in self._rates:
+            sets = {a: self._phases(a, self._algorithm(a, algorithm))[0] for a in sorted(axes)}
             out: dict[str, list[float]] = {a: [] for a in sets}
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
@@ -190,13 +199,29 @@ class CollectiveModel:
                     if k < len(v):
                         out[a].append(float(f.bus_rates(rates[off:off + len(f.routes)]).min()))
                     off += len(f.routes)
-            self._rates[axes] = out
-        return self._rates[axes]
+            self._rates[key] = out
+        return self._rates[key]
+
+    def _ring_time(self, kind: str, axis: str, nbytes: float, axes: frozenset, algorithm: str) -> float:
+        algorithm = self._algorithm(axis, algorithm)
+        rates = self._bus_rates(axes, algorithm)[axis]
+        _, alphas, sizes = self._phases(axis, algorithm)
+        mult = 2.0 if kind == "all_reduce" else 1.0
+        t, data = 0.0, float(nbytes)
+        for rate, alpha, q in zip(rates, alphas, sizes):
+            t += mult * ((q - 1) * alpha + (q - 1) / q * data / rate)
+            data /= q  # the next (across-node) phase carries 1/q of the data per ring
+        return t
 
     # -- public API -------------------------------------------------------------------------------
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset[str] = frozenset()) -> float:
         """Seconds for collective `kind` with payload `nbytes` (bytes; as twin.program.Op.bytes) over
-        every group of `axis` at once, while the axes in `concurrent` run collectives too."""
+        every group of `axis` at once, while the axes in `concurrent` run collectives too.
+
+        All-gather and reduce-scatter use the model's algorithm (the library's ring by default); an
+        all-reduce, unless the system file makes it ring-only, takes the fastest of that, the
+        hierarchical ring and a tree (2 ceil(log2 p) steps, the buffer sent twice at the ring's rate),
+        as NCCL's tuner picks among ring and tree by size."""
         key = (kind, axis, nbytes, concurrent)
         t = self._times.get(key)
         if t is not None:
@@ -210,32 +235,28 @@ class CollectiveModel:
             self._times[key] = 0.0
             return 0.0
         axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
-        rates = self._bus_rates(axes)[axis]
-        self._phases(axis)
-        alphas, sizes = self._alpha[axis], self._phase_sizes[axis]
-        mult = 2.0 if kind == "all_reduce" else 1.0
-        t, data = 0.0, float(nbytes)
-        for rate, alpha, q in zip(rates, alphas, sizes):
-            t += mult * ((q - 1) * alpha + (q - 1) / q * data / rate)
-            data /= q  # the next (across-node) phase carries 1/q of the data per ring
+        t = self._ring_time(kind, axis, nbytes, axes, self.algorithm)
         if kind == "all_reduce" and "all_reduce" not in self.system.collectives.ring_only:
-            steps = 2 * math.ceil(math.log2(p))
-            tree = steps * max(alphas) + 2.0 * nbytes / min(rates)
-            t = min(t, tree)
+            if self._algorithm(axis, "hierarchical") == "hierarchical":
+                t = min(t, self._ring_time(kind, axis, nbytes, axes, "hierarchical"))
+            algorithm = self._algorithm(axis, self.algorithm)
+            rates = self._bus_rates(axes, algorithm)[axis]
+            alphas = self._phases(axis, algorithm)[1]
+            t = min(t, 2 * math.ceil(math.log2(p)) * max(alphas) + 2.0 * nbytes / min(rates))
         self._times[key] = t
         return t
 
     def effective_bandwidth(self, axis: str, concurrent: frozenset[str] = frozenset()) -> float:
         """Ring bus bandwidth (bytes/s) an axis' groups get, all of them running at once: the
         bytes each rank sends divided by the time, for a large all-gather (latency excluded)."""
-        if self.grid.axis_size(axis) == 1:
+        p = self.grid.axis_size(axis)
+        if p == 1:
             return math.inf
         axes = frozenset({axis} | {a for a in concurrent if self.grid.axis_size(a) > 1})
-        rates = self._bus_rates(axes)[axis]
-        sizes = self._phase_sizes[axis]
-        # wire bytes per unit payload over the time per unit payload
-        p = self.grid.axis_size(axis)
-        t, data = 0.0, 1.0
+        algorithm = self._algorithm(axis, self.algorithm)
+        rates = self._bus_rates(axes, algorithm)[axis]
+        sizes = self._phases(axis, algorithm)[2]
+        t, data = 0.0, 1.0   # time per byte of payload, phase by phase
         for rate, q in zip(rates, sizes):
             t += (q - 1) / q * data / rate
             data /= q
