@@ -223,12 +223,13 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers")
+                 "start", "running", "blk", "starts", "blockers", "cursor")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = [(i, sim.deps[i]) for i in ops]
         self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
+        self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
         self.starts = [0] * len(ops)                 # start of each op (ns)
         self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
         self.event = None
@@ -241,13 +242,20 @@ class _GroupStream:
             return
         sim = self.sim
         i, deps = self.todo[self.pc]
-        done = sim.done
-        for d in deps:
-            for r in self.members:
+        done, members = sim.done, self.members
+        # done flags never revert, so a wait resumes the scan where it stopped (large groups)
+        dk, mk = self.cursor
+        for dj in range(dk, len(deps)):
+            d = deps[dj]
+            for mj in range(mk, len(members)):
+                r = members[mj]
                 if not done[r][d]:
+                    self.cursor = (dj, mj)
                     self.blk = (r, d)
                     sim.wait(r, d, self)
                     return
+            mk = 0
+        self.cursor = (0, 0)
         now = sim.env._now
         axis = self.axis
         self.starts[self.pc] = now
