@@ -59,7 +59,7 @@ class Comm:
     def __init__(self, ctx: ParallelContext, recorder: Recorder = NULL_RECORDER):
         self.ctx = ctx
         self.recorder = recorder
-        self.native_reduce_scatter = ctx.backend != "gloo"
+        self.native_reduce_scatter = str(ctx.backend) != "gloo"
 
     def skip(self, axis: str) -> bool:
         """True when the axis has one rank: the collective is left out."""

@@ -105,7 +105,8 @@ class ParallelContext:
                              f"size is {world}: launch {grid.size} processes or choose another grid")
         backend = dist.get_backend()
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            on_gpu = "nccl" in str(backend)
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         groups: dict[str, dist.ProcessGroup | None] = {}
         for axis in AXES:
             groups[axis] = None

@@ -105,3 +105,32 @@ def test_matches_reference(grid: str, options: Options, batch: int) -> None:
                 f"rank {rank}: recorded {stream} ops differ from the program"
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same losses
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_one_rank(tmp_path) -> None:
+    """On one GPU (NCCL, bf16, GEMM layout tuning, CUDA-event timing): close to the fp32 reference."""
+    import torch.distributed as dist
+
+    from backend.dist import ParallelContext
+    from backend_helpers import _free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ctx = ParallelContext.build(Grid.parse("1x1x1x1"))
+        assert ctx.device.type == "cuda" and ctx.compute_dtype == torch.bfloat16
+        spec = load_model("gpt-tiny")
+        ref = ReferenceGPT(spec, seed=7)
+        rec = Recorder(device=ctx.device)
+        model = GPT(spec, ctx, Options(), recorder=rec)
+        load_from_reference(model, ref.state_dict())
+        tokens, targets = _batch(spec, 8, 0)
+        loss = model(tokens, targets)
+        loss.backward()
+        assert float(loss) == pytest.approx(float(ref(tokens, targets)), rel=2e-2)
+        spans = rec.spans(0)
+        assert spans and all(s.duration_s >= 0 for s in spans)
+        assert all("impl" in r.args for r in rec.records if r.kind == "gemm")
+    finally:
+        dist.destroy_process_group()
