@@ -1,5 +1,7 @@
 """System specs, the dragonfly graph, routing, placement, and the `twin systems` / `twin topology` commands."""
 
+import re
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -172,22 +174,27 @@ def test_cli_systems_and_topology(tmp_path):
 
 def test_cli_unknown_system_and_too_large_a_job():
     _one_line_error(runner.invoke(app, ["topology", "--system", "summit"]), "unknown system 'summit'")
+    _one_line_error(runner.invoke(app, ["topology", "--system", "nowhere/x.toml"]), "does not exist")
     _one_line_error(runner.invoke(app, ["topology", "--system", "frontier", "--gpus", "100000"]),
                     "needs 12500 nodes")
 
 
 @pytest.mark.parametrize("edit,text", [
     (lambda t: t + "\n[[[", "malformed system file"),
-    (lambda t: t.replace("[network]", "[netw]"), "need a [network] table"),
+    (lambda t: t[:t.index("[network]")] + t[t.index("[collectives]"):], "need a [network] table"),
+    (lambda t: t.replace("[network]", "[netw]"), "unknown key(s) netw in the top level"),
     (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwidth = \"fast\""), "nic_bandwidth must be a float"),
     (lambda t: t.replace("[  0, 100, 100, 100],", "[  0, 100, 100],"), "links_gbs must be a 4x4 matrix"),
     (lambda t: t.replace("groups = 14 ", "groups = 2 "), "hold fewer than"),
+    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwith = 25e9"), "unknown key(s) nic_bandwith in [node]"),
+    (lambda t: t.replace("global_links_per_pair = 12", "global_links_per_pair = 40"), "between 1 and switches_per_group"),
+    (lambda t: t.replace("endpoints_per_switch = 16", "endpoints_per_switch = 30"), "a Rosetta switch has 64"),
 ])
 def test_cli_malformed_system_file(tmp_path, edit, text):
     src = load_system("perlmutter").path
     bad = tmp_path / "bad.toml"
     bad.write_text(edit(open(src).read()))
-    with pytest.raises(TwinError, match=text.replace("[", r"\[")):
+    with pytest.raises(TwinError, match=re.escape(text)):
         load_system(str(bad))
     _one_line_error(runner.invoke(app, ["topology", "--system", str(bad)]), text)
 

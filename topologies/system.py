@@ -126,7 +126,9 @@ def _table(data: dict, key: str, path: Path) -> dict:
 def load_system(name_or_path: str) -> SystemSpec:
     """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
     path = Path(str(name_or_path))
-    if not (path.suffix == ".toml" and path.exists()):
+    if path.suffix == ".toml" and not path.exists():
+        raise TwinError(f"system file {path} does not exist (shipped systems: {', '.join(list_systems())})")
+    if path.suffix != ".toml":
         path = SYSTEMS_DIR / f"{name_or_path}.toml"
         if not path.exists():
             raise TwinError(f"unknown system {name_or_path!r}: choose one of {', '.join(list_systems())} "
@@ -135,7 +137,33 @@ def load_system(name_or_path: str) -> SystemSpec:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TwinError(f"malformed system file {path}: {e}") from None
+    _check_keys(data, path)
     return _parse(data, path)
+
+
+KNOWN_KEYS = {
+    "": {"name", "description", "sources", "gpu", "node", "network", "collectives", "default"},
+    "gpu": {"name", "peak_flops", "gemm_flops", "hbm_gib", "hbm_bandwidth"},
+    "node": {"nodes", "gpus_per_node", "nics_per_node", "nic_bandwidth", "gpu_nic", "gpu_nic_bandwidth",
+             "link_latency", "links_gbs"},
+    "network": {"groups", "switches_per_group", "endpoints_per_switch", "nodes_per_group", "global_links_per_pair",
+                "link_bandwidth", "switch_latency", "nic_latency", "local_cable_latency", "global_cable_latency"},
+    "collectives": {"library", "ring_only", "intra_node_efficiency", "inter_node_channel_efficiency", "step_latency"},
+    "default": {"model", "gpus"},
+}
+
+
+def _check_keys(data: dict, path: Path) -> None:
+    """Refuse unknown keys: a misspelt key would otherwise be silently ignored."""
+    for table, known in KNOWN_KEYS.items():
+        t = data if not table else data.get(table, {})
+        if not isinstance(t, dict):
+            raise TwinError(f"system file {path}: [{table}] must be a table")
+        unknown = sorted(set(t) - known)
+        if unknown:
+            where = f"[{table}]" if table else "the top level"
+            raise TwinError(f"system file {path}: unknown key(s) {', '.join(unknown)} in {where} "
+                            f"(known: {', '.join(sorted(known))})")
 
 
 def _parse(data: dict, path: Path) -> SystemSpec:
