@@ -110,3 +110,15 @@ def test_frontier_default_study():
     d = sim_json("--system", "frontier")
     assert d["model"] == "gpt-320b" and d["gpus"] == 32768
     assert 0 < d["percent_of_peak"] < 100
+
+
+def test_timeline_figure_bars_and_segments():
+    from twin.plots import MAX_BARS, timeline_figure
+    from twin.trace import Span
+    spans = [Span(0, "a", "gemm", "compute", 0.0, 1.0), Span(0, "b", "all_reduce", "x", 0.5, 0.25)]
+    fig = timeline_figure(spans)
+    assert {t.type for t in fig.data} == {"bar"}
+    bar = next(t for t in fig.data if t.name == "all_reduce")
+    assert tuple(bar.base) == (0.5,) and tuple(bar.x) == (0.25,) and bar.orientation == "h"
+    many = [Span(r % 4, f"op{r}", "gemm", "compute", float(r), 0.5) for r in range(MAX_BARS + 1)]
+    assert {t.type for t in timeline_figure(many).data} == {"scattergl"}
