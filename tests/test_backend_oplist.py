@@ -5,6 +5,7 @@ process, plus a real gloo run)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -134,3 +135,34 @@ def test_gemm_layout_tuning_keeps_results() -> None:
     gemms = [r for r in rec.records if r.kind == "gemm"]
     assert gemms and all(r.args.get("impl") in GemmTuner.VARIANTS for r in gemms)
     assert {r.layout for r in gemms} == {"NN", "NT", "TN"}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_init_from_env(monkeypatch, launcher: str) -> None:
+    from backend.dist import destroy, init_from_env
+    from backend_helpers import _free_port
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "SLURM_LOCALID",
+                "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    if launcher == "torchrun":
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    else:
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        monkeypatch.setenv("SLURM_LOCALID", "0")
+        monkeypatch.setenv("SLURM_NTASKS", "1")
+        monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    try:
+        info = init_from_env("gloo")
+        assert (info.rank, info.local_rank, info.world_size) == (0, 0, 1)
+        if launcher == "slurm":
+            assert os.environ["MASTER_ADDR"] == "localhost"
+        with pytest.raises(ValueError, match="world size is 1"):
+            ParallelContext.build(Grid.parse("2x1x1x1"))
+        assert ParallelContext.build(Grid.parse("1x1x1x1")).coords == (0, 0, 0, 0)
+    finally:
+        destroy()
