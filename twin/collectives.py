@@ -10,8 +10,10 @@ with wire_bytes = (p-1)/p * payload (x2 for all-reduce), the bytes each rank sen
 rate of the slowest member's step ("bus bandwidth" in NCCL's terms). We compute bus_rate once per
 (axis, set of concurrently running axes) by max-min fairness over the flows of one step of EVERY
 group of those axes (they contend for NICs and global links), and derive every payload size from it:
-the steady-state model, exact for rings whose steps all look alike, which ignores the overlap
-collectives only have for part of their duration. alpha = the software latency per step (system
+the steady-state model, exact for rings whose steps all look alike (NCCL pipelines a ring, so its
+throughput is that of its slowest hop). It is pessimistic in two ways: the slowest group of the
+axis sets the time, though in reality it speeds up once faster groups finish and free links; and
+concurrent axes are taken to overlap for the whole duration. alpha = the software latency per step (system
 file) + the largest path latency of the step's flows (sum of link latencies).
 
 How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured table shows):
@@ -23,7 +25,8 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   channels are one flow (their channels share the direct link anyway).
 - with adaptive (or non-minimal) routing, each node-crossing flow travels as `spread` (4) sub-flows
   routed on their own, as Slingshot spreads a flow's packets over paths; the flow's rate is their
-  sum. With a single path per flow, unlucky path choices leave a few flows far slower than packets
+  sum (each sub-flow capped at 1/spread of the channel cap, so a sub-flow on a free path cannot take
+  over what a congested sibling leaves: a slight underestimate). With a single path per flow, unlucky path choices leave a few flows far slower than packets
   would be (Frontier data axis of gpt-320b: 1.9 GB/s with 1 path, 3.2 with 4, 4.0 with 8, at 2.5x
   the cost). Adaptive and non-minimal routing may use every group of the machine, so the whole
   machine's network is built (the rest of the machine is taken to be idle).
