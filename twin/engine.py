@@ -319,7 +319,6 @@ class _GroupStream:
             busy[r] -= 1
             if busy[r] == 0:
                 compute[r].rerate()
-        for r in members:
             done[r][i] = 1
             ws = waiters.pop(r * n + i, None)
             if ws:
