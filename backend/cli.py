@@ -81,7 +81,6 @@ def run_cmd(
     trace_step: Annotated[Optional[int], typer.Option(help="Step whose ops are written to trace.json (default: the last).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights and the data order.")] = 0,
     device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "fp32",
 ) -> int:
     """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch import launch
@@ -91,7 +90,7 @@ def run_cmd(
                       lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
                       recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
-                      log_every=log_every, trace_step=trace_step, seed=seed, device=device, dtype=dtype)
+                      log_every=log_every, trace_step=trace_step, seed=seed, device=device)
     g = cfg.parsed_grid()
     check_launcher_world(g)
     validate(cfg)

@@ -111,16 +111,80 @@ def run_job(kind: str, config: dict) -> int:
     return 0
 
 
+def _preload(kind: str) -> None:
+    """Import what the ranks need once, before forking, so that N ranks do not import torch N times."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch.optim imports it lazily: about a second per process)
+    import torch.distributed  # noqa: F401
+    module = JOBS[kind].split(":")[0]
+    importlib.import_module(module)
+    if kind == "run":
+        for m in ("backend.model", "backend.optim", "backend.checkpoint", "backend.data"):
+            importlib.import_module(m)
+
+
+def _forked_rank(kind: str, config: dict, env: dict) -> None:
+    import torch
+    os.environ.update(env)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch read it before the fork
+    code = run_job(kind, config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _start_ranks(kind: str, config: dict, world_size: int, fork: bool) -> list:
+    """Start the ranks: forked from this process (CPU), or fresh interpreters (GPU: CUDA and fork
+    do not mix). Returns handles with poll()/terminate()/kill()/wait() and returncode."""
+    import multiprocessing as mp
+    port = free_port()
+    envs = []
+    for rank in range(world_size):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               SPAWNED_ENV: "1"}
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+        envs.append(env)
+    if not fork:
+        return [subprocess.Popen([sys.executable, "-m", "backend.launch", kind],
+                                 env={**os.environ, **env, CONFIG_ENV: json.dumps(config)}) for env in envs]
+    _preload(kind)
+    ctx = mp.get_context("fork")
+    procs = [_Forked(ctx.Process(target=_forked_rank, args=(kind, config, env))) for env in envs]
+    return procs
+
+
+class _Forked:
+    """A forked rank with the Popen methods spawn() uses."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        proc.start()
+
+    @property
+    def returncode(self):
+        return self.proc.exitcode
+
+    def poll(self):
+        return self.proc.exitcode
+
+    def terminate(self):
+        self.proc.terminate()
+
+    def kill(self):
+        self.proc.kill()
+
+    def wait(self, timeout=None):
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("rank", timeout)
+        return self.proc.exitcode
+
+
 def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05) -> int:
     """Start `world_size` local ranks of job `kind`, wait, and return the first failing exit code."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   **{SPAWNED_ENV: "1", CONFIG_ENV: json.dumps(config)})
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
-        procs.append(subprocess.Popen([sys.executable, "-m", "backend.launch", kind], env=env))
+    procs = _start_ranks(kind, config, world_size, fork=config.get("device", "cpu") == "cpu")
     code = 0
     try:
         while any(p.poll() is None for p in procs):
@@ -161,7 +225,10 @@ def main() -> None:
     """Worker entry point: `python -m backend.launch <kind>` with the config in BACKEND_CONFIG."""
     kind = sys.argv[1]
     config = json.loads(os.environ[CONFIG_ENV])
-    sys.exit(run_job(kind, config))
+    code = run_job(kind, config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the interpreter's teardown of torch (seconds on a busy machine)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,7 @@ class TrainConfig:
     log_every: int = 1
     trace_step: int | None = None     # step whose ops go to trace.json (default: the last one)
     seed: int = 0
-    device: str = "cpu"               # cpu or cuda
-    dtype: str = "fp32"               # fp32 or bf16 (compute precision; master weights stay fp32)
+    device: str = "cpu"               # cpu (gloo, fp32) or cuda (NCCL, bf16 compute, fp32 master weights)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -101,8 +100,6 @@ def validate(cfg: TrainConfig) -> None:
         raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
     if cfg.device not in ("cpu", "cuda"):
         raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise TwinError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
@@ -119,6 +116,14 @@ def step_flops(cfg: TrainConfig, recompute: bool) -> float:
     """Reference flops of one step (flop), see the module docstring."""
     spec, grid = cfg.spec(), cfg.parsed_grid()
     return spec.reference_flops(cfg.global_batch(), spec.seq_len, spec.padded_vocab(grid.y), recompute)
+
+
+def format_flops(flops_per_s: float) -> str:
+    """flop/s with an SI prefix, e.g. '412.3 TF/s'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.1f} {prefix}F/s"
+    return f"{flops_per_s:.0f} F/s"
 
 
 def format_eta(seconds: float) -> str:
@@ -155,6 +160,128 @@ class MetricsLog:
                 f.write(json.dumps(rec) + "\n")
             pct = 100.0 * step / self.cfg.steps
             print(f"step {step:>5}/{self.cfg.steps} ({pct:5.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"{rec['tokens_per_s']:,.0f} tok/s | {rec['flops_per_s_per_gpu'] / 1e12:.3f} TF/s/gpu "
+                  f"{rec['tokens_per_s']:,.0f} tok/s | {format_flops(rec['flops_per_s_per_gpu'])} per gpu "
                   f"({rec['flops_convention']}) | eta {format_eta(rec['eta_s'])}", flush=True)
         return rec
+
+
+def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
+    """Gather every rank's spans to rank 0 and write one Chrome trace (twin.trace schema)."""
+    import torch.distributed as dist
+    from twin.trace import write_trace
+
+    gathered = [None] * ctx.grid.size if ctx.rank == 0 else None
+    dist.gather_object(spans, gathered, dst=0)
+    if ctx.rank == 0:
+        write_trace(path, [s for part in gathered for s in part], metadata)
+
+
+def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
+    from backend import checkpoint
+
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "data": loader.state_dict(), "rng": checkpoint.rng_state()}
+    meta = checkpoint.make_meta(step, ctx.grid, model.spec, {"config": asdict(cfg)})
+    checkpoint.save(cfg.ckpt_dir, step, ctx.rank, state, meta, keep=cfg.keep_ckpts)
+
+
+def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
+    """Load the latest checkpoint of cfg.ckpt_dir if there is one; returns the last completed step."""
+    from backend import checkpoint
+
+    if not cfg.ckpt_dir:
+        return 0
+    path = checkpoint.latest(cfg.ckpt_dir)
+    if path is None:
+        return 0
+    state = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    loader.load_state_dict(state["data"])
+    checkpoint.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run the training loop on this rank (torch.distributed initialized here); returns the step records."""
+    import torch
+    import torch.distributed as dist
+
+    from backend.data import ShardedLoader, open_source
+    from backend.dist import ParallelContext, destroy
+    from backend.launch import check_world_size, env_rank, fabric_warning
+    from backend.model import GPT
+    from backend.optim import make_optimizer, train_step
+    from backend.recorder import NULL_RECORDER, Recorder
+
+    spec, grid, options = cfg.spec(), cfg.parsed_grid(), cfg.options()
+    check_world_size(grid.size, cfg.grid)
+    build_program(spec, grid, options, batch=cfg.global_batch())
+    source = open_source(cfg.data, spec.vocab, cfg.seed)
+    warn = fabric_warning(cfg.device)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise TwinError("--device cuda but no CUDA device is visible to PyTorch")
+    ctx = ParallelContext.from_env(grid, backend="nccl" if cfg.device == "cuda" else "gloo")
+    try:
+        rank0 = ctx.rank == 0
+        if warn and env_rank()[1] == 0:
+            print(warn, file=sys.stderr, flush=True)
+        torch.manual_seed(cfg.seed)
+        model = GPT(spec, ctx, options, seed=cfg.seed).to(ctx.device)
+        optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        loader = ShardedLoader(source, cfg.global_batch(), spec.seq_len, ctx.batch_shard, ctx.batch_shards,
+                               cfg.micro_batches, cfg.seed)
+        start = _resume(cfg, model, optimizer, loader, ctx)
+        out = Path(cfg.out)
+        metrics = MetricsLog(out / "log.jsonl", cfg, enabled=rank0)
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"backend run: {spec.name} ({spec.parameters(spec.padded_vocab(grid.y)) / 1e6:.1f} M parameters) "
+                  f"on grid {grid} ({ctx.device}, {ctx.compute_dtype}), {metrics.tokens} tokens/step, "
+                  f"data {source.name}" + (f", resumed after step {start}" if start else ""), flush=True)
+        trace_step = cfg.trace_step or cfg.steps
+        crash_after = int(os.environ.get(CRASH_ENV, "0"))
+        records = []
+        for step in range(start + 1, cfg.steps + 1):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [(b.inputs, b.targets) for b in loader.next(ctx.device)]
+            recorder = Recorder(enabled=True, device=ctx.device) if step == trace_step else NULL_RECORDER
+            if step == trace_step:
+                dist.barrier()  # align the ranks' time origins
+                recorder.reset()
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            records.append(metrics.log(step, loss, lr, seconds))
+            if step == trace_step:
+                model.recorder = NULL_RECORDER
+                _write_trace(out / "trace.json", recorder.spans(ctx.rank), ctx,
+                             {"source": "backend run", "model": spec.name, "grid": str(grid), "step": step,
+                              "device": str(ctx.device), "options": asdict(options)})
+            if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+                _save(cfg, step, model, optimizer, loader, ctx)
+            if crash_after and step == crash_after and rank0:
+                os.kill(os.getpid(), signal.SIGKILL)  # tests: die like a crashed node
+        if rank0 and records:
+            warm = records[1:] or records
+            summary = {"model": spec.name, "grid": str(grid), "device": str(ctx.device),
+                       "dtype": str(ctx.compute_dtype).removeprefix("torch."), "steps": cfg.steps,
+                       "final_loss": records[-1]["loss"],
+                       "tokens_per_s": sum(r["tokens_per_s"] for r in warm) / len(warm),
+                       "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
+                       "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
+                       "flops_convention": records[-1]["flops_convention"],
+                       "note": "averages over the logged steps after the first"}
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return records
+    finally:
+        destroy()
+
+
+def main(config: dict) -> None:
+    """The `run` job of one rank (see backend.launch)."""
+    train(TrainConfig.from_dict(config))
