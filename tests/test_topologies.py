@@ -172,6 +172,13 @@ def test_cli_systems_and_topology(tmp_path):
     assert "14 groups" in r.output and out.exists() and "plotly" in out.read_text()[:20000].lower()
 
 
+def test_cli_topology_with_a_grid():
+    r = runner.invoke(app, ["topology", "--system", "perlmutter", "--grid", "4x2x2x4"])
+    assert r.exit_code == 0, r.output
+    assert "ring bandwidth per axis" in r.output and "76.0" in r.output   # x: NVLink ring inside a node
+    _one_line_error(runner.invoke(app, ["topology", "--system", "perlmutter", "--grid", "4x2x2"]), "not of the form")
+
+
 def test_cli_unknown_system_and_too_large_a_job():
     _one_line_error(runner.invoke(app, ["topology", "--system", "summit"]), "unknown system 'summit'")
     _one_line_error(runner.invoke(app, ["topology", "--system", "nowhere/x.toml"]), "does not exist")

@@ -271,6 +271,7 @@ def topology_cmd(
     gpus: Annotated[Optional[int], typer.Option(help="Place a job of this many GPUs (default: the system's default study).")] = None,
     placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
     seed: Annotated[int, typer.Option(help="Seed of the scattered placement.")] = 0,
+    grid: Annotated[Optional[str], typer.Option("--grid", "-g", help="Also print the ring bandwidth each axis of this 4D grid gets (all its groups at once).")] = None,
 ) -> None:
     """Build a system's network, place a job on it, print a summary and optionally draw it."""
     import time
@@ -279,7 +280,10 @@ def topology_cmd(
     from topologies.placement import place
     from topologies.system import load_system
     s = load_system(system)
-    job = place(s, s.default_gpus if gpus is None else gpus, placement, seed)
+    g = Grid.parse(grid) if grid is not None else None
+    if g is not None and gpus is not None and g.size != gpus:
+        raise TwinError(f"grid {g} has {g.size} GPUs but --gpus is {gpus}: make G_x*G_y*G_z*G_data equal the GPU count")
+    job = place(s, g.size if g is not None else s.default_gpus if gpus is None else gpus, placement, seed)
     t0 = time.perf_counter()
     net = build_network(s)
     dt = time.perf_counter() - t0
@@ -295,6 +299,17 @@ def topology_cmd(
     console.print(table)
     console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes in "
                   f"{len(job.groups_used())} of {s.groups} groups")
+    if g is not None:
+        from twin.collectives import CollectiveModel
+        cm = CollectiveModel(s, g, placement=placement, seed=seed)
+        axes = Table("axis", "group size", "rank stride", "bus bandwidth (GB/s)", "with all axes at once (GB/s)",
+                     title=f"ring bandwidth per axis of grid {g} (every group of the axis at once)")
+        others = frozenset(a for a in ("x", "y", "z", "data") if g.axis_size(a) > 1)
+        for a in ("x", "y", "z", "data"):
+            if g.axis_size(a) > 1:
+                axes.add_row(a, str(g.axis_size(a)), str(g.stride(a)), f"{cm.effective_bandwidth(a) / 1e9:.1f}",
+                             f"{cm.effective_bandwidth(a, others - {a}) / 1e9:.1f}")
+        console.print(axes)
     if html is not None:
         from topologies.draw import topology_figure
         write_file(html, topology_figure(net, job).to_html(include_plotlyjs=True))
