@@ -4,7 +4,7 @@ import pytest
 
 from twin.errors import TwinError
 from twin.grid import Grid
-from twin.search import Bandwidth, analytical, choose_grid, power_of_two_grids, rank_grids, search
+from twin.search import Bandwidth, analytical, candidate_grids, choose_grid, rank_grids, search
 from twin.simulate import prepare
 
 
@@ -18,12 +18,12 @@ class FlatBandwidth:
         return nbytes / (self.bw if axis == "x" else self.bw / 4)
 
 
-def test_power_of_two_grids():
-    grids = power_of_two_grids(16)
+def test_candidate_grids():
+    grids = candidate_grids(16)
     assert len(grids) == 35 and len(set(grids)) == 35  # C(4+3, 3)
     assert all(g.size == 16 for g in grids)
-    with pytest.raises(TwinError):
-        power_of_two_grids(12)
+    twelve = candidate_grids(12)  # 12 = 3 x 2^2: a factor 3 on one of four axes, 2^2 over four
+    assert len(twelve) == 4 * 10 and Grid(3, 2, 1, 2) in twelve
 
 
 def test_ranking_keeps_fitting_grids_only_and_sorts():

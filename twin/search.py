@@ -1,4 +1,5 @@
-"""Grid choice: rank every valid power-of-two 4D grid with an analytical model, simulate the best few.
+"""Grid choice: rank every valid 4D grid (power-of-two ones for a power-of-two GPU count) with an
+analytical model, simulate the best few.
 
 Analytical model (as AxoNN's configuration search, shared/reference/collective-bandwidth.md): for each
 linear layer of a block, the ring volume of each collective the program issues (forward all-reduce over
@@ -36,14 +37,22 @@ class Candidate:
     result: object = None  # the SimulationResult, once simulated
 
 
-def power_of_two_grids(gpus: int) -> list[Grid]:
-    """Every grid of powers of two whose product is `gpus` (which must be a power of two)."""
-    if gpus < 1 or gpus & (gpus - 1):
-        raise TwinError(f"--grid auto searches power-of-two grids; {gpus} GPUs is not a power of two "
-                        "(give --grid XxYxZxD)")
-    e = gpus.bit_length() - 1
-    return [Grid(2**a, 2**b, 2**c, 2**(e - a - b - c))
-            for a in range(e + 1) for b in range(e + 1 - a) for c in range(e + 1 - a - b)]
+def candidate_grids(gpus: int) -> list[Grid]:
+    """Every grid whose product is `gpus`: the power-of-two grids when `gpus` is a power of two
+    (AxoNN's search space), else every factorisation into four divisors (e.g. 6,144 = 3 x 2^11)."""
+    if gpus < 1:
+        raise TwinError(f"a grid needs at least one GPU, got {gpus}")
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    out = []
+    for x in divisors:
+        for y in divisors:
+            if (gpus // x) % y:
+                continue
+            rest = gpus // (x * y)
+            for z in divisors:
+                if rest % z == 0:
+                    out.append(Grid(x, y, z, rest // z))
+    return out
 
 
 def _probe_grid(p: int, stride: int) -> tuple[Grid, str]:
@@ -113,18 +122,19 @@ def analytical(study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
 
 
 def rank_grids(study, collectives=None) -> list[Candidate]:
-    """Every valid power-of-two grid that fits in HBM, best analytical estimate first."""
+    """Every valid grid (power-of-two ones for a power-of-two GPU count) that fits in HBM, best
+    analytical estimate first."""
     from twin.simulate import check_grid
     bandwidth = Bandwidth(study, collectives)
     out = []
-    for grid in power_of_two_grids(study.gpus):
+    for grid in candidate_grids(study.gpus):
         try:
             check_grid(study, grid)
         except TwinError:
             continue
         out.append(analytical(study, grid, bandwidth))
     if not out:
-        raise TwinError(f"no power-of-two grid runs {study.model.name} on {study.gpus} GPUs of "
+        raise TwinError(f"no grid runs {study.model.name} on {study.gpus} GPUs of "
                         f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
                         "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
     out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
