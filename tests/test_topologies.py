@@ -175,7 +175,8 @@ def test_cli_systems_and_topology(tmp_path):
 def test_cli_topology_with_a_grid():
     r = runner.invoke(app, ["topology", "--system", "perlmutter", "--grid", "4x2x2x4"])
     assert r.exit_code == 0, r.output
-    assert "ring bandwidth per axis" in r.output and "76.0" in r.output   # x: NVLink ring inside a node
+    assert "ring bandwidth per axis" in r.output and "152.0" in r.output  # x: 2-direction NVLink ring in a node
+    assert "8.3" in r.output   # y, z, data each take one of 3 channels sharing a 25 GB/s NIC
     _one_line_error(runner.invoke(app, ["topology", "--system", "perlmutter", "--grid", "4x2x2"]), "not of the form")
 
 
