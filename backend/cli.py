@@ -109,7 +109,7 @@ def replay_cmd(
     cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
     out: Annotated[str, typer.Option(help="Trace file (Chrome trace JSON).")] = "runs/replay-trace.json",
     device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "fp32",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda, fp32 on cpu), fp32 or bf16.")] = "auto",
 ) -> int:
     """Execute the twin's program op by op with random tensors (GEMMs and collectives) and trace it."""
     from backend.launch import launch
