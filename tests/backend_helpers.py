@@ -3,7 +3,6 @@ one process on a fake process group of any size."""
 
 from __future__ import annotations
 
-import os
 import socket
 import traceback
 from contextlib import contextmanager
@@ -81,5 +80,3 @@ def fake_grid(grid: Grid | str, rank: int = 0) -> Iterator[ParallelContext]:
     finally:
         dist.destroy_process_group()
 
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
