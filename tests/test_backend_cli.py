@@ -1,0 +1,84 @@
+"""`backend` command line: bad input ends with one clear line and a non-zero exit on every rank,
+without a traceback or a hang; replay runs and writes a trace; --help everywhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from backend import checkpoint  # noqa: E402
+from twin.grid import Grid  # noqa: E402
+from twin.model import load_model  # noqa: E402
+from twin.trace import read_trace  # noqa: E402
+
+TIMEOUT = 60
+
+
+def backend(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT, env={**os.environ, **(env or {})})
+
+
+def assert_one_error_line(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_help_everywhere():
+    for cmd in ([], ["run"], ["replay"], ["bench"]):
+        r = backend(*cmd, "--help")
+        assert r.returncode == 0 and "Usage" in r.stdout
+
+
+def test_unknown_model_and_bad_grid():
+    assert_one_error_line(backend("run", "--model", "gpt-nope"), "unknown model")
+    assert_one_error_line(backend("run", "--grid", "2x2"), "XxYxZxD")
+    assert_one_error_line(backend("replay", "--model", "gpt-tiny", "--grid", "1x3x1x1"), "divisible")
+
+
+def test_missing_data_file_and_token_out_of_vocabulary(tmp_path):
+    assert_one_error_line(backend("run", "--data", str(tmp_path / "nope.bin")), "does not exist")
+    bad = tmp_path / "bad.bin"
+    np.array([1, 2, 300, 4] * 100, dtype=np.uint16).tofile(bad)
+    assert_one_error_line(backend("run", "--data", str(bad)), "token id 300", "vocabulary 256")
+
+
+def test_checkpoint_from_another_grid(tmp_path):
+    grid, model = Grid.parse("1x1x1x2"), load_model("gpt-tiny")
+    checkpoint.save(tmp_path, 2, 0, {"step": 2}, checkpoint.make_meta(2, grid, model))  # its metadata decides
+    assert_one_error_line(backend("run", "--grid", "1x1x2x1", "--ckpt-dir", str(tmp_path)), "grid 1x1x1x2")
+    other = load_model("gpt-small")
+    checkpoint.save(tmp_path, 3, 0, {"step": 3}, checkpoint.make_meta(3, grid, other))
+    assert_one_error_line(backend("run", "--grid", "1x1x1x2", "--ckpt-dir", str(tmp_path)), "gpt-small")
+
+
+def test_under_a_launcher_every_rank_reports_and_exits(tmp_path):
+    """As under torchrun/srun: each process is one rank; a grid that does not match the world size
+    is one line on every rank, exit 2, and nobody waits for a rendezvous."""
+    procs = [subprocess.Popen([sys.executable, "-m", "backend.cli", "run", "--grid", "1x1x1x1"],
+                              env={**os.environ, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                                   "SLURM_NTASKS": "2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=TIMEOUT)
+        assert_one_error_line(subprocess.CompletedProcess(p.args, p.returncode, out, err),
+                              "1 ranks", "started 2")
+
+
+def test_replay_writes_a_trace(tmp_path):
+    out = tmp_path / "replay.json"
+    r = backend("replay", "--model", "gpt-tiny", "--grid", "1x1x2x1", "--steps", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    spans = read_trace(out)
+    assert {s.rank for s in spans} == {0, 1}
+    assert any(s.kind == "gemm" for s in spans) and any(s.stream == "z" for s in spans)
