@@ -1,0 +1,69 @@
+"""Summarize a benchmarks/gpu_check.sh run: GEMM peak, tokens/s and flop/s of each run, % of peak.
+
+    python benchmarks/gpu_check_summary.py OUT_DIR      # writes OUT_DIR/gpu_check.json, prints it
+
+Throughput averages skip the first steps (CUDA warm-up, GEMM layout tuning) and the traced last step.
+Flop conventions: `flops_per_s` is ModelSpec.reference_flops (Narayanan et al. SC'21) with the
+recomputed forward counted when the run recomputes (the AxoNN convention); `model_flops_per_s` never
+counts it (useful work only). Target: flops_per_s >= 50% of the measured bf16 GEMM peak.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TARGET = 0.5
+SKIP = 3  # first steps left out of the averages
+
+
+def run_summary(run_dir: Path, peak: float | None) -> dict | None:
+    log = run_dir / "log.jsonl"
+    if not log.is_file():
+        return None
+    recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steady = recs[SKIP:-1] or recs[1:] or recs
+    if not steady:
+        return None
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in steady) / len(steady)
+
+    out = {"run": run_dir.name, "steps": len(recs), "steps_averaged": len(steady),
+           "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"],
+           "step_time_s": mean("step_time_s"), "tokens_per_s": mean("tokens_per_s"),
+           "flops_per_s": mean("flops_per_s"), "model_flops_per_s": mean("model_flops_per_s"),
+           "flops_convention": recs[-1]["flops_convention"]}
+    if peak:
+        out["fraction_of_gemm_peak"] = out["flops_per_s"] / peak
+        out["model_fraction_of_gemm_peak"] = out["model_flops_per_s"] / peak
+        out["meets_target"] = out["fraction_of_gemm_peak"] >= TARGET
+    return out
+
+
+def main(out_dir: str) -> dict:
+    out = Path(out_dir)
+    result: dict = {"target_fraction_of_gemm_peak": TARGET}
+    gemm_file = out / "gemm.json"
+    peak = None
+    if gemm_file.is_file():
+        gemm = json.loads(gemm_file.read_text())
+        result["machine"] = gemm["machine"]
+        rows = gemm["gemm"]
+        squares = [r for r in rows if r["m"] == r["n"] == r["k"]]
+        if squares:
+            best = max(squares, key=lambda r: r["tflops"])
+            peak = best["tflops"] * 1e12
+            result["gemm_peak"] = {"flops_per_s": peak, "shape": f"{best['m']}^3", "layout": best["layout"],
+                                   "dtype": best["dtype"]}
+        result["gemm_table"] = rows
+    result["runs"] = [s for s in (run_summary(d, peak) for d in sorted(out.glob("run_*")) if d.is_dir()) if s]
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    res = main(sys.argv[1] if len(sys.argv) > 1 else "gpu_check_out")
+    brief = {k: v for k, v in res.items() if k != "gemm_table"}
+    print(json.dumps(brief, indent=1))
