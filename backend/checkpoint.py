@@ -10,7 +10,8 @@ Saving: every rank writes its file into `.tmp.step_00000010/` and fsyncs it; aft
 writes meta.json, fsyncs the directory, renames it to `step_00000010` and then replaces `latest`
 through a fsynced temporary file. A crash at any point leaves `latest` naming the previous complete
 checkpoint. Loading checks the metadata against this run's grid and model on every rank (no
-collective), so a mismatch is the same clear error everywhere and nothing hangs.
+collective), so a mismatch is the same clear error everywhere and nothing hangs. torch is imported
+only where tensors are saved or loaded, so checking a checkpoint from the command line is quick.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import torch
 
 from twin.errors import TwinError
 from twin.grid import Grid
@@ -56,12 +59,14 @@ def _fsync_path(path: Path) -> None:
 
 
 def _barrier() -> None:
+    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def rng_state() -> dict:
     """RNG states of python, numpy, torch CPU and (if present) the current CUDA device."""
+    import torch
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -69,6 +74,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -96,6 +102,7 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crash while saving this step before
         tmp.mkdir()
     _barrier()
+    import torch
     path = tmp / rank_file_name(rank)
     with open(path, "wb") as f:
         torch.save(state, f)
@@ -169,4 +176,5 @@ def load(path: str | Path, rank: int, grid: Grid, model: ModelSpec,
     file = Path(path) / rank_file_name(rank)
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no file for rank {rank}")
+    import torch
     return torch.load(file, map_location=map_location, weights_only=False)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from twin.errors import TwinError
 
@@ -133,6 +136,7 @@ class ShardedLoader:
         mine = self.offsets(step)[self.shard * b:(self.shard + 1) * b]
         s = self.seq_len
         rows = np.stack([np.asarray(self.source.tokens[o:o + s + 1], dtype=np.int64) for o in mine])
+        import torch  # here, so that checking a data file does not import torch
         rows = torch.from_numpy(rows).to(device)
         per = b // self.micro_batches
         return [Batch(rows[j * per:(j + 1) * per, :-1].contiguous(), rows[j * per:(j + 1) * per, 1:].contiguous())

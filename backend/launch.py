@@ -89,12 +89,6 @@ def fabric_warning(device: str) -> str | None:
             "on LD_LIBRARY_PATH: on Slingshot collectives fall back to TCP and run 10-20x slower")
 
 
-def set_threads(local_world: int) -> None:
-    """Share the CPU cores among the ranks of this machine (gloo on CPU)."""
-    import torch
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-
-
 def run_job(kind: str, config: dict) -> int:
     """Run a job in this process (one rank); returns the exit code."""
     rank = env_rank()[0]
