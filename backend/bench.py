@@ -110,19 +110,6 @@ def bench_collective(kind: str, nbytes: int, group, group_size: int, device: tor
             "algbw_gbps": algbw, "busbw_gbps": algbw * factor}
 
 
-def axis_groups(grid: Grid, rank: int) -> dict:
-    """One process group per axis of size > 1 containing `rank` (every rank creates all groups)."""
-    mine = {}
-    for axis in AXES:
-        if grid.axis_size(axis) == 1:
-            continue
-        for members in grid.groups(axis):
-            g = dist.new_group(members)
-            if rank in members:
-                mine[axis] = g
-    return mine
-
-
 def machine_info(device: torch.device) -> dict:
     info = {"host": socket.gethostname(), "platform": platform.platform(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -157,9 +144,10 @@ def main(config: dict) -> None:
             result["gemm"].append(row)
             print(f"gemm {m}x{n}x{k} {lay} {row['dtype']}: {row['tflops']:.3f} TF/s", flush=True)
     if config.get("comm", True) and world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+        from backend.dist import ParallelContext, destroy
+        ctx = ParallelContext.from_env(grid, backend="nccl" if device.type == "cuda" else "gloo")
         try:
-            groups = axis_groups(grid, rank)
+            groups = {axis: g for axis, g in ctx.groups.items() if g is not None}
             kinds = ["all_reduce", "all_gather"] + (["reduce_scatter"] if device.type == "cuda" else [])
             for axis in AXES:
                 if axis not in groups:
@@ -173,7 +161,7 @@ def main(config: dict) -> None:
                             print(f"{kind} over {axis} ({row['group_size']} ranks) {row['bytes']} B: "
                                   f"busbw {row['busbw_gbps']:.3f} GB/s", flush=True)
         finally:
-            dist.destroy_process_group()
+            destroy()
     if rank == 0:
         out = Path(config["out"])
         out.parent.mkdir(parents=True, exist_ok=True)

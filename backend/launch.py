@@ -190,6 +190,10 @@ def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05) -> int
     except KeyboardInterrupt:
         code = 130
     if code:
+        if code < 0:
+            rank = next(i for i, p in enumerate(procs) if p.returncode == code)
+            print(f"error: rank {rank} was killed by signal {-code}; stopping the other ranks",
+                  file=sys.stderr, flush=True)
         for p in procs:
             if p.poll() is None:
                 p.terminate()

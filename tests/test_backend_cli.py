@@ -82,3 +82,16 @@ def test_replay_writes_a_trace(tmp_path):
     spans = read_trace(out)
     assert {s.rank for s in spans} == {0, 1}
     assert any(s.kind == "gemm" for s in spans) and any(s.stream == "z" for s in spans)
+
+
+def test_bench_writes_a_table(tmp_path):
+    import json
+    out = tmp_path / "bench.json"
+    r = backend("bench", "--model", "", "--grid", "1x1x1x2", "--squares", "64", "--sizes-mib", "0.01",
+                "--min-time", "0.01", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    table = json.loads(out.read_text())
+    assert {row["layout"] for row in table["gemm"]} == {"NN", "NT", "TN"}
+    assert table["gemm"][0]["tflops"] > 0
+    assert {(row["axis"], row["kind"]) for row in table["collectives"]} == {("data", "all_reduce"), ("data", "all_gather")}
+    assert all(row["busbw_gbps"] > 0 for row in table["collectives"])
