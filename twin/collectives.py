@@ -26,10 +26,12 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
 - with adaptive (or non-minimal) routing, each node-crossing flow travels as `spread` (4) sub-flows
   routed on their own, as Slingshot spreads a flow's packets over paths; the flow's rate is their
   sum (each sub-flow capped at 1/spread of the channel cap, so a sub-flow on a free path cannot take
-  over what a congested sibling leaves: a slight underestimate). With a single path per flow, unlucky path choices leave a few flows far slower than packets
-  would be (Frontier data axis of gpt-320b: 1.9 GB/s with 1 path, 3.2 with 4, 4.0 with 8, at 2.5x
-  the cost). Adaptive and non-minimal routing may use every group of the machine, so the whole
-  machine's network is built (the rest of the machine is taken to be idle).
+  over what a congested sibling leaves: a slight underestimate). With one path per flow, unlucky
+  choices leave a few flows far slower than packets would be (gpt-40b's data axis on 4,096
+  Perlmutter GPUs, where rings cross 8 groups: 8.3 GB/s per channel with 1 path, 12.5 with 2, 16.7
+  with 4, against a 20 GB/s channel cap; 4 costs about 2x the time of 2). Adaptive and non-minimal
+  routing may use every group of the machine, so the whole machine's network is built (the rest
+  of the machine is taken to be idle).
 - `algorithm="hierarchical"` instead runs a ring inside each node, then m rings across nodes (one per
   local position, each over its own NIC, 1/m of the data), one phase after the other.
 - all-reduce may use a tree (double binary tree: 2 log2(p) steps, each rank sends the buffer twice)
@@ -152,8 +154,9 @@ class CollectiveModel:
                           != cols[1] // self.system.gpus_per_node, self.spread, 1)
         parent = np.repeat(np.arange(len(spread)), spread)
         sub = [np.repeat(c, spread) for c in cols[:4]]
-        routes = route(self.net, *sub, mode=self.routing, seed=self.seed)
         caps = np.repeat(cols[6].astype(float) / spread, spread)
+        demand = np.minimum(caps, self.system.nic_bandwidth / np.repeat(spread, spread))
+        routes = route(self.net, *sub, mode=self.routing, seed=self.seed, demand=demand)
         return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, R)
 
     def _algorithm(self, axis: str, algorithm: str) -> str:
