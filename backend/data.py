@@ -61,6 +61,9 @@ def synthetic_corpus(n_tokens: int, vocab: int, seed: int) -> np.ndarray:
     return out
 
 
+_checked: set[tuple] = set()  # (path, size, mtime, vocab) of files already scanned in this process
+
+
 def open_source(spec: str, vocab: int, seed: int = 0) -> TokenSource:
     """Open a data source and check it against the model's vocabulary (raises DataError)."""
     if spec == "synthetic" or spec.startswith("synthetic:"):
@@ -78,17 +81,19 @@ def open_source(spec: str, vocab: int, seed: int = 0) -> TokenSource:
     if path.suffix == ".bin":
         if path.stat().st_size % 2:
             raise DataError(f"data file {spec}: size {path.stat().st_size} is odd, not uint16 token ids")
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
         kind = "uint16 token ids"
     else:
         tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
         kind = "bytes"
-    if len(tokens):
+    key = (str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns, vocab)
+    if len(tokens) and key not in _checked:
         top = int(tokens.max())
         if top >= vocab:
             pos = int(np.argmax(np.asarray(tokens) >= vocab))
             raise DataError(f"data file {spec}: token id {top} (first out-of-range id at position {pos}) "
                             f"is >= the model's vocabulary {vocab}")
+        _checked.add(key)
     return TokenSource(tokens, f"{path} ({kind})")
 
 

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from twin.errors import TwinError
@@ -59,7 +59,6 @@ class TrainConfig:
     trace_step: int | None = None     # step whose ops go to trace.json (default: the last one)
     seed: int = 0
     device: str = "cpu"               # cpu (gloo, fp32) or cuda (NCCL, bf16 compute, fp32 master weights)
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -105,7 +104,10 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.ckpt_every and not cfg.ckpt_dir:
         raise TwinError("--ckpt-every needs --ckpt-dir")
     build_program(spec, grid, cfg.options(), batch=cfg.global_batch())  # grid x model x batch checks
-    open_source(cfg.data, spec.vocab, cfg.seed)
+    source = open_source(cfg.data, spec.vocab, cfg.seed)
+    if len(source) < spec.seq_len + 2:
+        raise TwinError(f"data source {source.name} has {len(source)} tokens, fewer than one sequence "
+                        f"of {spec.seq_len}+1 tokens of {spec.name}")
     if cfg.ckpt_dir:
         path = checkpoint.latest(cfg.ckpt_dir)
         if path is not None:
