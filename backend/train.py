@@ -277,7 +277,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
                        "flops_convention": records[-1]["flops_convention"],
-                       "note": "averages over the logged steps after the first"}
+                       "note": "averages over the steps of this run after its first"}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return records
     finally:

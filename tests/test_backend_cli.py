@@ -95,3 +95,18 @@ def test_bench_writes_a_table(tmp_path):
     assert table["gemm"][0]["tflops"] > 0
     assert {(row["axis"], row["kind"]) for row in table["collectives"]} == {("data", "all_reduce"), ("data", "all_gather")}
     assert all(row["busbw_gbps"] > 0 for row in table["collectives"])
+
+
+def test_fabric_plugin_warning(monkeypatch, tmp_path):
+    from backend.launch import fabric_warning
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("NCCL_NET_PLUGIN", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert fabric_warning("cpu") is None
+    assert "libfabric" in fabric_warning("cuda")
+    (tmp_path / "libnccl-net-ofi.so").write_bytes(b"")
+    assert fabric_warning("cuda") is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    (tmp_path / "libnccl-net-ofi.so").unlink()
+    assert fabric_warning("cuda") is None  # one node: no network plugin needed
