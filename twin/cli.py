@@ -177,7 +177,7 @@ def simulate_cmd(
     profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
     full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
     slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
-    simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 3,
+    simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome trace (Perfetto) of the iteration here.")] = None,
     html: Annotated[Optional[Path], typer.Option(help="Write an interactive plotly timeline here.")] = None,

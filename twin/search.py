@@ -14,14 +14,20 @@ not overlapped. The sum ranks grids; the engine then simulates the best few.
 
 from __future__ import annotations
 
+import math
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from twin.errors import TwinError
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
-from twin.program import ACT_BYTES, GRAD_AR_BYTES
+from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
+MAX_WORKERS = 4            # processes for probing the collective model and simulating the best grids
+BRANCH_BATCH = 8           # grids whose exact estimate is computed per round of the branch and bound
 
 
 @dataclass
@@ -55,103 +61,187 @@ def candidate_grids(gpus: int) -> list[Grid]:
     return out
 
 
-def _probe_grid(p: int, stride: int) -> tuple[Grid, str]:
-    """A small grid whose groups of the returned axis have size p and rank stride `stride`."""
+def _probe_grid(p: int, stride: int, gpus_per_node: int) -> tuple[Grid, str]:
+    """A small grid whose groups of the returned axis have size p and rank stride `stride`, repeated
+    so that its groups sit on nodes in every way the groups of a large grid do (a group of 3 on
+    4-GPU nodes sometimes straddles two nodes)."""
+    k = gpus_per_node // math.gcd(p * stride, gpus_per_node)
     if stride == 1:
-        return Grid(p, 1, 1, 1), "x"
-    return Grid(stride, p, 1, 1), "y"
+        return Grid(p, k, 1, 1), "x"
+    return Grid(stride, p, k, 1), "y"
 
 
 class Bandwidth:
-    """Bandwidth (bytes/s of ring volume) a group of size p and stride s gets, from the collective model."""
+    """What a group of size p and rank stride s gets, from the collective model: ring bandwidth (bytes/s
+    of ring volume, a large all-gather) and latency (seconds of a collective of a few bytes)."""
 
     def __init__(self, study, collectives=None):
         self.study = study
         self.fixed = collectives  # a stand-in model used for every grid (tests)
-        self._cache: dict[tuple[int, int], float] = {}
+        self._cache: dict[tuple[int, int], tuple[float, float]] = {}
 
-    def __call__(self, p: int, stride: int) -> float:
+    def _probe(self, p: int, stride: int) -> tuple[float, float]:
         key = (p, stride)
         if key not in self._cache:
-            grid, axis = _probe_grid(p, stride)
+            grid, axis = _probe_grid(p, stride, self.study.system.gpus_per_node)
             if self.fixed is not None:
                 model = self.fixed
             else:
                 from twin.simulate import collective_model
                 model = collective_model(self.study, grid)
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
-            self._cache[key] = (p - 1) / p * PROBE_BYTES / t
+            lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
+            self._cache[key] = ((p - 1) / p * PROBE_BYTES / t, lat)
         return self._cache[key]
+
+    def __call__(self, p: int, stride: int) -> float:
+        return self._probe(p, stride)[0]
+
+    def latency(self, p: int, stride: int) -> float:
+        return self._probe(p, stride)[1]
 
 
 def analytical(study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
-    """The analytical estimate of one iteration on `grid` (seconds): compute plus ring volumes / bandwidth."""
+    """The analytical estimate of one iteration on `grid` (seconds): compute, plus per axis the ring
+    volume over the group's bandwidth and the number of collectives times the group's latency."""
     model, opt, km = study.model, study.options, study.kernels
     h = model.hidden
     m = study.batch // (grid.z * grid.data) * study.seq_len   # tokens per rank per iteration
     fwd_passes = 2 if opt.recompute else 1
-    vol = {a: 0.0 for a in AXES}  # ring bytes per rank per iteration
+    vol = {a: 0.0 for a in AXES}    # ring bytes per rank per block
+    count = {a: 0 for a in AXES}    # collectives per block
     compute = 0.0
 
-    def ring(axis: str, nbytes: float, all_reduce: bool) -> None:
+    def ring(axis: str, nbytes: float, all_reduce: bool, times: int = 1) -> None:
         p = grid.axis_size(axis)
         if p > 1:
-            vol[axis] += (2.0 if all_reduce else 1.0) * (p - 1) / p * nbytes
+            vol[axis] += times * (2.0 if all_reduce else 1.0) * (p - 1) / p * nbytes
+            count[axis] += times
 
     for _, k, n, transposed in model.linear_shapes():
         in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
         kl, nl = k // grid.axis_size(in_axis), n // grid.axis_size(out_axis)
         compute += fwd_passes * km.gemm_time(m, nl, kl, "NN") + km.gemm_time(m, kl, nl, "NT") \
             + km.gemm_time(kl, nl, m, "TN")
-        ring(in_axis, fwd_passes * ACT_BYTES * m * nl, True)
-        ring(out_axis, ACT_BYTES * m * kl, True)
-        ring("z", (fwd_passes + 1) * ACT_BYTES * kl * nl, False)
+        ring(in_axis, ACT_BYTES * m * nl, True, fwd_passes)     # forward (and recomputed) output
+        ring(out_axis, ACT_BYTES * m * kl, True)                 # backward input gradient
+        ring("z", ACT_BYTES * kl * nl, False, 3)                 # two gathers, one reduce-scatter
         ring("data", GRAD_AR_BYTES * k * n / grid.tensor_size, True)
+    ring("x", STAT_BYTES * 2 * m, True, 2 * (fwd_passes + 1))   # layer-norm statistics
     seqs = m // study.seq_len
     attn_flops = 4.0 * seqs * study.seq_len ** 2 * h / grid.y
     p = study.profile
     compute += fwd_passes * attn_flops / (p.peak_flops * p.attention_fwd_efficiency) \
         + 2 * attn_flops / (p.peak_flops * p.attention_bwd_efficiency)
     compute *= model.layers
-    vol = {a: v * model.layers for a, v in vol.items()}
     vocab = model.padded_vocab(grid.y)
     compute += 3 * km.gemm_time(m, vocab // grid.y, h // grid.x, "NT")
-    comm = {a: (vol[a] / bandwidth(grid.axis_size(a), grid.stride(a)) if vol[a] else 0.0) for a in AXES}
+    comm = {}
+    for a in AXES:
+        if not count[a]:
+            comm[a] = 0.0
+            continue
+        size, stride = grid.axis_size(a), grid.stride(a)
+        comm[a] = model.layers * (vol[a] / bandwidth(size, stride) + count[a] * bandwidth.latency(size, stride))
     mem = memory_per_gpu(model, grid, opt, study.batch, study.seq_len).total
     return Candidate(grid, compute + sum(comm.values()), compute, comm, mem)
 
 
-def rank_grids(study, collectives=None) -> list[Candidate]:
-    """Every valid grid (power-of-two ones for a power-of-two GPU count) that fits in HBM, best
-    analytical estimate first."""
+def parallel_map(fn, items: list, workers: int | None = None) -> list:
+    """[fn(x) for x in items], on forked worker processes when there is enough work and more than
+    one CPU (the results, and their order, are the same either way)."""
+    workers = min(os.cpu_count() or 1, MAX_WORKERS) if workers is None else workers
+    if workers < 2 or len(items) < 2 or "fork" not in mp.get_all_start_methods():
+        return [fn(x) for x in items]
+    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=mp.get_context("fork")) as ex:
+        return list(ex.map(fn, items, chunksize=max(1, len(items) // (4 * workers))))
+
+
+def _probe_job(args) -> tuple[float, float]:
+    study, p, stride = args
+    return Bandwidth(study)._probe(p, stride)
+
+
+def _probe_all(bandwidth: Bandwidth, pairs, stride_cap: int | None = None) -> None:
+    """Fill `bandwidth` for every (size, stride) in `pairs` (in parallel); with `stride_cap`, each pair
+    gets the figures of the same size at stride min(stride, stride_cap)."""
+    need = sorted({pair for pair in pairs if pair not in bandwidth._cache})
+    eff = [(p, min(s, stride_cap) if stride_cap else s) for p, s in need]
+    probes = parallel_map(_probe_job, [(bandwidth.study, p, s) for p, s in eff])
+    bandwidth._cache.update(zip(need, probes))
+
+
+def _pairs(grids) -> set[tuple[int, int]]:
+    return {(g.axis_size(a), g.stride(a)) for g in grids for a in AXES if g.axis_size(a) > 1}
+
+
+def rank_grids(study, collectives=None, keep: int | None = None) -> list[Candidate]:
+    """The valid grids (power-of-two ones for a power-of-two GPU count) that fit in HBM, best analytical
+    estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound.
+
+    The real collective model is probed once per (group size, stride). With `keep`, every grid first
+    gets an optimistic estimate from cheap probes at stride min(s, GPUs per node) (groups of the
+    same shape on nearby nodes: the same NIC load, less network contention); exact probes are then
+    made only for grids whose optimistic estimate beats the `keep`-th best exact one so far."""
     from twin.simulate import check_grid
-    bandwidth = Bandwidth(study, collectives)
-    out = []
+    valid = []
     for grid in candidate_grids(study.gpus):
         try:
             check_grid(study, grid)
         except TwinError:
             continue
-        out.append(analytical(study, grid, bandwidth))
-    if not out:
+        valid.append(grid)
+    if not valid:
         raise TwinError(f"no grid runs {study.model.name} on {study.gpus} GPUs of "
                         f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
                         "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
+    exact_bw = Bandwidth(study, collectives)
+    if collectives is not None or keep is None:
+        if collectives is None:
+            _probe_all(exact_bw, _pairs(valid))
+        out = [analytical(study, grid, exact_bw) for grid in valid]
+    else:
+        optimistic = Bandwidth(study)
+        _probe_all(optimistic, _pairs(valid), stride_cap=study.system.gpus_per_node)
+        bounds = sorted((analytical(study, g, optimistic).analytical_s, str(g), g) for g in valid)
+        out, i = [], 0
+        while i < len(bounds):
+            best = sorted(c.analytical_s for c in out)
+            kth = best[keep - 1] if len(best) >= keep else math.inf
+            batch = []
+            while i < len(bounds) and bounds[i][0] <= kth and len(batch) < BRANCH_BATCH:
+                batch.append(bounds[i][2])
+                i += 1
+            if not batch:
+                break
+            _probe_all(exact_bw, _pairs(batch))
+            out += [analytical(study, grid, exact_bw) for grid in batch]
     out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
     return out
 
 
-def search(study, top: int = 10, simulate_top: int = 3, collectives=None) -> list[Candidate]:
-    """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated."""
+def _simulate_job(args):
     from twin.simulate import simulate_grid
-    cands = rank_grids(study, collectives)[:max(top, simulate_top)]
-    for c in cands[:simulate_top]:
-        c.result = simulate_grid(study, c.grid, collectives=collectives)
-        c.simulated_s = c.result.iteration_time_s
+    study, grid = args
+    return simulate_grid(study, grid)
+
+
+def search(study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
+    """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated
+    (in parallel processes when there are several CPUs)."""
+    from twin.simulate import simulate_grid
+    cands = rank_grids(study, collectives, keep=max(top, simulate_top))[:max(top, simulate_top)]
+    sims = cands[:simulate_top]
+    if collectives is None:
+        results = parallel_map(_simulate_job, [(study, c.grid) for c in sims])
+    else:
+        results = [simulate_grid(study, c.grid, collectives=collectives) for c in sims]
+    for c, r in zip(sims, results):
+        c.result, c.simulated_s = r, r.iteration_time_s
     return cands[:top]
 
 
-def choose_grid(study, simulate_top: int = 3, collectives=None) -> tuple[Candidate, str]:
+def choose_grid(study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
     its symmetric-mode result when simulated), and a line saying how it was chosen."""
     cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)

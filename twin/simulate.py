@@ -134,7 +134,7 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
              grid: str | Grid | None = "auto", batch: int | None = None, seq_len: int | None = None,
              options: Options | None = None, placement: str = "contiguous", full: bool = False,
              slowdown: dict[int, float] | None = None, gemm_tuning: bool = True, profile: str | None = None,
-             record: bool = False, simulate_top: int = 3, collectives=None) -> SimulationResult:
+             record: bool = False, simulate_top: int = 2, collectives=None) -> SimulationResult:
     """Simulate one training iteration; see the module docstring. Defaults: the system's default
     study (model and GPU count), grid auto (analytical ranking, the best `simulate_top` simulated).
     With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span)."""
