@@ -63,7 +63,22 @@ def main(out_dir: str) -> dict:
     return result
 
 
+def commit_name(result: dict) -> str:
+    """calibration/measurements/gpu-check-<device>-<date>.json for this result."""
+    machine = result.get("machine", {})
+    device = machine.get("gpu") or machine.get("cpu") or "unknown"
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    date = machine.get("date", "")[:10] or "undated"
+    return f"calibration/measurements/gpu-check-{slug}-{date}.json"
+
+
 if __name__ == "__main__":
-    res = main(sys.argv[1] if len(sys.argv) > 1 else "gpu_check_out")
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "gpu_check_out"
+    res = main(out_dir)
     brief = {k: v for k, v in res.items() if k != "gemm_table"}
     print(json.dumps(brief, indent=1))
+    name = commit_name(res)
+    print(f"\nto keep it: cp {out_dir}/gpu_check.json {name} && git add {name} && "
+          f"git commit -m 'GPU check: backend gpt-1b on one GPU'")
