@@ -213,7 +213,17 @@ def test_networkx_views_agree_with_the_arrays():
     sw = net.switch_graph()
     assert sw.number_of_nodes() == 14 * 32
     assert nx.diameter(sw) == 3                     # local, global, local
-    g = build_network(load_system("alps"), nodes=200).graph
-    assert g.number_of_edges() == build_network(load_system("alps"), nodes=200).n_links  # no parallel links
-    e = next(iter(g.edges(data=True)))
-    assert "link" in e[2]
+    alps = build_network(load_system("alps"), nodes=200)
+    g = alps.graph
+    assert g.number_of_edges() == alps.n_links                    # no parallel links
+    for u, v, data in list(g.edges(data=True))[::997]:
+        i = data["link"]
+        assert (alps.src[i], alps.dst[i]) == (u, v) and data["capacity"] == alps.capacity[i]
+        assert data["latency"] == alps.latency[i] > 0
+    # networkx agrees with the routing: the lowest-latency path between GPUs of two groups has the
+    # latency of our minimal route (GPU, NIC, 3 switch hops, NIC, GPU)
+    a, b = 0, 150 * 4 + 3                                          # node 0 (group 0) to node 150 (group 1)
+    nx_lat = nx.shortest_path_length(g, a, b, weight="latency")
+    r = route(alps, [a], [b], mode="minimal")
+    assert nx_lat <= alps.latency[r.path(0)].sum() + 1e-12
+    assert len(nx.shortest_path(g, a, b)) - 1 <= len(r.path(0))

@@ -202,16 +202,18 @@ class Network:
 
     @cached_property
     def graph(self) -> nx.DiGraph:
-        """networkx view: vertices carry `kind` (gpu, nic, switch); each edge carries `link`, its index
-        into `capacity` (bytes/s), `latency` (s) and `kind`. Built on first use: the full Frontier takes
-        seconds and a few hundred MB (see benchmarks/bench_topology.py), so routing and the flow model
-        use the arrays instead. A DiGraph suffices: no two links join the same pair of vertices (the
+        """networkx view: vertices carry `kind` (gpu, nic, switch); each edge carries `link` (its index
+        into the arrays), `capacity` (bytes/s) and `latency` (s); `kind` is LINK_KINDS[self.kind[link]].
+        Built on first use: the full Frontier takes about 2 s and 400 MB (benchmarks/bench_topology.py),
+        so routing and the flow model use the arrays instead. A DiGraph suffices: no two links join the same pair of vertices (the
         cables between two groups sit on distinct switches while global_links_per_pair <= switches)."""
         G = nx.DiGraph(system=self.system.name)
         G.add_nodes_from(range(self.nic0), kind="gpu")
         G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
         G.add_nodes_from(range(self.sw0, self.n_vertices), kind="switch")
-        G.add_edges_from(zip(self.src.tolist(), self.dst.tolist(), ({"link": i} for i in range(self.n_links))))
+        cap, lat = self.capacity.tolist(), self.latency.tolist()
+        G.add_edges_from(zip(self.src.tolist(), self.dst.tolist(),
+                             ({"link": i, "capacity": cap[i], "latency": lat[i]} for i in range(self.n_links))))
         return G
 
     def switch_graph(self) -> nx.Graph:
