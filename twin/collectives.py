@@ -255,10 +255,12 @@ class CollectiveModel:
     def effective_bandwidth(self, axis: str, concurrent: frozenset[str] = frozenset()) -> float:
         """Ring bus bandwidth (bytes/s) an axis' groups get, all of them running at once: the
         bytes each rank sends divided by the time, for a large all-gather (latency excluded)."""
-        p = self.grid.axis_size(axis)
+        p = self.grid.axis_size(axis) if axis in AXES else 0
         if p == 1:
             return math.inf
-        axes = frozenset({axis} | {a for a in concurrent if self.grid.axis_size(a) > 1})
+        if axis not in AXES:
+            raise TwinError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
+        axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
         algorithm = self._algorithm(axis, self.algorithm)
         rates = self._bus_rates(axes, algorithm)[axis]
         sizes = self._phases(axis, algorithm)[2]
