@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from twin.errors import TwinError
 from twin.grid import AXES, Grid
 from twin.model import load_model
 from twin.program import Options, build_program
@@ -127,8 +128,11 @@ def main(config: dict) -> None:
     from backend.launch import env_rank
     rank, local_rank, world = env_rank()
     grid = Grid.parse(config["grid"])
-    device = torch.device(config["device"], local_rank) if config["device"] == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
+    device = torch.device("cpu")
+    if config["device"] == "cuda":
+        if not torch.cuda.is_available():
+            raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dtype = DTYPES[config["dtype"]]
     result = {"machine": machine_info(device), "model": config["model"], "grid": str(grid),

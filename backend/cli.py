@@ -48,7 +48,7 @@ def check_launcher_world(grid: Grid) -> None:
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
 GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest); its product is the number of ranks.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL/RCCL).")]
-DtypeOpt = Annotated[str, typer.Option(help="Compute precision: fp32 or bf16.")]
+DtypeOpt = Annotated[str, typer.Option(help="GEMM precision: fp32, bf16 or fp16.")]
 OarOpt = Annotated[bool, typer.Option(help="Overlap the backward y all-reduce with the weight-gradient GEMM.")]
 OrsOpt = Annotated[bool, typer.Option(help="Defer z reduce-scatters and overlap them with earlier layers.")]
 OagOpt = Annotated[bool, typer.Option(help="Prefetch the next layer's z all-gather one layer ahead.")]

@@ -63,8 +63,12 @@ def validate(cfg: ReplayConfig) -> None:
     """Check a replay config before any rank starts (raises TwinError)."""
     if cfg.steps < 1:
         raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.batch is not None and cfg.batch < 1:
+        raise TwinError(f"--batch must be >= 1 sequence, got {cfg.batch}")
     if cfg.device not in ("cpu", "cuda"):
         raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
     if cfg.dtype not in ("auto", *DTYPES):
         raise TwinError(f"--dtype must be auto, fp32 or bf16, got {cfg.dtype!r}")
     cfg.program()

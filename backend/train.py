@@ -97,8 +97,14 @@ def validate(cfg: TrainConfig) -> None:
     spec, grid = cfg.spec(), cfg.parsed_grid()
     if cfg.steps < 1:
         raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.batch is not None and cfg.batch < 1:
+        raise TwinError(f"--batch must be >= 1 sequence, got {cfg.batch}")
     if cfg.device not in ("cpu", "cuda"):
         raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
+    if cfg.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
