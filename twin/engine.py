@@ -139,7 +139,8 @@ class _Sim:
 
 class _ComputeStream:
     __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "event", "due", "work",
-                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running")
+                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "row",
+                 "env", "cb")
 
     def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
                  overlap: float):
@@ -153,31 +154,33 @@ class _ComputeStream:
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
+        self.row, self.env, self.cb = sim.done[rank], sim.env, self.on_done  # hot-path shortcuts
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
             return
         sim = self.sim
         i, deps = self.todo[self.pc]
-        done = sim.done[self.rank]
+        done = self.row
         for d in deps:
             if not done[d]:
                 self.waited = d
                 sim.wait(self.rank, d, self)
                 return
-        now = sim.env._now
-        gap = now - self.prev_end
-        if gap > 0 and self.waited is not None:
-            sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
-        self.waited = None
+        env = self.env
+        now = env._now
+        if self.waited is not None:
+            if now > self.prev_end:
+                sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
+            self.waited = None
         self.running = True
         self.start = self.seg = now
         self.work = w = self.base[i]
         self.factor = f = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
         delay = int(w * f + 0.5)
         self.due = now + delay
-        self.event = t = Timeout(sim.env, delay)
-        t.callbacks.append(self.on_done)
+        self.event = t = Timeout(env, delay)
+        t.callbacks.append(self.cb)
 
     def rerate(self) -> None:
         """The rank's communication state changed: carry the remaining work over at the new rate.
@@ -192,17 +195,17 @@ class _ComputeStream:
         due = now + int(self.work * self.factor + 0.5)
         if due < self.due:
             self.due = due
-            self.event = sim.schedule(due - now, self.on_done)
+            self.event = sim.schedule(due - now, self.cb)
 
     def on_done(self, event) -> None:
         if event is not self.event:
             return  # stale: re-rated after this completion was scheduled
         sim = self.sim
-        now = sim.env._now
+        now = self.env._now
         left = self.work * self.factor - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = now + int(left + 0.5)
-            self.event = sim.schedule(left, self.on_done)
+            self.event = sim.schedule(left, self.cb)
             return
         i = self.ops[self.pc]
         self.compute_ns += now - self.start
@@ -214,7 +217,7 @@ class _ComputeStream:
         self.running = False
         self.pc += 1
         ws = sim.waiters.pop(self.rank * sim.n + i, None)
-        sim.done[self.rank][i] = 1
+        self.row[i] = 1
         if ws:
             for s in ws:
                 s.advance()
@@ -223,13 +226,15 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "cursor")
+                 "start", "running", "blk", "starts", "blockers", "cursor", "rows", "cb")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = [(i, sim.deps[i]) for i in ops]
         self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
         self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
+        self.rows = [sim.done[r] for r in members]   # done flags of each member
+        self.cb = self.on_done
         self.starts = [0] * len(ops)                 # start of each op (ns)
         self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
         self.event = None
@@ -242,20 +247,23 @@ class _GroupStream:
             return
         sim = self.sim
         i, deps = self.todo[self.pc]
-        done, members = sim.done, self.members
-        # done flags never revert, so a wait resumes the scan where it stopped (large groups)
-        dk, mk = self.cursor
-        for dj in range(dk, len(deps)):
-            d = deps[dj]
-            for mj in range(mk, len(members)):
-                r = members[mj]
-                if not done[r][d]:
-                    self.cursor = (dj, mj)
-                    self.blk = (r, d)
-                    sim.wait(r, d, self)
-                    return
-            mk = 0
-        self.cursor = (0, 0)
+        if deps:
+            # done flags never revert, so a wait resumes the scan where it stopped (large groups)
+            rows = self.rows
+            n = len(rows)
+            dk, mk = self.cursor
+            for dj in range(dk, len(deps)):
+                d = deps[dj]
+                while mk < n:
+                    if not rows[mk][d]:
+                        r = self.members[mk]
+                        self.cursor = (dj, mk)
+                        self.blk = (r, d)
+                        sim.wait(r, d, self)
+                        return
+                    mk += 1
+                mk = 0
+            self.cursor = (0, 0)
         now = sim.env._now
         axis = self.axis
         self.starts[self.pc] = now
@@ -268,7 +276,7 @@ class _GroupStream:
         delay = int(dur + 0.5)
         self.due = now + delay
         self.event = t = Timeout(sim.env, delay)
-        t.callbacks.append(self.on_done)
+        t.callbacks.append(self.cb)
         sim.running[axis][self] = None
         sim.inflight[axis] += 1
         if sim.inflight[axis] == 1:
@@ -288,7 +296,7 @@ class _GroupStream:
         due = now + int(self.frac * self.dur + 0.5)
         if due < self.due:
             self.due = due
-            self.event = sim.schedule(due - now, self.on_done)
+            self.event = sim.schedule(due - now, self.cb)
 
     def on_done(self, event) -> None:
         if event is not self.event:
@@ -298,7 +306,7 @@ class _GroupStream:
         left = self.frac * self.dur - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = now + int(left + 0.5)
-            self.event = sim.schedule(left, self.on_done)
+            self.event = sim.schedule(left, self.cb)
             return
         i = self.ops[self.pc]
         members = self.members
