@@ -3,9 +3,10 @@
 `launch(kind, config, world_size)` decides:
 - under a launcher (RANK or SLURM_PROCID is set: torchrun, srun) this process is one rank and runs
   the job directly;
-- otherwise it starts `world_size` worker processes on localhost (`python -m backend.launch`), with
-  torchrun's variables set and a free port, waits for them, and stops the others as soon as one fails
-  (so a failing rank never leaves the rest hanging in a collective).
+- otherwise it starts `world_size` ranks on localhost with torchrun's variables set and a free port
+  (on CPU forked from this process after importing torch once, which saves seconds per rank on a small
+  machine; on GPU fresh interpreters, `python -m backend.launch`), waits for them, and stops the others
+  as soon as one fails (so a failing rank never leaves the rest hanging in a collective).
 
 A job is a function `entry(config: dict) -> None` named in JOBS; the config travels as JSON in the
 environment variable BACKEND_CONFIG. Bad input (TwinError) ends a rank with one line on stderr and
