@@ -84,6 +84,7 @@ class _Sim:
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
         self._coll_ns: dict[tuple[int, frozenset], float] = {}
+        self._todo: dict[int, tuple] = {}
 
     def coll_ns(self, i: int, conc: frozenset) -> float:
         """Duration of collective op i under concurrency `conc` (ns, memoised)."""
@@ -92,6 +93,13 @@ class _Sim:
         if t is None:
             t = self._coll_ns[key] = self._collective_s(i, conc) * NS
         return t
+
+    def todo(self, ops: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """(op, deps) of a stream's ops; one list shared by every stream of the same kind (memory)."""
+        key = id(ops)
+        if key not in self._todo:
+            self._todo[key] = (ops, [(i, self.deps[i]) for i in ops])
+        return self._todo[key][1]
 
     def wait(self, rank: int, op: int, stream) -> None:
         self.waiters.setdefault(rank * self.n + op, []).append(stream)
@@ -145,7 +153,7 @@ class _ComputeStream:
     def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
                  overlap: float):
         self.sim, self.rank, self.ops, self.pc, self.end = sim, rank, ops, 0, len(ops)
-        self.todo = [(i, sim.deps[i]) for i in ops]
+        self.todo = sim.todo(ops)
         self.base, self.slow, self.overlap = base_ns, slow, overlap
         self.event = None
         self.work = self.factor = 0.0
@@ -230,7 +238,7 @@ class _GroupStream:
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
-        self.todo = [(i, sim.deps[i]) for i in ops]
+        self.todo = sim.todo(ops)
         self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
         self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
         self.rows = [sim.done[r] for r in members]   # done flags of each member
