@@ -50,10 +50,13 @@ def frontier_default(repeat: int) -> None:
     wall, _ = best_of(repeat, lambda: subprocess.run(["twin", "simulate", "--system", "frontier", "--json"],
                                                      check=True, capture_output=True))
     print(f"   whole process: {wall:.2f} s (target < 10 s)")
+    import twin.search
+    workers, twin.search.MAX_WORKERS = twin.search.MAX_WORKERS, 1  # profile in one process
     prof = cProfile.Profile()
     prof.enable()
     r = simulate("frontier")
     prof.disable()
+    twin.search.MAX_WORKERS = workers
     stats = pstats.Stats(prof)
     by_module: dict[str, float] = defaultdict(float)
     for (file, _, _), (_, _, tottime, _, _) in stats.stats.items():
@@ -65,7 +68,8 @@ def frontier_default(repeat: int) -> None:
         else:
             by_module["other"] += tottime
     total = sum(by_module.values())
-    print(f"   in-process (profiled, so slower): {total:.2f} s; grid {r.grid_str} ({r.grid_choice})")
+    print(f"   in one process (no worker processes; profiled, so slower): {total:.2f} s; grid {r.grid_str} "
+          f"({r.grid_choice})")
     for k, v in sorted(by_module.items(), key=lambda kv: -kv[1]):
         print(f"     {k:20s} {v:6.2f} s  {100 * v / total:5.1f} %")
 
@@ -103,12 +107,12 @@ def full_mode(repeat: int, quick: bool) -> None:
 
 
 def scaling(repeat: int, quick: bool) -> None:
-    print("== wall time vs GPU count (gpt-80b on Frontier, symmetric)")
+    print("== wall time vs GPU count (gpt-80b on Frontier, symmetric, global batch = GPUs / 16 sequences)")
     print(f"   {'GPUs':>6} {'grid':>12} {'fixed grid (s)':>15} {'grid auto (s)':>14} {'iteration (s)':>14}")
     for gpus in (512, 2048, 8192, 32768)[: 2 if quick else 4]:
         grid = Grid(8, 8, 4, gpus // 256)
-        wall_fixed, r = best_of(repeat, lambda: simulate("frontier", "gpt-80b", gpus, grid))
-        wall_auto, _ = best_of(1, lambda: simulate("frontier", "gpt-80b", gpus, "auto"))
+        wall_fixed, r = best_of(repeat, lambda: simulate("frontier", "gpt-80b", gpus, grid, batch=gpus // 16))
+        wall_auto, _ = best_of(1, lambda: simulate("frontier", "gpt-80b", gpus, "auto", batch=gpus // 16))
         print(f"   {gpus:>6} {str(grid):>12} {wall_fixed:>15.2f} {wall_auto:>14.2f} {r.iteration_time_s:>14.3f}")
     print("== full-mode wall time vs GPU count (gpt-5b on Frontier)")
     for gpus in (128, 256, 512, 1024)[: 2 if quick else 4]:
