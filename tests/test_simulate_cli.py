@@ -86,6 +86,8 @@ def test_full_mode_agrees_with_symmetric():
     ([*SMALL, "--placement", "random"], "placement"),
     ([*SMALL, "--slowdown", "x:y"], "slowdown"),
     (["--system", "perlmutter", "--gpus", "10000000"], "GPUs"),
+    (["--system", "perlmutter", "--model", "gpt-1b", "--gpus", "7"], "no grid of 7 GPUs"),
+    ([*SMALL, "--micro-batches", "0"], "micro-batches"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     r = runner.invoke(app, ["simulate", *args])

@@ -184,17 +184,20 @@ def rank_grids(study, collectives=None, keep: int | None = None) -> list[Candida
     same shape on nearby nodes: the same NIC load, less network contention); exact probes are then
     made only for grids whose optimistic estimate beats the `keep`-th best exact one so far."""
     from twin.simulate import check_grid
-    valid = []
+    valid, reasons = [], []
     for grid in candidate_grids(study.gpus):
         try:
             check_grid(study, grid)
-        except TwinError:
+        except TwinError as e:
+            reasons.append(str(e))
             continue
         valid.append(grid)
     if not valid:
-        raise TwinError(f"no grid runs {study.model.name} on {study.gpus} GPUs of "
-                        f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
-                        "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
+        if any("does not fit" in r for r in reasons):
+            raise TwinError(f"no grid runs {study.model.name} on {study.gpus} GPUs of "
+                            f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
+                            "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
+        raise TwinError(f"no grid of {study.gpus} GPUs can run {study.model.name}: {reasons[-1]}")
     exact_bw = Bandwidth(study, collectives)
     if collectives is not None or keep is None:
         if collectives is None:

@@ -59,6 +59,8 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
     seq_len = m.seq_len if seq_len is None else seq_len
     if batch < 1 or seq_len < 1:
         raise TwinError(f"batch ({batch}) and sequence length ({seq_len}) must be positive")
+    if options is not None and options.micro_batches < 1:
+        raise TwinError(f"--micro-batches must be at least 1, got {options.micro_batches}")
     return Study(spec, m, gpus, batch, seq_len, options or Options(), placement, prof,
                  KernelModel(prof, tuning=gemm_tuning))
 
