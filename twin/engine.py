@@ -11,9 +11,11 @@ process per op, no Resources.
 Rates. A collective's duration comes from `collective_s(op, concurrent)` where `concurrent` is the set
 of other axes that have a collective in flight at that moment. When an axis starts or stops having
 collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
-(a fraction) is carried over and a new completion is scheduled. A compute op runs `overlap_slowdown`
-times slower while a collective of its rank is in flight, re-rated the same way. simpy cannot cancel
-a Timeout, so each stream keeps its latest one and a callback from any other (stale) one is ignored.
+(a fraction) is carried over at the new rate. A compute op runs `overlap_slowdown` times slower while
+a collective of its rank is in flight, re-rated the same way. simpy cannot cancel a Timeout: each
+stream keeps its latest one as a version stamp and ignores callbacks from any other (stale) one. An
+earlier finish schedules a new Timeout; a later one does not (the pending Timeout fires early, sees
+work left, and schedules the rest), which saves events when rates change several times.
 
 Time is kept in integer nanoseconds (simpy's clock holds ints), so no remaining time of 1e-18 s can
 stall the clock; each scheduled delay is rounded to the nearest nanosecond.
