@@ -5,11 +5,14 @@ Analytical model (as AxoNN's configuration search, shared/reference/collective-b
 linear layer of a block, the ring volume of each collective the program issues (forward all-reduce over
 the layer's input axis, twice with recomputation; backward all-reduce over its output axis; two z
 all-gathers and one z reduce-scatter of the weight shard; the data all-reduce of its fp32 gradient
-shard) divided by the bandwidth a group of that axis gets for its size p and rank stride s. The
-bandwidth comes from the system's collective model: the time of a large all-gather over a probe grid
-whose groups have that size and stride. Compute is added from the kernel model (GEMMs and attention
-of every block, the head), so grids that make GEMMs too thin lose too; communication is counted as
-not overlapped. The sum ranks grids; the engine then simulates the best few.
+shard) divided by the bandwidth a group of that axis gets for its size p and rank stride s, plus the number
+of collectives times the group's latency (layer-norm statistics are all-reduced over x too). The
+bandwidth and latency come from the system's collective model: a large all-gather and a tiny
+all-reduce over a probe grid whose groups have that size and stride and sit on nodes as they would
+in a large grid. Compute is added from the kernel model (GEMMs and attention of every block, the
+head), so grids that make GEMMs too thin lose too; communication is counted as not overlapped and
+without contention between axes (the engine has both). The sum ranks grids; the engine then
+simulates the best few (in parallel processes when there are several CPUs).
 """
 
 from __future__ import annotations
