@@ -62,3 +62,13 @@ def test_nothing_fits_is_a_twin_error():
     study = prepare("perlmutter", "gpt-640b", 4)
     with pytest.raises(TwinError, match="does not fit"):
         rank_grids(study, collectives=FlatBandwidth())
+
+
+def test_parallel_and_serial_probes_agree(monkeypatch):
+    import twin.search as search_mod
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    parallel = [(str(c.grid), c.analytical_s) for c in rank_grids(study, keep=5)]
+    monkeypatch.setattr(search_mod, "MAX_WORKERS", 1)
+    serial = [(str(c.grid), c.analytical_s) for c in rank_grids(study, keep=5)]
+    exhaustive = [(str(c.grid), c.analytical_s) for c in rank_grids(study)]
+    assert parallel == serial and parallel[:5] == exhaustive[:5]  # branch and bound keeps the best 5
