@@ -72,7 +72,8 @@ class _Sim:
         self.n = len(self.ops)
         self.deps = [op.deps for op in self.ops]
         self.axis_of = [op.axis for op in self.ops]
-        self.done = [bytearray(self.n) for _ in range(nranks)]
+        self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]: op-major, so a group's
+        # members' flags for one op sit together
         self.waiters: dict[int, list] = {}
         self.busy = [0] * nranks                        # collectives in flight that include the rank
         self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
@@ -164,16 +165,16 @@ class _ComputeStream:
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
-        self.row, self.env, self.cb = sim.done[rank], sim.env, self.on_done  # hot-path shortcuts
+        self.env, self.cb = sim.env, self.on_done  # hot-path shortcuts
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
             return
         sim = self.sim
         i, deps = self.todo[self.pc]
-        done = self.row
+        done, rank = sim.done, self.rank
         for d in deps:
-            if not done[d]:
+            if not done[d][rank]:
                 self.waited = d
                 sim.wait(self.rank, d, self)
                 return
@@ -227,7 +228,7 @@ class _ComputeStream:
         self.running = False
         self.pc += 1
         ws = sim.waiters.pop(self.rank * sim.n + i, None)
-        self.row[i] = 1
+        sim.done[i][self.rank] = 1
         if ws:
             for s in ws:
                 s.advance()
@@ -236,14 +237,13 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "cursor", "rows", "cb")
+                 "start", "running", "blk", "starts", "blockers", "cursor", "cb")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = sim.todo(ops)
         self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
         self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
-        self.rows = [sim.done[r] for r in members]   # done flags of each member
         self.cb = self.on_done
         self.starts = [0] * len(ops)                 # start of each op (ns)
         self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
@@ -259,14 +259,15 @@ class _GroupStream:
         i, deps = self.todo[self.pc]
         if deps:
             # done flags never revert, so a wait resumes the scan where it stopped (large groups)
-            rows = self.rows
-            n = len(rows)
+            members = self.members
+            n = len(members)
             dk, mk = self.cursor
             for dj in range(dk, len(deps)):
-                d = deps[dj]
+                flags = sim.done[deps[dj]]
                 while mk < n:
-                    if not rows[mk][d]:
-                        r = self.members[mk]
+                    r = members[mk]
+                    if not flags[r]:
+                        d = deps[dj]
                         self.cursor = (dj, mk)
                         self.blk = (r, d)
                         sim.wait(r, d, self)
@@ -332,12 +333,12 @@ class _GroupStream:
         sim.inflight[axis] -= 1
         if sim.inflight[axis] == 0:
             sim.axis_changed(axis)
-        busy, compute, done, waiters, n = sim.busy, sim.compute, sim.done, sim.waiters, sim.n
+        busy, compute, flags, waiters, n = sim.busy, sim.compute, sim.done[i], sim.waiters, sim.n
         for r in members:
             busy[r] -= 1
             if busy[r] == 0:
                 compute[r].rerate()
-            done[r][i] = 1
+            flags[r] = 1
             ws = waiters.pop(r * n + i, None)
             if ws:
                 for s in ws:
