@@ -22,11 +22,15 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from twin.errors import TwinError
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES
+
+if TYPE_CHECKING:  # twin.simulate imports this module
+    from twin.simulate import Study
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
 MAX_WORKERS = 4            # processes for probing the collective model and simulating the best grids
@@ -78,7 +82,7 @@ class Bandwidth:
     """What a group of size p and rank stride s gets, from the collective model: ring bandwidth (bytes/s
     of ring volume, a large all-gather) and latency (seconds of a collective of a few bytes)."""
 
-    def __init__(self, study, collectives=None):
+    def __init__(self, study: Study, collectives=None):
         self.study = study
         self.fixed = collectives  # a stand-in model used for every grid (tests)
         self._cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -104,7 +108,7 @@ class Bandwidth:
         return self._probe(p, stride)[1]
 
 
-def analytical(study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
+def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     """The analytical estimate of one iteration on `grid` (seconds): compute, plus per axis the ring
     volume over the group's bandwidth and the number of collectives times the group's latency."""
     model, opt, km = study.model, study.options, study.kernels
@@ -178,7 +182,7 @@ def _pairs(grids) -> set[tuple[int, int]]:
     return {(g.axis_size(a), g.stride(a)) for g in grids for a in AXES if g.axis_size(a) > 1}
 
 
-def rank_grids(study, collectives=None, keep: int | None = None) -> list[Candidate]:
+def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[Candidate]:
     """The valid grids (power-of-two ones for a power-of-two GPU count) that fit in HBM, best analytical
     estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound.
 
@@ -232,7 +236,7 @@ def _simulate_job(args):
     return simulate_grid(study, grid)
 
 
-def search(study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
+def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
     """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated
     (in parallel processes when there are several CPUs)."""
     from twin.simulate import simulate_grid
@@ -247,7 +251,7 @@ def search(study, top: int = 10, simulate_top: int = 2, collectives=None) -> lis
     return cands[:top]
 
 
-def choose_grid(study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
+def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
     its symmetric-mode result when simulated), and a line saying how it was chosen."""
     cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)
