@@ -6,7 +6,7 @@ other axes communicate), so these tests check the engine, not the network model.
 
 import pytest
 
-from calibration.profile import load_profile
+from twin.profile import load_profile
 from twin.engine import simulate_program
 from twin.grid import Grid
 from twin.kernels import KernelModel

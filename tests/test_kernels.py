@@ -4,7 +4,7 @@ import tomllib
 
 import pytest
 
-from calibration.profile import PROFILES_DIR, list_profiles, load_profile, profile_for_gpu
+from twin.profile import PROFILES_DIR, list_profiles, load_profile, profile_for_gpu
 from twin.errors import TwinError
 from twin.kernels import KernelModel
 from twin.program import Op

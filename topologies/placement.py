@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.system import SystemSpec
-from twin.errors import TwinError
+from topologies.errors import InputError
 
 PLACEMENTS = ("contiguous", "scattered")
 
@@ -45,15 +45,15 @@ class Placement:
 
 
 def place(system: SystemSpec, ranks: int, placement: str = "contiguous", seed: int = 0) -> Placement:
-    """Place `ranks` ranks (GPUs) on `system`. Raises TwinError if the job does not fit the machine."""
+    """Place `ranks` ranks (GPUs) on `system`. Raises InputError if the job does not fit the machine."""
     if placement not in PLACEMENTS:
-        raise TwinError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        raise InputError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
     if not isinstance(ranks, (int, np.integer)) or ranks < 1:
-        raise TwinError(f"a job needs at least one GPU, got {ranks!r}")
+        raise InputError(f"a job needs at least one GPU, got {ranks!r}")
     gpn = system.gpus_per_node
     need = -(-ranks // gpn)
     if need > system.nodes:
-        raise TwinError(f"a job of {ranks} GPUs needs {need} nodes but {system.name} has {system.nodes} nodes "
+        raise InputError(f"a job of {ranks} GPUs needs {need} nodes but {system.name} has {system.nodes} nodes "
                         f"({system.total_gpus} GPUs): use at most {system.total_gpus} GPUs")
     if placement == "contiguous":
         nodes = np.arange(need, dtype=np.int64)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.network import Network
-from twin.errors import TwinError
+from topologies.errors import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
 _HOPS = 5  # switch-to-switch columns in a path matrix
@@ -162,7 +162,7 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
     `demand` (bytes/s, scalar or per flow) is what adaptive routing assumes each flow wants.
     """
     if mode not in MODES:
-        raise TwinError(f"unknown routing mode {mode!r}: choose one of {', '.join(MODES)}")
+        raise InputError(f"unknown routing mode {mode!r}: choose one of {', '.join(MODES)}")
     src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     sv = src if src_nic_gpu is None else np.asarray(src_nic_gpu, dtype=np.int64)
     dv = dst if dst_nic_gpu is None else np.asarray(dst_nic_gpu, dtype=np.int64)

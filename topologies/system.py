@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from twin.errors import TwinError
+from topologies.errors import InputError
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 GIB = 2 ** 30
@@ -105,21 +105,21 @@ def list_systems() -> list[str]:
 
 def _get(table: dict, key: str, where: str, kind=float):
     if key not in table:
-        raise TwinError(f"system file {where}: missing key {key!r}")
+        raise InputError(f"system file {where}: missing key {key!r}")
     v = table[key]
     if kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
     if not isinstance(v, kind) or isinstance(v, bool):
-        raise TwinError(f"system file {where}: {key} must be a {kind.__name__}, got {v!r}")
+        raise InputError(f"system file {where}: {key} must be a {kind.__name__}, got {v!r}")
     if kind in (int, float) and v < 0:
-        raise TwinError(f"system file {where}: {key} must be >= 0, got {v!r}")
+        raise InputError(f"system file {where}: {key} must be >= 0, got {v!r}")
     return v
 
 
 def _table(data: dict, key: str, path: Path) -> dict:
     t = data.get(key)
     if not isinstance(t, dict):
-        raise TwinError(f"system file {path}: missing table [{key}]")
+        raise InputError(f"system file {path}: missing table [{key}]")
     return t
 
 
@@ -127,16 +127,16 @@ def load_system(name_or_path: str) -> SystemSpec:
     """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
     path = Path(str(name_or_path))
     if path.suffix == ".toml" and not path.exists():
-        raise TwinError(f"system file {path} does not exist (shipped systems: {', '.join(list_systems())})")
+        raise InputError(f"system file {path} does not exist (shipped systems: {', '.join(list_systems())})")
     if path.suffix != ".toml":
         path = SYSTEMS_DIR / f"{name_or_path}.toml"
         if not path.exists():
-            raise TwinError(f"unknown system {name_or_path!r}: choose one of {', '.join(list_systems())} "
+            raise InputError(f"unknown system {name_or_path!r}: choose one of {', '.join(list_systems())} "
                             "or give the path of a system .toml file")
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TwinError(f"malformed system file {path}: {e}") from None
+        raise InputError(f"malformed system file {path}: {e}") from None
     _check_keys(data, path)
     return _parse(data, path)
 
@@ -158,11 +158,11 @@ def _check_keys(data: dict, path: Path) -> None:
     for table, known in KNOWN_KEYS.items():
         t = data if not table else data.get(table, {})
         if not isinstance(t, dict):
-            raise TwinError(f"system file {path}: [{table}] must be a table")
+            raise InputError(f"system file {path}: [{table}] must be a table")
         unknown = sorted(set(t) - known)
         if unknown:
             where = f"[{table}]" if table else "the top level"
-            raise TwinError(f"system file {path}: unknown key(s) {', '.join(unknown)} in {where} "
+            raise InputError(f"system file {path}: unknown key(s) {', '.join(unknown)} in {where} "
                             f"(known: {', '.join(sorted(known))})")
 
 
@@ -173,30 +173,30 @@ def _parse(data: dict, path: Path) -> SystemSpec:
                   hbm_bytes=int(_get(g, "hbm_gib", w) * GIB), hbm_bandwidth=_get(g, "hbm_bandwidth", w),
                   gemm_flops=float(g.get("gemm_flops", 0.0)))
     if gpu.peak_flops <= 0 or gpu.hbm_bytes <= 0 or gpu.hbm_bandwidth <= 0:
-        raise TwinError(f"system file {w}: peak_flops, hbm_gib and hbm_bandwidth must be positive")
+        raise InputError(f"system file {w}: peak_flops, hbm_gib and hbm_bandwidth must be positive")
     w = f"{path} [node]"
     gpn, nodes, nics = _get(n, "gpus_per_node", w, int), _get(n, "nodes", w, int), _get(n, "nics_per_node", w, int)
     if gpn < 1 or nodes < 1:
-        raise TwinError(f"system file {w}: gpus_per_node and nodes must be at least 1")
+        raise InputError(f"system file {w}: gpus_per_node and nodes must be at least 1")
     links = n.get("links_gbs")
     try:
         mat = np.array(links, dtype=float) * 1e9
     except (TypeError, ValueError):
         mat = None
     if mat is None or mat.shape != (gpn, gpn):
-        raise TwinError(f"system file {w}: links_gbs must be a {gpn}x{gpn} matrix of GB/s (one row per GPU)")
+        raise InputError(f"system file {w}: links_gbs must be a {gpn}x{gpn} matrix of GB/s (one row per GPU)")
     off = ~np.eye(gpn, dtype=bool)
     if (mat[off] <= 0).any() or (mat != mat.T).any():
-        raise TwinError(f"system file {w}: links_gbs must be symmetric with a positive bandwidth for every "
+        raise InputError(f"system file {w}: links_gbs must be symmetric with a positive bandwidth for every "
                         "pair of GPUs (full mesh; give a slow pair its routed bandwidth)")
     gpu_nic = n.get("gpu_nic", [])
     if nics and (len(gpu_nic) != gpn or any(not isinstance(x, int) or not 0 <= x < nics for x in gpu_nic)):
-        raise TwinError(f"system file {w}: gpu_nic must list, for each of the {gpn} GPUs, a NIC in 0..{nics - 1}")
+        raise InputError(f"system file {w}: gpu_nic must list, for each of the {gpn} GPUs, a NIC in 0..{nics - 1}")
     dragonfly = None
     if "network" in data:
         dragonfly = _dragonfly(data["network"], f"{path} [network]", nodes, nics)
     elif nodes > 1:
-        raise TwinError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly)")
+        raise InputError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly)")
     w = f"{path} [collectives]"
     ring_only = c.get("ring_only", [])
     coll = CollectiveSpec(library=_get(c, "library", w, str), ring_only=tuple(ring_only),
@@ -205,7 +205,7 @@ def _parse(data: dict, path: Path) -> SystemSpec:
                           step_latency=_get(c, "step_latency", w))
     for k in ("intra_node_efficiency", "inter_node_channel_efficiency"):
         if not 0 < getattr(coll, k) <= 1:
-            raise TwinError(f"system file {w}: {k} must be in (0, 1], got {getattr(coll, k)}")
+            raise InputError(f"system file {w}: {k} must be in (0, 1], got {getattr(coll, k)}")
     w = f"{path} [default]"
     spec = SystemSpec(
         name=str(data.get("name", path.stem)), description=str(data.get("description", "")), gpu=gpu,
@@ -216,9 +216,9 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         dragonfly=dragonfly, collectives=coll, default_model=_get(d, "model", w, str),
         default_gpus=_get(d, "gpus", w, int), sources=tuple(data.get("sources", ())), path=str(path))
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
-        raise TwinError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
+        raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:
-        raise TwinError(f"system file {w}: gpus {spec.default_gpus} must be between 1 and {spec.total_gpus}")
+        raise InputError(f"system file {w}: gpus {spec.default_gpus} must be between 1 and {spec.total_gpus}")
     return spec
 
 
@@ -226,22 +226,22 @@ def _dragonfly(t: dict, w: str, nodes: int, nics: int) -> DragonflySpec:
     ints = ("groups", "switches_per_group", "endpoints_per_switch", "nodes_per_group", "global_links_per_pair")
     floats = ("link_bandwidth", "switch_latency", "nic_latency", "local_cable_latency", "global_cable_latency")
     if not isinstance(t, dict):
-        raise TwinError(f"system file {w}: [network] must be a table")
+        raise InputError(f"system file {w}: [network] must be a table")
     df = DragonflySpec(**{k: _get(t, k, w, int) for k in ints}, **{k: _get(t, k, w) for k in floats})
     if min(getattr(df, k) for k in ints[:4]) < 1 or df.link_bandwidth <= 0:
-        raise TwinError(f"system file {w}: groups, switches, endpoints, nodes per group and link_bandwidth must be positive")
+        raise InputError(f"system file {w}: groups, switches, endpoints, nodes per group and link_bandwidth must be positive")
     if df.groups * df.nodes_per_group < nodes:
-        raise TwinError(f"system file {w}: {df.groups} groups x {df.nodes_per_group} nodes hold fewer than the "
+        raise InputError(f"system file {w}: {df.groups} groups x {df.nodes_per_group} nodes hold fewer than the "
                         f"{nodes} nodes of the machine")
     if df.nodes_per_group * nics > df.switches_per_group * df.endpoints_per_switch:
-        raise TwinError(f"system file {w}: {df.nodes_per_group} nodes x {nics} NICs do not fit on "
+        raise InputError(f"system file {w}: {df.nodes_per_group} nodes x {nics} NICs do not fit on "
                         f"{df.switches_per_group} switches x {df.endpoints_per_switch} endpoint ports")
     if df.groups > 1 and not 1 <= df.global_links_per_pair <= df.switches_per_group:
-        raise TwinError(f"system file {w}: global_links_per_pair must be between 1 and switches_per_group "
+        raise InputError(f"system file {w}: global_links_per_pair must be between 1 and switches_per_group "
                         f"({df.switches_per_group}) with {df.groups} groups")
     ports = -(-(df.groups - 1) * df.global_links_per_pair // df.switches_per_group)
     used = df.endpoints_per_switch + df.switches_per_group - 1 + ports
     if used > SWITCH_PORTS:
-        raise TwinError(f"system file {w}: a switch would need {used} ports ({df.endpoints_per_switch} endpoints, "
+        raise InputError(f"system file {w}: a switch would need {used} ports ({df.endpoints_per_switch} endpoints, "
                         f"{df.switches_per_group - 1} local, {ports} global) but a Rosetta switch has {SWITCH_PORTS}")
     return df

@@ -1,9 +1,10 @@
-"""The one exception type for bad user input.
+"""TwinError: bad user input (unknown model, a grid that does not divide, a model that does not fit).
 
-The command line turns a TwinError into one line on stderr and exit code 2; the library raises it
-wherever a user could have asked for something impossible (unknown model, a grid that does not divide).
+The command line turns it into one line on stderr and exit code 2. It is the project-wide
+topologies.errors.InputError under the twin's name, so an error raised while loading a system spec
+and one raised while building a program are caught alike.
 """
 
+from topologies.errors import InputError as TwinError
 
-class TwinError(ValueError):
-    """Bad input: the message says what is wrong and how to fix it."""
+__all__ = ["TwinError"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from calibration.profile import LAYOUTS, Profile
+from twin.profile import LAYOUTS, Profile
 from twin.program import Op
 
 

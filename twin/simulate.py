@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from calibration.profile import Profile, load_profile, profile_for_gpu
+from twin.profile import Profile, load_profile, profile_for_gpu
 from topologies.system import SystemSpec, load_system
 from twin.engine import simulate_program
 from twin.errors import TwinError

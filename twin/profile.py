@@ -13,7 +13,9 @@ from pathlib import Path
 
 from twin.errors import TwinError
 
-PROFILES_DIR = Path(__file__).parent / "profiles"
+# The data files live with the calibration (they are what calibration measures and fits); the loader
+# lives in twin so that twin never imports calibration (imports run topologies <- twin <- calibration).
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "calibration" / "profiles"
 LAYOUTS = ("NN", "NT", "TN")
 
 
