@@ -95,15 +95,20 @@ class Recorder:
             return self._origin.elapsed_time(ev) / 1e3  # type: ignore[union-attr]
         return float(ev) - float(self._origin)  # type: ignore[arg-type]
 
-    def spans(self, rank: int) -> list[Span]:
-        """The records as trace spans of `rank` (start relative to the last reset, seconds)."""
+    def spans(self, rank: int, program=None) -> list[Span]:
+        """The records as trace spans of `rank` (start relative to the last reset, seconds).
+
+        With the twin's `program`, each span's args carry the program's op index (as the twin's trace
+        does); without it, the record's position.
+        """
+        index = {op.name: op.index for op in program.ops} if program is not None else {}
         if self.cuda:
             torch.cuda.synchronize(self.device)
         out = []
         for i, r in enumerate(self.records):
             start = self._seconds(r._start)
             end = self._seconds(r._end) if r._end is not None else start
-            args = {"kind": r.kind, "stream": r.stream, "index": i, **r.args}
+            args = {"kind": r.kind, "stream": r.stream, "index": index.get(r.name, i), **r.args}
             if r.axis:
                 args.update(axis=r.axis, bytes=r.bytes)
             if r.kind == "gemm":

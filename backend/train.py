@@ -224,7 +224,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     spec, grid, options = cfg.spec(), cfg.parsed_grid(), cfg.options()
     check_world_size(grid.size, cfg.grid)
-    build_program(spec, grid, options, batch=cfg.global_batch())
+    program = build_program(spec, grid, options, batch=cfg.global_batch())
     source = open_source(cfg.data, spec.vocab, cfg.seed)
     warn = fabric_warning(cfg.device)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -267,7 +267,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             records.append(metrics.log(step, loss, lr, seconds))
             if step == trace_step:
                 model.recorder = NULL_RECORDER
-                _write_trace(out / "trace.json", recorder.spans(ctx.rank), ctx,
+                _write_trace(out / "trace.json", recorder.spans(ctx.rank, program), ctx,
                              {"source": "backend run", "model": spec.name, "grid": str(grid), "step": step,
                               "device": str(ctx.device), "options": asdict(options)})
             if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):

@@ -52,3 +52,5 @@ def test_run_trains_logs_and_traces(tmp_path):
         got = [s.name for s in sorted(mine, key=lambda s: s.args["index"])
                if s.kind == "gemm" or s.stream != "compute"]
         assert sorted(got) == sorted(want)
+        index = {op.name: op.index for op in program.ops}
+        assert all(s.args["index"] == index[s.name] for s in mine)  # the program's op index, as in a twin trace
