@@ -49,6 +49,18 @@ def write_file(path: Path, text: str) -> None:
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
 GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest), e.g. 8x8x4x128.")]
+SystemOpt = Annotated[str, typer.Option("--system", "-s", help="System name (see `twin systems`) or a system .toml file.")]
+StudyModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")]
+GpusOpt = Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")]
+BatchOpt = Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")]
+SeqOpt = Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")]
+PlacementOpt = Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")]
+OarOpt = Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap backward all-reduce (y) with the dW GEMM.")]
+OrsOpt = Annotated[bool, typer.Option("--ors/--no-ors", help="Overlap z reduce-scatters with earlier layers.")]
+OagOpt = Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather.")]
+CacheOpt = Annotated[int, typer.Option(help="Keep gathered weights of the first N blocks.")]
+RecomputeOpt = Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation recomputation.")]
+MicroOpt = Annotated[int, typer.Option(help="Gradient accumulation steps.")]
 
 
 def options_from_flags(oar: bool, ors: bool, oag: bool, cache_layers: int, recompute: bool,
@@ -77,14 +89,14 @@ def program_cmd(
     model: ModelOpt = "gpt-5b",
     grid: GridOpt = "2x2x2x64",
     gpus: Annotated[Optional[int], typer.Option(help="GPU count; must equal the grid's product.")] = None,
-    batch: Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")] = None,
-    seq: Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")] = None,
-    oar: Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap backward all-reduce (y) with the dW GEMM.")] = True,
-    ors: Annotated[bool, typer.Option("--ors/--no-ors", help="Overlap z reduce-scatters with earlier layers.")] = True,
-    oag: Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather.")] = True,
-    cache_layers: Annotated[int, typer.Option(help="Keep gathered weights of the first N blocks.")] = 0,
-    recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation recomputation.")] = True,
-    micro_batches: Annotated[int, typer.Option(help="Gradient accumulation steps.")] = 1,
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    oar: OarOpt = True,
+    ors: OrsOpt = True,
+    oag: OagOpt = True,
+    cache_layers: CacheOpt = 0,
+    recompute: RecomputeOpt = True,
+    micro_batches: MicroOpt = 1,
     hbm_gib: Annotated[Optional[float], typer.Option(help="GPU memory (GiB) to check the fit against; off by default.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole program (every op) as JSON here.")] = None,
 ) -> None:
@@ -160,19 +172,19 @@ def _print_result(r) -> None:
 @app.command("simulate")
 @handles_errors
 def simulate_cmd(
-    system: Annotated[str, typer.Option("--system", "-s", help="System name (frontier, perlmutter, alps, ...) or a system .toml file.")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")] = None,
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
     grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")] = "auto",
-    batch: Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")] = None,
-    seq: Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")] = None,
-    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
-    oar: Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap backward all-reduce (y) with the dW GEMM.")] = True,
-    ors: Annotated[bool, typer.Option("--ors/--no-ors", help="Overlap z reduce-scatters with earlier layers.")] = True,
-    oag: Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather.")] = True,
-    cache_layers: Annotated[int, typer.Option(help="Keep gathered weights of the first N blocks.")] = 0,
-    recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation recomputation.")] = True,
-    micro_batches: Annotated[int, typer.Option(help="Gradient accumulation steps.")] = 1,
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    oar: OarOpt = True,
+    ors: OrsOpt = True,
+    oag: OagOpt = True,
+    cache_layers: CacheOpt = 0,
+    recompute: RecomputeOpt = True,
+    micro_batches: MicroOpt = 1,
     gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
     profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
     full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
@@ -210,14 +222,14 @@ def simulate_cmd(
 @app.command("search")
 @handles_errors
 def search_cmd(
-    system: Annotated[str, typer.Option("--system", "-s", help="System name or a system .toml file.")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")] = None,
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
     top: Annotated[int, typer.Option(help="How many grids to print.")] = 10,
     simulate_top: Annotated[int, typer.Option(help="How many of the best to simulate (default: all printed).")] = -1,
-    batch: Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")] = None,
-    seq: Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")] = None,
-    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
 ) -> None:
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
@@ -266,10 +278,10 @@ def systems_cmd() -> None:
 @app.command("topology")
 @handles_errors
 def topology_cmd(
-    system: Annotated[str, typer.Option("--system", "-s", help="System name (see `twin systems`) or a system .toml file.")] = "frontier",
+    system: SystemOpt = "frontier",
     html: Annotated[Optional[Path], typer.Option("--html", help="Write the dragonfly and node fabric as one HTML file here.")] = None,
     gpus: Annotated[Optional[int], typer.Option(help="Place a job of this many GPUs (default: the system's default study).")] = None,
-    placement: Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")] = "contiguous",
+    placement: PlacementOpt = "contiguous",
     seed: Annotated[int, typer.Option(help="Seed of the scattered placement.")] = 0,
     grid: Annotated[Optional[str], typer.Option("--grid", "-g", help="Also print the ring bandwidth each axis of this 4D grid gets (all its groups at once).")] = None,
 ) -> None:
