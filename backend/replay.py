@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.train import check_run_flags
 from twin.errors import TwinError
 from twin.grid import Grid
 from twin.model import load_model
@@ -61,14 +62,7 @@ class ReplayConfig:
 
 def validate(cfg: ReplayConfig) -> None:
     """Check a replay config before any rank starts (raises TwinError)."""
-    if cfg.steps < 1:
-        raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
-    if cfg.batch is not None and cfg.batch < 1:
-        raise TwinError(f"--batch must be >= 1 sequence, got {cfg.batch}")
-    if cfg.device not in ("cpu", "cuda"):
-        raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
+    check_run_flags(cfg.steps, cfg.batch, cfg.device)
     if cfg.dtype not in ("auto", *DTYPES):
         raise TwinError(f"--dtype must be auto, fp32 or bf16, got {cfg.dtype!r}")
     cfg.program()

@@ -89,22 +89,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
+def check_run_flags(steps: int, batch: int | None, device: str) -> None:
+    """The checks `backend run` and `backend replay` share (raises TwinError with one clear line)."""
+    if steps < 1:
+        raise TwinError(f"--steps must be >= 1, got {steps}")
+    if batch is not None and batch < 1:
+        raise TwinError(f"--batch must be >= 1 sequence, got {batch}")
+    if device not in ("cpu", "cuda"):
+        raise TwinError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check a config before any rank starts (raises TwinError with one clear line)."""
     from backend import checkpoint
     from backend.data import open_source
 
     spec, grid = cfg.spec(), cfg.parsed_grid()
-    if cfg.steps < 1:
-        raise TwinError(f"--steps must be >= 1, got {cfg.steps}")
-    if cfg.batch is not None and cfg.batch < 1:
-        raise TwinError(f"--batch must be >= 1 sequence, got {cfg.batch}")
-    if cfg.device not in ("cpu", "cuda"):
-        raise TwinError(f"--device must be cpu or cuda, got {cfg.device!r}")
-    if cfg.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
+    check_run_flags(cfg.steps, cfg.batch, cfg.device)
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
