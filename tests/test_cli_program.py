@@ -65,3 +65,14 @@ def test_json_file_not_clobbered_on_error(tmp_path):
     out.write_text("keep me")
     r = runner.invoke(app, ["program", "--grid", "3x1x1x1", "--json", str(out)])
     assert r.exit_code == 2 and out.read_text() == "keep me"
+
+
+def test_twin_never_imports_torch_or_backend():
+    """A user on a laptop simulates Frontier with the twin alone: no torch, no backend."""
+    import subprocess
+    import sys
+    code = ("import sys, twin.cli, twin.simulate, twin.search, twin.engine, twin.collectives, twin.plots, "
+            "topologies.network, topologies.routing; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'backend', 'calibration')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
