@@ -1,6 +1,7 @@
 """`simulate(...)`: one training iteration of a model on a system, the Python API behind `twin simulate`.
 
-Pieces: the system spec (topologies.system), a kernel profile for its GPU (calibration/profiles),
+Pieces: the system spec (topologies.system), a kernel profile for its GPU (twin.profile reads
+calibration/profiles),
 the program of the grid (twin.program), the collective model (twin.collectives.CollectiveModel on the
 job's rank placement), and the engine (twin.engine). `--grid auto` ranks every valid grid with the
 analytical model of twin.search and simulates the best few.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from twin.profile import Profile, load_profile, profile_for_gpu
 from topologies.system import SystemSpec, load_system
 from twin.engine import simulate_program
 from twin.errors import TwinError
@@ -19,6 +19,7 @@ from twin.grid import AXES, Grid
 from twin.kernels import KernelModel
 from twin.memory import check_fits, memory_per_gpu
 from twin.model import ModelSpec, load_model
+from twin.profile import Profile, load_profile, profile_for_gpu
 from twin.program import Options, Program, build_program
 from twin.result import SimulationResult
 from twin.trace import Span, op_args
