@@ -41,8 +41,9 @@ def timeline_figure(spans: list[Span], title: str = "") -> go.Figure:
         if bars:
             fig.add_trace(go.Bar(
                 name=kind, orientation="h", y=[_row(s) for s in ss], x=[s.duration_s for s in ss],
-                base=[s.start_s for s in ss], marker_color=colour, text=[s.name for s in ss],
-                hovertemplate="%{text}<br>start %{base:.6f} s<br>duration %{x:.6f} s<extra>" + kind + "</extra>",
+                base=[s.start_s for s in ss], marker_color=colour, marker_line_width=0,
+                customdata=[s.name for s in ss], textposition="none",
+                hovertemplate="%{customdata}<br>start %{base:.6f} s<br>duration %{x:.6f} s<extra>" + kind + "</extra>",
             ))
         else:
             xs, ys, names = [], [], []
@@ -55,7 +56,7 @@ def timeline_figure(spans: list[Span], title: str = "") -> go.Figure:
     fig.update_layout(
         title=title, barmode="overlay", xaxis_title="time (s)", legend_title="op kind",
         yaxis=dict(categoryorder="array", categoryarray=order[::-1], type="category"),
-        height=max(300, 60 + 28 * len(order)), bargap=0.2,
+        height=max(360, 120 + 40 * len(order)), bargap=0.2,
     )
     return fig
 

@@ -383,18 +383,20 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         b.compute("emb.bwd", "embedding", flops=float(m * h // gx), bytes=ACT_BYTES * 3 * m * h // gx)
         b.reduce_scatter("emb", "emb.bwd.rs_z", emb_bytes, b.ready)
 
-    # end of step: gradient shards all-reduced over data as soon as they are final, then the optimizer
+    # end of step: after the backward pass, each gradient shard is all-reduced over data once its
+    # reduce-scatter is done (in layer order), then the optimizer runs
     b.prefix = ""
     grad_ar = []
     P = grid.tensor_size
+    end_of_backward = b.ready
     for i in range(model.layers):
         for ln, k, n, _ in linears:
             key = f"L{i}.{ln}"
             grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
-                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key]]))
+                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key], end_of_backward]))
     grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
                                 GRAD_AR_BYTES * (V + s) * h // P,
-                                deps=[b.last_rs["emb"], b.last_rs["head"]]))
+                                deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward]))
     norm_params = (4 * model.layers + 2) * h // gx
     nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready])
     grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
