@@ -37,6 +37,7 @@ compute + exposed + idle = iteration time exactly.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,6 +89,7 @@ class _Sim:
         self._collective_s = collective_s
         self._coll_ns: dict[tuple[int, frozenset], float] = {}
         self._todo: dict[int, tuple] = {}
+        self.buckets: dict[int, list] = {}  # due time (ns) -> [(stream, stamp)] in scheduling order
 
     def coll_ns(self, i: int, conc: frozenset) -> float:
         """Duration of collective op i under concurrency `conc` (ns, memoised)."""
@@ -107,10 +109,26 @@ class _Sim:
     def wait(self, rank: int, op: int, stream) -> None:
         self.waiters.setdefault(rank * self.n + op, []).append(stream)
 
-    def schedule(self, delay_ns: float, callback) -> Timeout:
-        t = Timeout(self.env, int(delay_ns + 0.5) if delay_ns > 0 else 0)
-        t.callbacks.append(callback)
-        return t
+    def schedule(self, due: int, stream) -> None:
+        """Call stream.on_done() at `due` (ns) unless the stream schedules again before (a new stamp).
+        One simpy Timeout per distinct time: its bucket keeps scheduling order (simpy's order on ties)."""
+        b = self.buckets.get(due)
+        if b is None:
+            b = self.buckets[due] = []
+            Timeout(self.env, due - self.env._now).callbacks.append(self.fire)
+        stream.stamp = st = stream.stamp + 1
+        b.append((stream, st))
+
+    def fire(self, _event) -> None:
+        now = self.env._now
+        b = self.buckets[now]
+        k = 0
+        while k < len(b):  # entries added at this very time (zero delays) run after the others, as in simpy
+            s, st = b[k]
+            k += 1
+            if s.stamp == st:
+                s.on_done()
+        del self.buckets[now]
 
     def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
         """Attribute the compute stream's wait [t1, t2] (ns), which ended when `op` completed, by walking
@@ -149,23 +167,23 @@ class _Sim:
 
 
 class _ComputeStream:
-    __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "event", "due", "work",
-                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "row",
-                 "env", "cb")
+    __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "due", "work",
+                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "stamp",
+                 "env")
 
     def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
                  overlap: float):
         self.sim, self.rank, self.ops, self.pc, self.end = sim, rank, ops, 0, len(ops)
         self.todo = sim.todo(ops)
         self.base, self.slow, self.overlap = base_ns, slow, overlap
-        self.event = None
         self.work = self.factor = 0.0
         self.due = self.seg = self.start = self.prev_end = 0
         self.waited: int | None = None  # the op it last waited for
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
-        self.env, self.cb = sim.env, self.on_done  # hot-path shortcuts
+        self.stamp = 0
+        self.env = sim.env
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
@@ -188,10 +206,8 @@ class _ComputeStream:
         self.start = self.seg = now
         self.work = w = self.base[i]
         self.factor = f = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
-        delay = int(w * f + 0.5)
-        self.due = now + delay
-        self.event = t = Timeout(env, delay)
-        t.callbacks.append(self.cb)
+        self.due = due = now + int(w * f + 0.5)
+        sim.schedule(due, self)
 
     def rerate(self) -> None:
         """The rank's communication state changed: carry the remaining work over at the new rate.
@@ -206,17 +222,15 @@ class _ComputeStream:
         due = now + int(self.work * self.factor + 0.5)
         if due < self.due:
             self.due = due
-            self.event = sim.schedule(due - now, self.cb)
+            sim.schedule(due, self)
 
-    def on_done(self, event) -> None:
-        if event is not self.event:
-            return  # stale: re-rated after this completion was scheduled
+    def on_done(self) -> None:
         sim = self.sim
         now = self.env._now
         left = self.work * self.factor - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
-            self.due = now + int(left + 0.5)
-            self.event = sim.schedule(left, self.cb)
+            self.due = due = now + int(left + 0.5)
+            sim.schedule(due, self)
             return
         i = self.ops[self.pc]
         self.compute_ns += now - self.start
@@ -236,18 +250,17 @@ class _ComputeStream:
 
 
 class _GroupStream:
-    __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "event", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "cursor", "cb")
+    __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
+                 "start", "running", "blk", "starts", "blockers", "cursor", "stamp")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = sim.todo(ops)
         self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
         self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
-        self.cb = self.on_done
+        self.stamp = 0
         self.starts = [0] * len(ops)                 # start of each op (ns)
         self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
-        self.event = None
         self.frac = self.dur = 0.0
         self.due = self.seg = self.start = 0
         self.running = False
@@ -284,10 +297,8 @@ class _GroupStream:
         self.start = self.seg = now
         self.frac = 1.0
         self.dur = dur = sim.coll_ns(i, sim.conc[axis])
-        delay = int(dur + 0.5)
-        self.due = now + delay
-        self.event = t = Timeout(sim.env, delay)
-        t.callbacks.append(self.cb)
+        self.due = due = now + int(dur + 0.5)
+        sim.schedule(due, self)
         sim.running[axis][self] = None
         sim.inflight[axis] += 1
         if sim.inflight[axis] == 1:
@@ -307,17 +318,15 @@ class _GroupStream:
         due = now + int(self.frac * self.dur + 0.5)
         if due < self.due:
             self.due = due
-            self.event = sim.schedule(due - now, self.cb)
+            sim.schedule(due, self)
 
-    def on_done(self, event) -> None:
-        if event is not self.event:
-            return
+    def on_done(self) -> None:
         sim = self.sim
         now = sim.env._now
         left = self.frac * self.dur - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
-            self.due = now + int(left + 0.5)
-            self.event = sim.schedule(left, self.cb)
+            self.due = due = now + int(left + 0.5)
+            sim.schedule(due, self)
             return
         i = self.ops[self.pc]
         members = self.members
@@ -389,7 +398,13 @@ def simulate_program(program: Program, compute_s: list[float],
         s.advance()
     for g in groups:
         g.advance()
-    sim.env.run()
+    gc_on = gc.isenabled()
+    gc.disable()  # millions of short-lived objects and no cycles to collect: the collector only costs time
+    try:
+        sim.env.run()
+    finally:
+        if gc_on:
+            gc.enable()
     stuck = [s for s in sim.compute if s.pc < len(s.ops)] + [g for g in groups if g.pc < len(g.ops)]
     if stuck:
         s = stuck[0]
