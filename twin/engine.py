@@ -38,6 +38,7 @@ compute + exposed + idle = iteration time exactly.
 from __future__ import annotations
 
 import gc
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,8 +107,13 @@ class _Sim:
             self._todo[key] = (ops, [(i, self.deps[i]) for i in ops])
         return self._todo[key][1]
 
-    def wait(self, rank: int, op: int, stream) -> None:
-        self.waiters.setdefault(rank * self.n + op, []).append(stream)
+    def wait(self, key: int, stream) -> None:
+        """Advance `stream` when op `key % n` of rank `key // n` is done (after earlier waiters)."""
+        ws = self.waiters.get(key)
+        if ws is None:
+            self.waiters[key] = [stream]
+        else:
+            ws.append(stream)
 
     def schedule(self, due: int, stream) -> None:
         """Call stream.on_done() at `due` (ns) unless the stream schedules again before (a new stamp).
@@ -148,12 +154,12 @@ class _Sim:
             exposed[axis] += t2 - start
             t2 = start
             blk = g.blockers[pc]
-            if blk is None:
+            if blk < 0:
                 if pc == 0:
                     return
                 op = g.ops[pc - 1]
             else:
-                rank, op = blk
+                rank, op = divmod(blk, self.n)
 
     def axis_changed(self, axis: str) -> None:
         """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
@@ -194,7 +200,7 @@ class _ComputeStream:
         for d in deps:
             if not done[d][rank]:
                 self.waited = d
-                sim.wait(self.rank, d, self)
+                sim.wait(rank * sim.n + d, self)
                 return
         env = self.env
         now = env._now
@@ -251,16 +257,17 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "cursor", "stamp")
+                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "stamp")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = sim.todo(ops)
-        self.blk: tuple[int, int] | None = None     # (rank, op) it last waited for
-        self.cursor = (0, 0)                         # (dep, member) where the dependency scan resumes
+        self.blk = -1                                # rank * n + op it last waited for (-1: none)
+        self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
         self.stamp = 0
-        self.starts = [0] * len(ops)                 # start of each op (ns)
-        self.blockers: list = [None] * len(ops)      # what each op waited for last (None: its predecessor)
+        self.starts = array("q", bytes(8 * len(ops)))              # start of each op (ns)
+        self.blockers = array("q", b"\xff" * (8 * len(ops)))      # what each op waited for last (-1: its
+        # predecessor); arrays: 8 bytes an entry, no objects (memory in full mode)
         self.frac = self.dur = 0.0
         self.due = self.seg = self.start = 0
         self.running = False
@@ -272,27 +279,28 @@ class _GroupStream:
         i, deps = self.todo[self.pc]
         if deps:
             # done flags never revert, so a wait resumes the scan where it stopped (large groups)
-            members = self.members
-            n = len(members)
-            dk, mk = self.cursor
-            for dj in range(dk, len(deps)):
-                flags = sim.done[deps[dj]]
+            members, done = self.members, sim.done
+            n, nd = len(members), len(deps)
+            dj, mk = self.dk, self.mk
+            while dj < nd:
+                d = deps[dj]
+                flags = done[d]
                 while mk < n:
                     r = members[mk]
                     if not flags[r]:
-                        d = deps[dj]
-                        self.cursor = (dj, mk)
-                        self.blk = (r, d)
-                        sim.wait(r, d, self)
+                        self.dk, self.mk = dj, mk
+                        self.blk = key = r * sim.n + d
+                        sim.wait(key, self)
                         return
                     mk += 1
                 mk = 0
-            self.cursor = (0, 0)
+                dj += 1
+            self.dk = self.mk = 0
         now = sim.env._now
         axis = self.axis
         self.starts[self.pc] = now
         self.blockers[self.pc] = self.blk
-        self.blk = None
+        self.blk = -1
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
@@ -305,9 +313,11 @@ class _GroupStream:
             sim.axis_changed(axis)
         busy, compute = sim.busy, sim.compute
         for r in self.members:
-            busy[r] += 1
-            if busy[r] == 1:
-                compute[r].rerate()
+            b = busy[r] = busy[r] + 1
+            if b == 1:
+                c = compute[r]
+                if c.running:
+                    c.rerate()
 
     def rerate(self) -> None:
         sim = self.sim
@@ -344,9 +354,11 @@ class _GroupStream:
             sim.axis_changed(axis)
         busy, compute, flags, waiters, n = sim.busy, sim.compute, sim.done[i], sim.waiters, sim.n
         for r in members:
-            busy[r] -= 1
-            if busy[r] == 0:
-                compute[r].rerate()
+            b = busy[r] = busy[r] - 1
+            if b == 0:
+                c = compute[r]
+                if c.running:
+                    c.rerate()
             flags[r] = 1
             ws = waiters.pop(r * n + i, None)
             if ws:
