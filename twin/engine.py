@@ -90,7 +90,7 @@ class _Sim:
         self._collective_s = collective_s
         self._coll_ns: dict[tuple[int, frozenset], float] = {}
         self._todo: dict[int, tuple] = {}
-        self.buckets: dict[int, list] = {}  # due time (ns) -> [(stream, stamp)] in scheduling order
+        self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
 
     def coll_ns(self, i: int, conc: frozenset) -> float:
         """Duration of collective op i under concurrency `conc` (ns, memoised)."""
@@ -116,24 +116,25 @@ class _Sim:
             ws.append(stream)
 
     def schedule(self, due: int, stream) -> None:
-        """Call stream.on_done() at `due` (ns) unless the stream schedules again before (a new stamp).
-        One simpy Timeout per distinct time: its bucket keeps scheduling order (simpy's order on ties)."""
+        """Call stream.on_done() at `due` (ns) unless the stream schedules again before. One simpy
+        Timeout per distinct time: its bucket keeps scheduling order (simpy's order on ties). The stream's
+        latest entry is the one at (stream.due, stream.slot): the caller sets stream.due = due."""
         b = self.buckets.get(due)
         if b is None:
             b = self.buckets[due] = []
             Timeout(self.env, due - self.env._now).callbacks.append(self.fire)
-        stream.stamp = st = stream.stamp + 1
-        b.append((stream, st))
+        stream.slot = len(b)
+        b.append(stream)
 
     def fire(self, _event) -> None:
         now = self.env._now
         b = self.buckets[now]
         k = 0
         while k < len(b):  # entries added at this very time (zero delays) run after the others, as in simpy
-            s, st = b[k]
-            k += 1
-            if s.stamp == st:
+            s = b[k]
+            if s.slot == k and s.due == now:
                 s.on_done()
+            k += 1
         del self.buckets[now]
 
     def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
@@ -174,7 +175,7 @@ class _Sim:
 
 class _ComputeStream:
     __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "due", "work",
-                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "stamp",
+                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "slot",
                  "env")
 
     def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
@@ -188,7 +189,7 @@ class _ComputeStream:
         self.compute_ns = 0
         self.exposed = {a: 0 for a in AXES}
         self.running = False
-        self.stamp = 0
+        self.slot = -1
         self.env = sim.env
 
     def advance(self) -> None:
@@ -257,14 +258,14 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "stamp")
+                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = sim.todo(ops)
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
-        self.stamp = 0
+        self.slot = -1
         self.starts = array("q", bytes(8 * len(ops)))              # start of each op (ns)
         self.blockers = array("q", b"\xff" * (8 * len(ops)))      # what each op waited for last (-1: its
         # predecessor); arrays: 8 bytes an entry, no objects (memory in full mode)
