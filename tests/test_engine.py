@@ -153,3 +153,19 @@ def test_weight_caching_removes_gathers():
     two_mb = run(grid="2x2x4x1", options=Options(micro_batches=2), **COMM_HEAVY)
     assert cached.iteration_s < two_mb.iteration_s
     assert on.iteration_s > 0
+
+
+def test_collective_waits_for_its_last_member_in_full_mode():
+    # ranks 0..3 (x-groups {0,1} {2,3}, y-groups {0,2} {1,3}); rank 2 is 3x slower, so rank 0's c1 waits
+    # for the y all-reduce of {0,2}; the x all-reduce after c1 must wait for rank 0 although rank 1 is
+    # early this time (the previous x all-reduce waited for rank 1 last)
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", deps=(0,), axis="x"),
+           Op(2, "ay", "all_reduce", "y", deps=(0,), axis="y"), Op(3, "c1", "gemm", "compute", deps=(2,)),
+           Op(4, "ax2", "all_reduce", "x", deps=(3,), axis="x"), Op(5, "c2", "gemm", "compute", deps=(1, 4))]
+    r = simulate_program(hand_program(ops), [1.0, 0, 0, 1.0, 0, 1.0], lambda i, c: 1.0, full=True,
+                         slowdown={2: 3.0}, record=True)
+    start = {(rank, i): s for rank, i, s, _ in r.spans}
+    assert start[(0, 4)] == pytest.approx(5.0) and start[(1, 4)] == pytest.approx(5.0)
+    assert start[(0, 5)] == pytest.approx(6.0)
+    assert r.iteration_s == pytest.approx(11.0)
+    assert total(r) == pytest.approx(r.iteration_s)
