@@ -5,17 +5,22 @@ stream shared by its members (all members run the same collectives of that axis 
 a group's stream stands for the axis stream of every member). An op starts when its stream has
 finished the previous op and every op in its `deps` is done (for a collective: done on every member,
 so it starts when its last member arrives); a collective then completes for the whole group at once.
-Streams are small state machines driven by simpy events (a Timeout per op with a callback): no
-process per op, no Resources.
+Streams are small state machines, not simpy processes: a pending completion is an entry (the stream)
+in the bucket of its due time; each distinct due time has one simpy Timeout, which runs its bucket in
+scheduling order, simpy's own order on ties (entries added while it runs, zero-time ops, run last as
+zero-delay Timeouts would). Ranks mostly finish an op at the same nanosecond, so a few thousand simpy
+events carry millions of ops. No Python object is made per rank and op: done flags are a bytearray
+per op (a group's members' flags for one op sit together), a group's start and blocker of each op
+are int arrays, a stream kind's (op, deps) list is shared. No cyclic GC during a run (only cost).
 
 Rates. A collective's duration comes from `collective_s(op, concurrent)` where `concurrent` is the set
 of other axes that have a collective in flight at that moment. When an axis starts or stops having
 collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
 (a fraction) is carried over at the new rate. A compute op runs `overlap_slowdown` times slower while
-a collective of its rank is in flight, re-rated the same way. simpy cannot cancel a Timeout: each
-stream keeps its latest one as a version stamp and ignores callbacks from any other (stale) one. An
-earlier finish schedules a new Timeout; a later one does not (the pending Timeout fires early, sees
-work left, and schedules the rest), which saves events when rates change several times.
+a collective of its rank is in flight, re-rated the same way. An entry cannot be taken back: a
+stream's live entry is the one at (stream.due, stream.slot), the others are stale and skipped. An
+earlier finish schedules a new entry; a later one does not (the pending entry fires early, sees work
+left, and schedules the rest), which saves entries when rates change several times.
 
 Time is kept in integer nanoseconds (simpy's clock holds ints), so no remaining time of 1e-18 s can
 stall the clock; each scheduled delay is rounded to the nearest nanosecond.
@@ -70,12 +75,10 @@ class _Sim:
     def __init__(self, program: Program, nranks: int, record: bool,
                  collective_s: Callable[[int, frozenset], float]):
         self.env = simpy.Environment()
-        self.ops = program.ops
-        self.n = len(self.ops)
+        self.ops, self.n = program.ops, len(program.ops)
         self.deps = [op.deps for op in self.ops]
         self.axis_of = [op.axis for op in self.ops]
-        self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]: op-major, so a group's
-        # members' flags for one op sit together
+        self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]
         self.waiters: dict[int, list] = {}
         self.busy = [0] * nranks                        # collectives in flight that include the rank
         self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
@@ -84,12 +87,10 @@ class _Sim:
         self.compute: list[_ComputeStream] = []
         self.group_of: dict[str, dict[int, _GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
         self.pos = [0] * self.n                         # position of each op in its stream
-        self.end_ns = 0
-        self.record = record
+        self.end_ns, self.record = 0, record
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
         self._coll_ns: dict[tuple[int, frozenset], float] = {}
-        self._todo: dict[int, tuple] = {}
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
 
     def coll_ns(self, i: int, conc: frozenset) -> float:
@@ -100,20 +101,9 @@ class _Sim:
             t = self._coll_ns[key] = self._collective_s(i, conc) * NS
         return t
 
-    def todo(self, ops: list[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """(op, deps) of a stream's ops; one list shared by every stream of the same kind (memory)."""
-        key = id(ops)
-        if key not in self._todo:
-            self._todo[key] = (ops, [(i, self.deps[i]) for i in ops])
-        return self._todo[key][1]
-
     def wait(self, key: int, stream) -> None:
         """Advance `stream` when op `key % n` of rank `key // n` is done (after earlier waiters)."""
-        ws = self.waiters.get(key)
-        if ws is None:
-            self.waiters[key] = [stream]
-        else:
-            ws.append(stream)
+        self.waiters.setdefault(key, []).append(stream)
 
     def schedule(self, due: int, stream) -> None:
         """Call stream.on_done() at `due` (ns) unless the stream schedules again before. One simpy
@@ -178,19 +168,15 @@ class _ComputeStream:
                  "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "slot",
                  "env")
 
-    def __init__(self, sim: _Sim, rank: int, ops: list[int], base_ns: list[float], slow: float,
+    def __init__(self, sim: _Sim, rank: int, ops: list[int], todo: list, base_ns: list[float], slow: float,
                  overlap: float):
-        self.sim, self.rank, self.ops, self.pc, self.end = sim, rank, ops, 0, len(ops)
-        self.todo = sim.todo(ops)
+        self.sim, self.rank, self.ops, self.todo, self.pc, self.end = sim, rank, ops, todo, 0, len(ops)
         self.base, self.slow, self.overlap = base_ns, slow, overlap
         self.work = self.factor = 0.0
         self.due = self.seg = self.start = self.prev_end = 0
         self.waited: int | None = None  # the op it last waited for
-        self.compute_ns = 0
-        self.exposed = {a: 0 for a in AXES}
-        self.running = False
-        self.slot = -1
-        self.env = sim.env
+        self.compute_ns, self.exposed = 0, {a: 0 for a in AXES}
+        self.running, self.slot, self.env = False, -1, sim.env
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
@@ -203,8 +189,7 @@ class _ComputeStream:
                 self.waited = d
                 sim.wait(rank * sim.n + d, self)
                 return
-        env = self.env
-        now = env._now
+        now = self.env._now
         if self.waited is not None:
             if now > self.prev_end:
                 sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
@@ -243,10 +228,9 @@ class _ComputeStream:
         self.compute_ns += now - self.start
         if sim.record:
             sim.spans.append((self.rank, i, self.start, now - self.start))
-        self.prev_end = now
         if now > sim.end_ns:
             sim.end_ns = now
-        self.running = False
+        self.prev_end, self.running = now, False
         self.pc += 1
         ws = sim.waiters.pop(self.rank * sim.n + i, None)
         sim.done[i][self.rank] = 1
@@ -260,18 +244,16 @@ class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
                  "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot")
 
-    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int]):
+    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int], todo: list):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
-        self.todo = sim.todo(ops)
+        self.todo = todo                             # [(op, deps)] shared by the streams of the axis
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
         self.slot = -1
-        self.starts = array("q", bytes(8 * len(ops)))              # start of each op (ns)
-        self.blockers = array("q", b"\xff" * (8 * len(ops)))      # what each op waited for last (-1: its
-        # predecessor); arrays: 8 bytes an entry, no objects (memory in full mode)
+        self.starts = array("q", bytes(8 * len(ops)))          # start of each op (ns)
+        self.blockers = array("q", b"\xff" * (8 * len(ops)))  # what each op waited for last (-1: predecessor)
         self.frac = self.dur = 0.0
-        self.due = self.seg = self.start = 0
-        self.running = False
+        self.due, self.seg, self.start, self.running = 0, 0, 0, False
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
@@ -339,8 +321,7 @@ class _GroupStream:
             self.due = due = now + int(left + 0.5)
             sim.schedule(due, self)
             return
-        i = self.ops[self.pc]
-        members = self.members
+        i, members = self.ops[self.pc], self.members
         if sim.record:
             for r in members:
                 sim.spans.append((r, i, self.start, now - self.start))
@@ -392,7 +373,8 @@ def simulate_program(program: Program, compute_s: list[float],
     by_stream: dict[str, list[int]] = {s: [] for s in ("compute",) + AXES}
     for op in program.ops:
         by_stream[op.stream].append(op.index)
-    sim.compute = [_ComputeStream(sim, r, by_stream["compute"], base_ns, slowdown.get(r, 1.0),
+    todo = {k: [(i, sim.deps[i]) for i in ops] for k, ops in by_stream.items()}
+    sim.compute = [_ComputeStream(sim, r, by_stream["compute"], todo["compute"], base_ns, slowdown.get(r, 1.0),
                                   overlap_slowdown) for r in range(nranks)]
     groups: list[_GroupStream] = []
     for axis in AXES:
@@ -400,20 +382,20 @@ def simulate_program(program: Program, compute_s: list[float],
             continue
         members = grid.groups(axis) if full else [[0]]
         for m in members:
-            g = _GroupStream(sim, axis, m, by_stream[axis])
+            g = _GroupStream(sim, axis, m, by_stream[axis], todo[axis])
             groups.append(g)
             for r in m:
                 sim.group_of[axis][r] = g
     for ops in by_stream.values():
         for k, i in enumerate(ops):
             sim.pos[i] = k
-    for s in sim.compute:
-        s.advance()
-    for g in groups:
-        g.advance()
     gc_on = gc.isenabled()
     gc.disable()  # millions of short-lived objects and no cycles to collect: the collector only costs time
     try:
+        for s in sim.compute:
+            s.advance()
+        for g in groups:
+            g.advance()
         sim.env.run()
     finally:
         if gc_on:
