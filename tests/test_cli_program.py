@@ -44,7 +44,7 @@ def test_program_summary_and_json(tmp_path):
     (["--grid", "1x1x2x2", "--batch", "6"], "not divisible by G_z*G_data=4"),
     (["--grid", "1x1x2x2", "--micro-batches", "3"], "micro-batches"),
     (["--model", "gpt-320b", "--grid", "2x2x2x64", "--hbm-gib", "64"], "does not fit"),
-    (["--model", "/nonexistent/model.toml"], "unknown model"),
+    (["--model", "/nonexistent/model.toml"], "model file /nonexistent/model.toml does not exist"),
 ])
 def test_bad_input_one_line_exit_2(args, msg):
     r = runner.invoke(app, ["program", *args])

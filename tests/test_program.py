@@ -45,7 +45,7 @@ def test_collective_bytes_match_closed_form(grid, recompute):
     g = Grid.parse(grid)
     mb = 2
     prog = build_program(m, g, Options(recompute=recompute, micro_batches=mb))
-    H, Bp, E = m.hidden, prog.tokens_per_micro_batch, 2
+    Bp, E = prog.tokens_per_micro_batch, 2
     ring = {a: 2 * (g.axis_size(a) - 1) / g.axis_size(a) for a in ("x", "y", "z", "data")}
     expect = {a: 0.0 for a in ring}
     for _, k, n, transposed in m.linear_shapes():

@@ -7,12 +7,12 @@ rates, seconds for latencies. In the files, `hbm_gib` is in GiB (2^30 bytes) and
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from topologies.datafile import read_spec, shipped
 from topologies.errors import InputError
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
@@ -100,7 +100,7 @@ class SystemSpec:
 
 def list_systems() -> list[str]:
     """Names of the systems that ship with the twin."""
-    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
+    return shipped(SYSTEMS_DIR)
 
 
 def _get(table: dict, key: str, where: str, kind=float):
@@ -125,18 +125,7 @@ def _table(data: dict, key: str, path: Path) -> dict:
 
 def load_system(name_or_path: str) -> SystemSpec:
     """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
-    path = Path(str(name_or_path))
-    if path.suffix == ".toml" and not path.exists():
-        raise InputError(f"system file {path} does not exist (shipped systems: {', '.join(list_systems())})")
-    if path.suffix != ".toml":
-        path = SYSTEMS_DIR / f"{name_or_path}.toml"
-        if not path.exists():
-            raise InputError(f"unknown system {name_or_path!r}: choose one of {', '.join(list_systems())} "
-                            "or give the path of a system .toml file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"malformed system file {path}: {e}") from None
+    path, data = read_spec(name_or_path, SYSTEMS_DIR, "system")
     _check_keys(data, path)
     return _parse(data, path)
 

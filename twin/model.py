@@ -8,10 +8,10 @@ tied to the token embedding. Linear layers carry no bias (the 4D layer is bias-f
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from topologies.datafile import read_spec, shipped
 from twin.errors import TwinError
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -86,21 +86,12 @@ class ModelSpec:
 
 def list_models() -> list[str]:
     """Names of the models that ship with the twin."""
-    return sorted(p.stem for p in MODELS_DIR.glob("*.toml"))
+    return shipped(MODELS_DIR)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
     """Load a model by name (a shipped spec) or from a TOML file path."""
-    path = Path(name_or_path)
-    if not (path.suffix == ".toml" and path.exists()):
-        path = MODELS_DIR / f"{name_or_path}.toml"
-        if not path.exists():
-            raise TwinError(f"unknown model {name_or_path!r}: choose one of {', '.join(list_models())} "
-                            "or give the path of a model .toml file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TwinError(f"malformed model file {path}: {e}") from None
+    path, data = read_spec(name_or_path, MODELS_DIR, "model")
     known = {f.name for f in fields(ModelSpec)}
     unknown = set(data) - known
     if unknown:

@@ -7,10 +7,10 @@ it comes from (a document, a measurement, or "assumed: <why>"). `load_profile` t
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from topologies.datafile import read_spec, shipped
 from twin.errors import TwinError
 
 # The data files live with the calibration (they are what calibration measures and fits); the loader
@@ -90,16 +90,7 @@ def _penalties(path: Path, key: str, entry, sources: dict[str, str]) -> dict[str
 
 def load_profile(name_or_path: str) -> Profile:
     """Load a profile by name (calibration/profiles/<name>.toml) or from a TOML file path."""
-    path = Path(name_or_path)
-    if not (path.suffix == ".toml" and path.exists()):
-        path = PROFILES_DIR / f"{name_or_path}.toml"
-        if not path.exists():
-            raise TwinError(f"unknown kernel profile {name_or_path!r}: choose one of "
-                            f"{', '.join(list_profiles())} or give the path of a profile .toml file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TwinError(f"malformed profile file {path}: {e}") from None
+    path, data = read_spec(name_or_path, PROFILES_DIR, "kernel profile")
     sources: dict[str, str] = {}
     missing = [k for k in _SCALARS + ("layout_penalty", "layout_penalty_small") if k not in data]
     if missing:
@@ -121,7 +112,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 def list_profiles() -> list[str]:
     """Names of the profiles that ship."""
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+    return shipped(PROFILES_DIR)
 
 
 def profile_for_gpu(gpu_name: str) -> Profile:

@@ -1,0 +1,39 @@
+"""Reading the project's data files (systems, models, kernel profiles): a name or a path -> TOML data.
+
+One place says, in one line each, what is wrong with a file a user names: it does not exist, no
+shipped spec has that name, or it is not valid TOML.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from topologies.errors import InputError
+
+
+def shipped(folder: Path) -> list[str]:
+    """Names of the specs in `folder` (its .toml files without the suffix), sorted."""
+    return sorted(p.stem for p in folder.glob("*.toml"))
+
+
+def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
+    """Resolve a shipped name (folder/<name>.toml) or a .toml path and parse it.
+
+    what: the kind of spec for messages ("system", "model", "kernel profile").
+    Raises InputError when the file is missing, unknown or malformed.
+    """
+    path = Path(str(name_or_path))
+    names = ", ".join(shipped(folder))
+    if path.suffix == ".toml":
+        if not path.exists():
+            raise InputError(f"{what} file {path} does not exist (shipped {what}s: {names})")
+    else:
+        path = folder / f"{name_or_path}.toml"
+        if not path.exists():
+            raise InputError(f"unknown {what} {name_or_path!r}: choose one of {names} "
+                             f"or give the path of a {what} .toml file")
+    try:
+        return path, tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"malformed {what} file {path}: {e}") from None
