@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from topologies.datafile import write_atomic
 from twin.errors import TwinError
 from twin.grid import AXES, Grid
 from twin.model import load_model
@@ -169,7 +170,5 @@ def main(config: dict) -> None:
     if rank == 0:
         out = Path(config["out"])
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out)
+        write_atomic(out, json.dumps(result, indent=1))
         print(f"wrote {out}", flush=True)

@@ -1,4 +1,5 @@
-"""Reading the project's data files (systems, models, kernel profiles): a name or a path -> TOML data.
+"""The project's files: reading data files (systems, models, kernel profiles) from a name or a path,
+and writing outputs so that a failure never leaves half a file.
 
 One place says, in one line each, what is wrong with a file a user names: it does not exist, no
 shipped spec has that name, or it is not valid TOML.
@@ -37,3 +38,11 @@ def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
         return path, tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"malformed {what} file {path}: {e}") from None
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from topologies.datafile import write_atomic
 from twin.errors import TwinError
 from twin.grid import Grid
 from twin.memory import GIB, check_fits, memory_per_gpu
@@ -38,13 +39,6 @@ def handles_errors(fn):
 def not_implemented(what: str) -> None:
     typer.echo(f"error: `twin {what}` is not implemented yet", err=True)
     raise typer.Exit(1)
-
-
-def write_file(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file, so a failure never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
@@ -110,7 +104,7 @@ def program_cmd(
         check_fits(mem, hbm_gib * GIB, f"{spec.name} on grid {g} ")
     prog = build_program(spec, g, opts, batch, seq)
     if json_out is not None:
-        write_file(json_out, prog.to_json())
+        write_atomic(json_out, prog.to_json())
     s = prog.summary()
     console.print(f"[bold]{spec.name}[/] on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
                   f"{s['seq_len']} tokens, padded vocabulary {s['padded_vocab']}")
@@ -208,7 +202,7 @@ def simulate_cmd(
         write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False))
     if html is not None:
         from twin.plots import timeline_html
-        write_file(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
+        write_atomic(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
                                                 f"{r.iteration_time_s:.3f} s per iteration"))
     if json_out:
         typer.echo(r.to_json())
@@ -324,7 +318,7 @@ def topology_cmd(
         console.print(axes)
     if html is not None:
         from topologies.draw import topology_figure
-        write_file(html, topology_figure(net, job).to_html(include_plotlyjs=True))
+        write_atomic(html, topology_figure(net, job).to_html(include_plotlyjs=True))
         console.print(f"wrote {html}")
 
 

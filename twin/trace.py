@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from topologies.datafile import write_atomic
 from twin.program import STREAMS, Op
 
 
@@ -60,10 +61,7 @@ def trace_events(spans: list[Span], metadata: dict | None = None) -> dict:
 
 def write_trace(path: str | Path, spans: list[Span], metadata: dict | None = None) -> None:
     """Write spans as Chrome trace JSON (atomically: a temporary file, then a rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(trace_events(spans, metadata), separators=(",", ":"), sort_keys=True))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(trace_events(spans, metadata), separators=(",", ":"), sort_keys=True))
 
 
 def read_trace(path: str | Path) -> list[Span]:
