@@ -90,6 +90,7 @@ class ParallelContext:
     device: torch.device
     backend: str
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    dtype: torch.dtype | None = None  # compute dtype; None: bf16 on GPU, fp32 on CPU
 
     @classmethod
     def build(cls, grid: Grid, device: torch.device | str | None = None) -> "ParallelContext":
@@ -150,7 +151,10 @@ class ParallelContext:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """bf16 on GPU, fp32 on CPU (weights in flight, activations, their gradients)."""
+        """Dtype of weights in flight, activations and their gradients: `dtype` when set, else bf16 on
+        GPU and fp32 on CPU (tests set bf16 on CPU to run the GPU's precision path)."""
+        if self.dtype is not None:
+            return self.dtype
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
 

@@ -109,7 +109,11 @@ class _LayerNormFn(Function):
 
 
 class ParallelLayerNorm(nn.Module):
-    """Layer norm of the residual stream, whose features are split over x (params too)."""
+    """Layer norm of the residual stream, whose features are split over x (params too).
+
+    With G_x = 1 the features are all here and there is nothing to all-reduce: torch's fused layer
+    norm (in fp32) replaces the statistics built by hand, under the same op names.
+    """
 
     def __init__(self, sched: Schedule, name: str, hidden: int, eps: float = 1e-5):
         super().__init__()
@@ -118,13 +122,19 @@ class ParallelLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(local, device=sched.ctx.device))
         self.bias = nn.Parameter(torch.zeros(local, device=sched.ctx.device))
 
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (self.hidden,), self.weight, self.bias, self.eps).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sched.ctx.size("x") == 1:
+            return recorded(x, self._whole, self.sched, self.name, "elementwise")
         return _LayerNormFn.apply(x, self.weight, self.bias, self)
 
 
 # -- recorded elementwise/attention ops -----------------------------------------------------------
 class _RecordedFn(Function):
-    """Run fn(x) recorded as `<layer>.<phase>` and its backward as `<layer>.bwd`."""
+    """Run fn(x) recorded as `<layer>.<phase>` and its backward as `<layer>.bwd`. Parameters that fn
+    uses (a layer norm's) get their gradients accumulated by that backward."""
 
     @staticmethod
     def forward(ctx, x, fn, sched: Schedule, layer: str, kind: str):
@@ -139,7 +149,8 @@ class _RecordedFn(Function):
     def backward(ctx, dy):
         s = ctx.sched
         with s.compute(s.name(ctx.layer, "", "bwd"), ctx.kind):
-            (dx,) = torch.autograd.grad(ctx.y, ctx.xi, dy)
+            torch.autograd.backward(ctx.y, dy)
+        dx = ctx.xi.grad
         ctx.xi = ctx.y = None
         return dx, None, None, None, None
 
@@ -217,12 +228,14 @@ class _EmbeddingFn(Function):
         emb: ParallelEmbedding = ctx.emb
         s, (ids, id_ok, pos, pos_ok) = emb.sched, ctx.saved_tensors
         with s.compute(s.name("emb", "", "bwd"), "embedding"):
-            dte = torch.zeros(emb.wte_shape, dtype=dout.dtype, device=dout.device)
-            dte.index_add_(0, ids[id_ok], dout[id_ok])
-            dpe = torch.zeros(emb.wpe_shape, dtype=dout.dtype, device=dout.device)
-            dpe.index_add_(0, pos[pos_ok], dout[pos_ok])
+            # sums over many tokens: accumulate in fp32, send in the compute dtype (as the program)
+            d = dout.float()
+            dte = torch.zeros(emb.wte_shape, dtype=torch.float32, device=d.device)
+            dte.index_add_(0, ids[id_ok], d[id_ok])
+            dpe = torch.zeros(emb.wpe_shape, dtype=torch.float32, device=d.device)
+            dpe.index_add_(0, pos[pos_ok], d[pos_ok])
         gz = s.ctx.size("z")
-        full = torch.cat([dte.reshape(gz, -1), dpe.reshape(gz, -1)], 1)
+        full = torch.cat([dte.reshape(gz, -1), dpe.reshape(gz, -1)], 1).to(dout.dtype)
         s.reduce_grad(s.name("emb", "rs_z", "bwd"), full, [emb.wte, emb.wpe])
         s.finish_grads()  # the last op of the micro-batch's backward
         return None, None, None, None

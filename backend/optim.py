@@ -28,10 +28,12 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 def make_optimizer(model: GPT, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
                    weight_decay: float = 0.1, eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW over this rank's shards: weight decay on the sharded matrices, none on layer norms."""
+    """AdamW over this rank's shards: weight decay on the sharded matrices, none on layer norms.
+    On GPU the fused (single-kernel) implementation; the same update."""
     groups = [{"params": model.sharded_parameters(), "weight_decay": weight_decay},
               {"params": model.norm_parameters(), "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    fused = model.ctx.device.type == "cuda" or None
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
 
 def make_reference_optimizer(ref: ReferenceGPT, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),

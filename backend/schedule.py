@@ -161,6 +161,8 @@ class Schedule:
 
     def _flat_shard(self, key: str) -> torch.Tensor:
         shards, _ = self.sources[key]
+        if len(shards) == 1:  # no concatenation copy
+            return shards[0].detach().reshape(-1).to(self.dtype)
         return torch.cat([s.detach().reshape(-1) for s in shards]).to(self.dtype)
 
     def _issue(self, key: str) -> None:

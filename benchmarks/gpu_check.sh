@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# GPU check of the backend on one GPU (target: one H200, under ten minutes).
+# GPU check of the backend on one GPU (target: one H200, under ten minutes; about three expected).
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root; results under $OUT
+#   bash benchmarks/gpu_check.sh            # from anywhere; results under $OUT (default ./gpu_check_out)
 #
+# 0. the GPU tests (tests/test_backend_grads.py -m gpu: NCCL, bf16, GEMM layout tuning, CUDA events);
 # 1. bf16 GEMM peak for reference (`backend bench`: 8192^3 in three layouts, plus the model's shapes);
 # 2. `backend run` of gpt-1b on grid 1x1x1x1 (bf16 compute, fp32 master weights), with activation
 #    recomputation (the AxoNN setting) and without;
-# 3. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.model.ModelSpec, with and
+# 3. `backend replay` of the same program (GEMMs alone, traced) for calibrating the twin;
+# 4. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.model.ModelSpec, with and
 #    without the recomputed forward counted) and the fraction of the measured GEMM peak.
+#
+# $OUT receives three files: gpu_check.json (the summary), gpu_check.log (everything printed) and
+# gpu_check_files.tar.gz (every log, step log, trace and table). Needs python3 with torch, numpy,
+# typer and rich; not simpy, plotly or networkx (the twin's simulation is not used here).
 #
 # Overrides for a dry run on a CPU: MODEL=gpt-tiny DEVICE=cpu DTYPE=fp32 SQUARE=512 STEPS=4.
 # To keep the result (on a machine with the repository):
 #   cp $OUT/gpu_check.json calibration/measurements/gpu-check-<gpu>-<yyyy-mm-dd>.json
 #   git add calibration/measurements/gpu-check-*.json && git commit -m "GPU check on <machine>, <date>"
-set -u
+set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 MODEL=${MODEL:-gpt-1b}
 DEVICE=${DEVICE:-cuda}
@@ -22,13 +28,18 @@ SQUARE=${SQUARE:-8192}
 STEPS=${STEPS:-25}
 RUN_TIMEOUT=${RUN_TIMEOUT:-200}
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
 cd "$(dirname "$0")/.."
 
-echo "== environment" | tee "$OUT/environment.txt"
+{
+echo "== environment"
 { date -u +%Y-%m-%dT%H:%M:%SZ; hostname; git rev-parse HEAD 2>/dev/null; nvidia-smi 2>/dev/null | head -15
   $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-} 2>&1 | tee -a "$OUT/environment.txt"
+} 2>&1 | tee "$WORK/environment.txt"
 if ! $PY -c "import torch, typer, numpy, rich" 2>/dev/null; then
   echo "error: python needs torch, typer, numpy and rich (pip install -e . from the repository root)"; exit 2
 fi
@@ -36,18 +47,32 @@ if [ "$DEVICE" = cuda ] && ! $PY -c "import torch; assert torch.cuda.is_availabl
   echo "error: no CUDA device visible to PyTorch"; exit 2
 fi
 
+if [ "$DEVICE" = cuda ]; then
+  echo "== 0. GPU tests"
+  timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_backend_grads.py 2>&1 | tee "$WORK/pytest_gpu.log"
+  echo "${PIPESTATUS[0]}" > "$WORK/pytest_gpu.rc"
+fi
+
 echo "== 1. GEMM peak ($DTYPE, ${SQUARE}^3 and the shapes of $MODEL)"
 timeout 150 $PY -m backend.cli bench --model "$MODEL" --grid 1x1x1x1 --squares "$SQUARE" --no-comm \
-  --min-time 0.5 --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log"
+  --min-time 0.5 --device "$DEVICE" --dtype "$DTYPE" --out "$WORK/gemm.json" 2>&1 | tee "$WORK/gemm.log"
 
 echo "== 2a. backend run $MODEL 1x1x1x1, recomputation on"
 timeout "$RUN_TIMEOUT" $PY -m backend.cli run --model "$MODEL" --grid 1x1x1x1 --device "$DEVICE" \
-  --steps "$STEPS" --warmup 5 --lr 3e-4 --min-lr 3e-5 --out "$OUT/run_recompute" 2>&1 | tee "$OUT/run_recompute.log"
+  --steps "$STEPS" --warmup 5 --lr 3e-4 --min-lr 3e-5 --out "$WORK/run_recompute" 2>&1 | tee "$WORK/run_recompute.log"
 
 echo "== 2b. backend run $MODEL 1x1x1x1, recomputation off"
 timeout "$RUN_TIMEOUT" $PY -m backend.cli run --model "$MODEL" --grid 1x1x1x1 --device "$DEVICE" \
-  --steps "$STEPS" --warmup 5 --lr 3e-4 --min-lr 3e-5 --no-recompute --out "$OUT/run_no_recompute" 2>&1 \
-  | tee "$OUT/run_no_recompute.log"
+  --steps "$STEPS" --warmup 5 --lr 3e-4 --min-lr 3e-5 --no-recompute --out "$WORK/run_no_recompute" 2>&1 \
+  | tee "$WORK/run_no_recompute.log"
 
-echo "== 3. summary"
-$PY benchmarks/gpu_check_summary.py "$OUT" | tee "$OUT/summary.txt"
+echo "== 3. backend replay $MODEL 1x1x1x1 (GEMMs of the program, traced)"
+timeout 120 $PY -m backend.cli replay --model "$MODEL" --grid 1x1x1x1 --device "$DEVICE" --steps 3 \
+  --out "$WORK/replay_trace.json" 2>&1 | tee "$WORK/replay.log"
+
+echo "== 4. summary"
+$PY benchmarks/gpu_check_summary.py "$WORK" 2>&1 | tee "$WORK/summary.txt"
+cp "$WORK/gpu_check.json" "$OUT/" 2>/dev/null
+tar czf "$OUT/gpu_check_files.tar.gz" -C "$WORK" .
+echo "files: $OUT/gpu_check.json, $OUT/gpu_check_files.tar.gz, $OUT/gpu_check.log"
+} 2>&1 | tee "$OUT/gpu_check.log"

@@ -42,6 +42,20 @@ def run_summary(run_dir: Path, peak: float | None) -> dict | None:
     return out
 
 
+def replay_summary(trace: Path, peak: float | None) -> dict:
+    """GEMM time of the replayed program's traced iteration (rank 0) and its flop rate."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from twin.trace import read_trace
+
+    gemms = [s for s in read_trace(trace) if s.kind == "gemm" and s.rank == 0]
+    seconds = sum(s.duration_s for s in gemms)
+    flops = sum(2.0 * s.args["m"] * s.args["n"] * s.args["k"] for s in gemms)
+    out = {"gemms": len(gemms), "gemm_seconds": seconds, "gemm_flops_per_s": flops / seconds if seconds else 0.0}
+    if peak:
+        out["fraction_of_gemm_peak"] = out["gemm_flops_per_s"] / peak
+    return out
+
+
 def main(out_dir: str) -> dict:
     out = Path(out_dir)
     result: dict = {"target_fraction_of_gemm_peak": TARGET}
@@ -59,6 +73,12 @@ def main(out_dir: str) -> dict:
                                    "dtype": best["dtype"]}
         result["gemm_table"] = rows
     result["runs"] = [s for s in (run_summary(d, peak) for d in sorted(out.glob("run_*")) if d.is_dir()) if s]
+    if (out / "pytest_gpu.rc").is_file():
+        log = (out / "pytest_gpu.log").read_text().strip().splitlines() if (out / "pytest_gpu.log").is_file() else []
+        result["gpu_tests"] = {"exit_code": int((out / "pytest_gpu.rc").read_text().strip() or -1),
+                               "last_line": log[-1] if log else ""}
+    if (out / "replay_trace.json").is_file():
+        result["replay"] = replay_summary(out / "replay_trace.json", peak)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -107,6 +107,39 @@ def test_matches_reference(grid: str, options: Options, batch: int) -> None:
     assert results[0]["losses"][-1] < results[0]["losses"][0]
 
 
+def _compare_bf16(ctx, batch: int) -> dict:
+    """The GPU's precision path on CPU: bf16 compute, fp32 shards and gradients, GEMM layout tuning."""
+    ctx.dtype = torch.bfloat16
+    spec = load_model("gpt-tiny")
+    ref = ReferenceGPT(spec, seed=7)
+    rec = Recorder()
+    model = GPT(spec, ctx, Options(), recorder=rec, tune_gemms=True)
+    load_from_reference(model, ref.state_dict())
+    tokens, targets = _batch(spec, batch, 0)
+    ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    loss = model(local_batch(tokens, model), local_batch(targets, model), total_tokens=int((targets >= 0).sum()))
+    loss.backward()
+    reduce_gradients(model)
+    full = gather_full_grads(model)
+    rel_err = {k: float((full[k] - p.grad).abs().max() / p.grad.abs().max()) for k, p in ref.named_parameters()}
+    return {"loss": float(loss.detach()), "ref_loss": float(ref_loss.detach()), "rel_err": rel_err,
+            "grad_dtypes": {str(p.grad.dtype) for p in model.parameters()},
+            "sent": {r.args["dtype"] for r in rec.records if r.stream != "compute"},
+            "tuned": all("impl" in r.args for r in rec.records if r.kind == "gemm")}
+
+
+@pytest.mark.parametrize("grid", ["1x1x1x1", "2x2x2x1"])
+def test_bf16_path_on_cpu(grid: str) -> None:
+    """1x1x1x1 takes the fused layer norm, 2x2x2x1 the x-parallel one; bf16 is within 3% per tensor."""
+    for rank, r in enumerate(run_on_grid(grid, _compare_bf16, 8)):
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=2e-3), f"rank {rank}"
+        worst = max(r["rel_err"], key=r["rel_err"].get)
+        assert r["rel_err"][worst] < 3e-2, f"rank {rank}: gradient of {worst} off by {r['rel_err'][worst]:.2e}"
+        assert r["grad_dtypes"] == {"torch.float32"} and r["tuned"]
+        assert r["sent"] <= {"bfloat16", "float32"} and ("bfloat16" in r["sent"]) == (grid != "1x1x1x1")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_one_rank(tmp_path) -> None:
