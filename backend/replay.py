@@ -62,7 +62,7 @@ class ReplayConfig:
 
 def validate(cfg: ReplayConfig) -> None:
     """Check a replay config before any rank starts (raises TwinError)."""
-    check_run_flags(cfg.steps, cfg.batch, cfg.device)
+    check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
     if cfg.dtype not in ("auto", *DTYPES):
         raise TwinError(f"--dtype must be auto, fp32 or bf16, got {cfg.dtype!r}")
     cfg.program()

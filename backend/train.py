@@ -89,8 +89,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def check_run_flags(steps: int, batch: int | None, device: str) -> None:
-    """The checks `backend run` and `backend replay` share (raises TwinError with one clear line)."""
+def check_run_flags(steps: int, batch: int | None, device: str, ranks: int = 1) -> None:
+    """The checks `backend run` and `backend replay` share (raises TwinError with one clear line).
+
+    ranks: the grid's size; started here (no launcher) on cuda, each rank needs a GPU of its own.
+    """
     if steps < 1:
         raise TwinError(f"--steps must be >= 1, got {steps}")
     if batch is not None and batch < 1:
@@ -101,6 +104,12 @@ def check_run_flags(steps: int, batch: int | None, device: str) -> None:
         import torch
         if not torch.cuda.is_available():
             raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
+        from backend.launch import under_launcher
+        gpus = torch.cuda.device_count()
+        if not under_launcher() and ranks > gpus:
+            raise TwinError(f"the grid has {ranks} ranks but this machine has {gpus} GPU(s) and NCCL needs "
+                            f"one each: choose a grid of at most {gpus} ranks, or start the ranks on "
+                            f"several nodes with torchrun or srun")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -109,7 +118,7 @@ def validate(cfg: TrainConfig) -> None:
     from backend.data import open_source
 
     spec, grid = cfg.spec(), cfg.parsed_grid()
-    check_run_flags(cfg.steps, cfg.batch, cfg.device)
+    check_run_flags(cfg.steps, cfg.batch, cfg.device, grid.size)
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:

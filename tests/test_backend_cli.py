@@ -110,3 +110,20 @@ def test_fabric_plugin_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     (tmp_path / "libnccl-net-ofi.so").unlink()
     assert fabric_warning("cuda") is None  # one node: no network plugin needed
+
+
+def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
+    import torch
+
+    from backend.train import check_run_flags
+    from twin.errors import TwinError
+
+    for var in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_run_flags(1, None, "cuda", 1)
+    with pytest.raises(TwinError, match="2 ranks but this machine has 1 GPU"):
+        check_run_flags(1, None, "cuda", 2)
+    monkeypatch.setenv("RANK", "0")  # under torchrun each process is one rank: nothing to check here
+    check_run_flags(1, None, "cuda", 2)
