@@ -177,9 +177,14 @@ class _Forked:
         return self.proc.exitcode
 
 
-def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05) -> int:
-    """Start `world_size` local ranks of job `kind`, wait, and return the first failing exit code."""
-    procs = _start_ranks(kind, config, world_size, fork=config.get("device", "cpu") == "cpu")
+def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05, fork: bool | None = None) -> int:
+    """Start `world_size` local ranks of job `kind`, wait, and return the first failing exit code.
+
+    fork: fork the ranks from this process (default on CPU) or start fresh interpreters (on GPU).
+    """
+    if fork is None:
+        fork = config.get("device", "cpu") == "cpu"
+    procs = _start_ranks(kind, config, world_size, fork=fork)
     code = 0
     try:
         while any(p.poll() is None for p in procs):

@@ -54,3 +54,48 @@ def test_run_trains_logs_and_traces(tmp_path):
         assert sorted(got) == sorted(want)
         index = {op.name: op.index for op in program.ops}
         assert all(s.args["index"] == index[s.name] for s in mine)  # the program's op index, as in a twin trace
+
+
+def test_fresh_interpreter_ranks(tmp_path):
+    """The launch path that GPUs take (each rank a new `python -m backend.launch`), here on CPU."""
+    from dataclasses import asdict
+
+    from backend.launch import spawn
+    from backend.train import TrainConfig
+
+    cfg = TrainConfig(model="gpt-tiny", grid="1x1x1x2", steps=2, warmup=1, out=str(tmp_path / "run"))
+    assert spawn("run", asdict(cfg), 2, fork=False) == 0
+    lines = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_recorder_cuda_event_branch(monkeypatch):
+    """The recorder's GPU timing (CUDA events, resolved when spans are read) with a stand-in event."""
+    import torch
+
+    from backend.recorder import Recorder
+
+    clock = iter(range(100))
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = next(clock)  # milliseconds, one per event
+
+        def elapsed_time(self, end: "Event") -> float:
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    rec = Recorder(device="cuda")  # event 0: the origin
+    with rec.op("a.fwd.gemm", "gemm", m=2, n=3, k=4, layout="NN"):  # events 1, 2
+        pass
+    r = rec.begin("a.fwd.ar_x", "all_reduce", "x", axis="x", bytes=8)  # event 3
+    rec.end(r)  # event 4
+    spans = rec.spans(0)
+    assert [(s.name, s.start_s, s.duration_s) for s in spans] == [("a.fwd.gemm", 1e-3, 1e-3),
+                                                                 ("a.fwd.ar_x", 3e-3, 1e-3)]
+    assert spans[0].args["m"] == 2 and spans[1].args["bytes"] == 8
