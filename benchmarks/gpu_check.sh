@@ -15,6 +15,8 @@
 # gpu_check_files.tar.gz (every log, step log, trace and table). Needs python3 with torch, numpy,
 # typer and rich; not simpy, plotly or networkx (the twin's simulation is not used here).
 #
+# With this workplace's device tool: run(command="bash benchmarks/gpu_check.sh", timeout_s=540); the
+# H200 image has python3 3.12 with torch 2.11, numpy, typer and rich, and lacks simpy and plotly.
 # Overrides for a dry run on a CPU: MODEL=gpt-tiny DEVICE=cpu DTYPE=fp32 SQUARE=512 STEPS=4.
 # To keep the result (on a machine with the repository):
 #   cp $OUT/gpu_check.json calibration/measurements/gpu-check-<gpu>-<yyyy-mm-dd>.json

@@ -127,3 +127,13 @@ def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
         check_run_flags(1, None, "cuda", 2)
     monkeypatch.setenv("RANK", "0")  # under torchrun each process is one rank: nothing to check here
     check_run_flags(1, None, "cuda", 2)
+
+
+def test_backend_needs_no_simulator_packages():
+    """The GPU check runs where only torch, numpy, typer and rich are sure to be (an H200 image):
+    the backend must not import the simulator's simpy, plotly or networkx."""
+    code = ("import sys, backend.cli, backend.train, backend.replay, backend.bench, backend.launch, "
+            "backend.model, backend.optim, backend.checkpoint, backend.data, twin.trace; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('simpy', 'plotly', 'networkx')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
