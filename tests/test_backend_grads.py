@@ -165,5 +165,9 @@ def test_gpu_bf16_one_rank(tmp_path) -> None:
         spans = rec.spans(0)
         assert spans and all(s.duration_s >= 0 for s in spans)
         assert all("impl" in r.args for r in rec.records if r.kind == "gemm")
+        opt = make_optimizer(model, lr=LR)  # fused AdamW on GPU
+        assert opt.param_groups[0]["fused"]
+        losses = [train_step(model, opt, [(tokens, targets)], max_norm=MAX_NORM) for _ in range(STEPS)]
+        assert losses[-1] < losses[0]
     finally:
         dist.destroy_process_group()
