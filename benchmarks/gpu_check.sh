@@ -15,7 +15,8 @@
 # gpu_check_files.tar.gz (every log, step log, trace and table). Needs python3 with torch, numpy,
 # typer and rich; not simpy, plotly or networkx (the twin's simulation is not used here).
 #
-# With this workplace's device tool: run(command="bash benchmarks/gpu_check.sh", timeout_s=540); the
+# With this workplace's device tool (the copy there may have no .git: name the commit):
+#   run(command="GIT_COMMIT=<sha> bash benchmarks/gpu_check.sh", timeout_s=540); the
 # H200 image has python3 3.12 with torch 2.11, numpy, typer and rich, and lacks simpy and plotly.
 # Overrides for a dry run on a CPU: MODEL=gpt-tiny DEVICE=cpu DTYPE=fp32 SQUARE=512 STEPS=4.
 # To keep the result (on a machine with the repository):
@@ -39,7 +40,8 @@ cd "$(dirname "$0")/.."
 
 {
 echo "== environment"
-{ date -u +%Y-%m-%dT%H:%M:%SZ; hostname; git rev-parse HEAD 2>/dev/null; nvidia-smi 2>/dev/null | head -15
+{ date -u +%Y-%m-%dT%H:%M:%SZ; hostname
+  echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; nvidia-smi 2>/dev/null | head -15
   $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 } 2>&1 | tee "$WORK/environment.txt"
 if ! $PY -c "import torch, typer, numpy, rich" 2>/dev/null; then

@@ -59,6 +59,11 @@ def replay_summary(trace: Path, peak: float | None) -> dict:
 def main(out_dir: str) -> dict:
     out = Path(out_dir)
     result: dict = {"target_fraction_of_gemm_peak": TARGET}
+    env = out / "environment.txt"
+    commits = [line.split()[1] for line in env.read_text().splitlines()
+               if line.startswith("commit ")] if env.is_file() else []
+    if commits:
+        result["commit"] = commits[0]
     gemm_file = out / "gemm.json"
     peak = None
     if gemm_file.is_file():
