@@ -51,3 +51,14 @@ def test_result_is_feasible_and_every_flow_has_a_saturated_bottleneck():
     saturated = load >= cap * (1 - 1e-9)
     for p, x in zip(paths, r):
         assert (saturated[p] & (x >= fastest[p] * (1 - 1e-9))).any()
+
+
+@pytest.mark.parametrize("capacity", [[np.nan, 1.0], [-1.0, 1.0]])
+def test_bad_capacity_is_refused_not_spun_on(capacity):
+    with pytest.raises(ValueError, match="capacities"):
+        max_min_rates([[0, 1], [0], [1]], capacity)
+
+
+def test_nan_cap_is_refused():
+    with pytest.raises(ValueError, match="caps"):
+        max_min_rates([[0], [0]], [1.0], caps=[np.nan, 1.0])

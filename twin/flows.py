@@ -38,6 +38,7 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     capacity: bytes/s of every link (indexed by link).
     caps: optional per-flow upper bound on the rate, bytes/s (np.inf for none).
     A flow with an empty path and no cap gets np.inf.
+    Raises ValueError on a NaN or negative capacity or cap (which would defeat the loop's exit test).
     """
     ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
@@ -46,6 +47,8 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     rate = np.full(n, np.inf)
     lens = np.diff(ptr)
     empty = lens == 0
+    if np.isnan(cap_flow).any() or (cap_flow < 0).any():
+        raise ValueError("max_min_rates: per-flow caps must be non-negative numbers (inf for none)")
     rate[empty] = cap_flow[empty]
     if links.size == 0:
         return rate
@@ -56,6 +59,8 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     local[used] = np.arange(len(used))
     lk = local[links]                                  # local link id of each entry
     rem = cap_link[used].copy()                        # remaining capacity of each used link
+    if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
+        raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     U = len(rem)
     starts_flow = ptr[:-1][~empty]                     # first entry of every non-empty flow
     nonempty = np.flatnonzero(~empty)
@@ -79,6 +84,8 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
         hit &= active
         if not hit.any():  # numerical safety: freeze the globally tightest flows
             hit = active & (fmin <= fmin[active].min() * (1 + rtol))
+        if not hit.any():  # cannot happen with valid inputs; never spin
+            raise ValueError("max_min_rates: no flow could be frozen (non-finite rates)")
         rate[hit] = fmin[hit]
         active &= ~hit
         done_e = hit[flow_e]
