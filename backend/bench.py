@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from topologies.datafile import write_atomic
-from twin.errors import TwinError
+from twin.common import write_atomic
+from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.model import load_model
 from twin.program import Options, build_program

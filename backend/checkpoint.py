@@ -29,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.model import ModelSpec
 

@@ -16,7 +16,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from twin.errors import TwinError
+from twin.common import TwinError
+from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt,
+                        RecomputeOpt)
 from twin.grid import Grid
 from twin.model import load_model
 
@@ -45,17 +47,8 @@ def check_launcher_world(grid: Grid) -> None:
     check_world_size(grid.size, str(grid))
 
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
-GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest); its product is the number of ranks.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL/RCCL).")]
 DtypeOpt = Annotated[str, typer.Option(help="GEMM precision: fp32, bf16 or fp16.")]
-OarOpt = Annotated[bool, typer.Option(help="Overlap the backward y all-reduce with the weight-gradient GEMM.")]
-OrsOpt = Annotated[bool, typer.Option(help="Defer z reduce-scatters and overlap them with earlier layers.")]
-OagOpt = Annotated[bool, typer.Option(help="Prefetch the next layer's z all-gather one layer ahead.")]
-CacheOpt = Annotated[int, typer.Option(help="Keep the gathered weights of the first N blocks for the step.")]
-RecomputeOpt = Annotated[bool, typer.Option(help="Recompute each block's forward in the backward pass.")]
-MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient accumulation).")]
-BatchOpt = Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")]
 
 
 @app.command("run")
@@ -91,7 +84,7 @@ def run_cmd(
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
                       recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device)
-    g = cfg.parsed_grid()
+    g = Grid.parse(grid)
     check_launcher_world(g)
     validate(cfg)
     return launch("run", asdict(cfg), g.size)

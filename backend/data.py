@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from twin.errors import TwinError
+from twin.common import TwinError
 
 SYNTHETIC_TOKENS = 1 << 16  # default length of the synthetic corpus (tokens)
 SUCCESSORS = 4              # each synthetic token is followed by one of this many tokens

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from twin.errors import TwinError
+from twin.common import TwinError
 
 JOBS = {"run": "backend.train:main", "replay": "backend.replay:main", "bench": "backend.bench:main"}
 CONFIG_ENV = "BACKEND_CONFIG"

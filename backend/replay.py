@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from backend.train import check_run_flags
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.model import load_model
+from twin.flags import options_from_flags
 from twin.program import Op, Options, Program, build_program
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,8 +49,8 @@ class ReplayConfig:
     dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu
 
     def options(self) -> Options:
-        return Options(oar=self.oar, ors=self.ors, oag=self.oag, cache_layers=self.cache_layers,
-                       recompute=self.recompute, micro_batches=self.micro_batches)
+        return options_from_flags(self.oar, self.ors, self.oag, self.cache_layers, self.recompute,
+                                  self.micro_batches)
 
     def program(self) -> Program:
         return build_program(load_model(self.model), Grid.parse(self.grid), self.options(), batch=self.batch)

@@ -21,10 +21,11 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
-from twin.model import ModelSpec, load_model
-from twin.program import Options, build_program
+from twin.flags import options_from_flags
+from twin.model import load_model
+from twin.program import Options, Program, build_program
 
 CRASH_ENV = "BACKEND_TEST_CRASH_AFTER_STEP"  # tests: rank 0 SIGKILLs itself after this step
 
@@ -65,19 +66,14 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def spec(self) -> ModelSpec:
-        return load_model(self.model)
-
-    def parsed_grid(self) -> Grid:
-        return Grid.parse(self.grid)
+    def program(self) -> Program:
+        """The run resolved once: model spec, grid, switches and batch, as the program it runs
+        (raises TwinError when the grid cannot run the model)."""
+        return build_program(load_model(self.model), Grid.parse(self.grid), self.options(), batch=self.batch)
 
     def options(self) -> Options:
-        return Options(oar=self.oar, ors=self.ors, oag=self.oag, cache_layers=self.cache_layers,
-                       recompute=self.recompute, micro_batches=self.micro_batches,
-                       grad_clip=self.grad_clip > 0)
-
-    def global_batch(self) -> int:
-        return self.spec().global_batch if self.batch is None else self.batch
+        return options_from_flags(self.oar, self.ors, self.oag, self.cache_layers, self.recompute,
+                                  self.micro_batches, grad_clip=self.grad_clip > 0)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -117,13 +113,13 @@ def validate(cfg: TrainConfig) -> None:
     from backend import checkpoint
     from backend.data import open_source
 
-    spec, grid = cfg.spec(), cfg.parsed_grid()
-    check_run_flags(cfg.steps, cfg.batch, cfg.device, grid.size)
+    check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
         raise TwinError("--ckpt-every needs --ckpt-dir")
-    build_program(spec, grid, cfg.options(), batch=cfg.global_batch())  # grid x model x batch checks
+    program = cfg.program()  # grid x model x batch checks
+    spec, grid = program.model, program.grid
     source = open_source(cfg.data, spec.vocab, cfg.seed)
     if len(source) < spec.seq_len + 2:
         raise TwinError(f"data source {source.name} has {len(source)} tokens, fewer than one sequence "
@@ -134,10 +130,9 @@ def validate(cfg: TrainConfig) -> None:
             checkpoint.check_compatible(path, grid, spec)
 
 
-def step_flops(cfg: TrainConfig, recompute: bool) -> float:
+def step_flops(program: Program, recompute: bool) -> float:
     """Reference flops of one step (flop), see the module docstring."""
-    spec, grid = cfg.spec(), cfg.parsed_grid()
-    return spec.reference_flops(cfg.global_batch(), spec.seq_len, spec.padded_vocab(grid.y), recompute)
+    return program.model.reference_flops(program.batch, program.seq_len, program.vocab, recompute)
 
 
 def format_flops(flops_per_s: float) -> str:
@@ -156,12 +151,12 @@ def format_eta(seconds: float) -> str:
 class MetricsLog:
     """Per-step metrics: one JSON line per logged step in `path`, and a progress line on stdout."""
 
-    def __init__(self, path: Path, cfg: TrainConfig, enabled: bool):
+    def __init__(self, path: Path, cfg: TrainConfig, program: Program, enabled: bool):
         self.path, self.cfg, self.enabled = path, cfg, enabled
-        self.flops = step_flops(cfg, cfg.recompute)
-        self.model_flops = step_flops(cfg, False)
-        self.tokens = cfg.global_batch() * cfg.spec().seq_len
-        self.gpus = cfg.parsed_grid().size
+        self.flops = step_flops(program, program.options.recompute)
+        self.model_flops = step_flops(program, False)
+        self.tokens = program.batch * program.seq_len
+        self.gpus = program.grid.size
         self.times: list[float] = []
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,9 +231,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     from backend.optim import make_optimizer, train_step
     from backend.recorder import NULL_RECORDER, Recorder
 
-    spec, grid, options = cfg.spec(), cfg.parsed_grid(), cfg.options()
+    program = cfg.program()
+    spec, grid, options = program.model, program.grid, program.options
     check_world_size(grid.size, cfg.grid)
-    program = build_program(spec, grid, options, batch=cfg.global_batch())
     source = open_source(cfg.data, spec.vocab, cfg.seed)
     warn = fabric_warning(cfg.device)
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -251,11 +246,11 @@ def train(cfg: TrainConfig) -> list[dict]:
         torch.manual_seed(cfg.seed)
         model = GPT(spec, ctx, options, seed=cfg.seed).to(ctx.device)
         optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        loader = ShardedLoader(source, cfg.global_batch(), spec.seq_len, ctx.batch_shard, ctx.batch_shards,
+        loader = ShardedLoader(source, program.batch, program.seq_len, ctx.batch_shard, ctx.batch_shards,
                                cfg.micro_batches, cfg.seed)
         start = _resume(cfg, model, optimizer, loader, ctx)
         out = Path(cfg.out)
-        metrics = MetricsLog(out / "log.jsonl", cfg, enabled=rank0)
+        metrics = MetricsLog(out / "log.jsonl", cfg, program, enabled=rank0)
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
             print(f"backend run: {spec.name} ({spec.parameters(spec.padded_vocab(grid.y)) / 1e6:.1f} M parameters) "

@@ -25,7 +25,8 @@ from twin.grid import Grid
 from twin.model import load_model
 from twin.engine import simulate_program
 from twin.program import build_program
-from twin.simulate import collective_model, collective_timer, prepare, simulate, simulate_grid
+from twin.simulate import collective_timer, simulate, simulate_grid
+from twin.study import collective_model, prepare
 
 
 def best_of(n: int, fn):

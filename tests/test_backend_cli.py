@@ -116,7 +116,7 @@ def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
     import torch
 
     from backend.train import check_run_flags
-    from twin.errors import TwinError
+    from twin.common import TwinError
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

@@ -6,7 +6,7 @@ import pytest
 
 from topologies.system import load_system
 from twin.collectives import CollectiveModel
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 
 # ../shared/reference/collective-bandwidth.md (GB/s), by stride s and group size p ("p>8" read at p=16)

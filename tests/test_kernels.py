@@ -5,7 +5,7 @@ import tomllib
 import pytest
 
 from twin.profile import PROFILES_DIR, list_profiles, load_profile, profile_for_gpu
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.kernels import KernelModel
 from twin.program import Op
 
@@ -96,3 +96,19 @@ def test_attention_and_elementwise():
     assert km.op_time(bwd) > km.op_time(fwd)
     ew = Op(2, "L0.gelu.fwd", "elementwise", "compute", flops=1e6, bytes=4e9)
     assert km.op_time(ew) == pytest.approx(4e9 / p.hbm_bandwidth + p.launch_s)
+
+
+def test_one_peak_per_machine():
+    """A system and the kernel profile of its GPU state the same peak; a disagreement is refused."""
+    import dataclasses
+
+    from topologies.system import list_systems, load_system
+    from twin.study import prepare
+
+    for name in list_systems():
+        study = prepare(name)
+        assert study.profile.peak_flops == pytest.approx(study.system.gpu.peak_flops, rel=1e-6), name
+    cpu = load_system("cpu")
+    other = dataclasses.replace(cpu, gpu=dataclasses.replace(cpu.gpu, peak_flops=2 * cpu.gpu.peak_flops))
+    with pytest.raises(TwinError, match="one machine has one peak"):
+        prepare(other)

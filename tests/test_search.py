@@ -2,10 +2,11 @@
 
 import pytest
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
-from twin.search import Bandwidth, analytical, candidate_grids, choose_grid, rank_grids, search
-from twin.simulate import prepare
+from twin.search import Bandwidth, analytical, candidate_grids, rank_grids
+from twin.simulate import choose_grid, search
+from twin.study import prepare
 
 
 class FlatBandwidth:

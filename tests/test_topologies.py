@@ -11,7 +11,7 @@ from topologies.placement import place
 from topologies.routing import MODES, minimal, route, valiant
 from topologies.system import list_systems, load_system
 from twin.cli import app
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 
 runner = CliRunner()

@@ -1,5 +1,4 @@
-"""The project's files: reading data files (systems, models, kernel profiles) from a name or a path,
-and writing outputs so that a failure never leaves half a file.
+"""Reading data files (systems, models, kernel profiles) from a name or a path.
 
 One place says, in one line each, what is wrong with a file a user names: it does not exist, no
 shipped spec has that name, or it is not valid TOML.
@@ -10,7 +9,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from topologies.errors import InputError
+from twin.common import InputError
 
 
 def shipped(folder: Path) -> list[str]:
@@ -39,10 +38,3 @@ def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"malformed {what} file {path}: {e}") from None
 
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -184,9 +184,6 @@ class Network:
             raise KeyError(f"no link {u} -> {v}")
         return order[pos]
 
-    def vertex_kind(self, v: int) -> str:
-        return "gpu" if v < self.nic0 else "nic" if v < self.sw0 else "switch"
-
     def vertex_name(self, v: int) -> str:
         """gpu<node>.<local>, nic<node>.<k>, sw<group>.<switch>."""
         if v < self.nic0:
@@ -196,9 +193,6 @@ class Network:
             return f"nic{n // self.nics_per_node}.{n % self.nics_per_node}"
         w = v - self.sw0
         return f"sw{w // self.S}.{w % self.S}"
-
-    def group_of_switch(self, sw):
-        return np.asarray(sw) // self.S
 
     @cached_property
     def graph(self) -> nx.DiGraph:

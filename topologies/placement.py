@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.system import SystemSpec
-from topologies.errors import InputError
+from twin.common import InputError
 
 PLACEMENTS = ("contiguous", "scattered")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.network import Network
-from topologies.errors import InputError
+from twin.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
 _HOPS = 5  # switch-to-switch columns in a path matrix
@@ -43,10 +43,6 @@ class Routes:
 
     def path(self, f: int) -> np.ndarray:
         return self.links[self.ptr[f]:self.ptr[f + 1]]
-
-    def flow_of_entry(self) -> np.ndarray:
-        """Flow index of each entry of `links`."""
-        return np.repeat(np.arange(len(self)), np.diff(self.ptr))
 
     @staticmethod
     def from_matrix(m: np.ndarray) -> "Routes":

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from topologies.datafile import read_spec, shipped
-from topologies.errors import InputError
+from twin.common import InputError
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 GIB = 2 ** 30

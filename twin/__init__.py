@@ -2,14 +2,22 @@
 
 Data flows one way: model spec + grid + options -> program (the schedule of one rank)
 -> simulation on a system -> result -> traces and plots. Nothing here imports torch.
+
+The names below are loaded on first use, so that importing one module of the twin (twin.common, which
+topologies uses) does not import the rest.
 """
 
-from twin.errors import TwinError
-from twin.grid import Grid
-from twin.model import ModelSpec, load_model, list_models
-from twin.program import Op, Options, Program, build_program
+import importlib
 
-__all__ = [
-    "TwinError", "Grid", "ModelSpec", "load_model", "list_models",
-    "Op", "Options", "Program", "build_program",
-]
+_EXPORTS = {
+    "TwinError": "twin.common", "Grid": "twin.grid", "ModelSpec": "twin.model", "load_model": "twin.model",
+    "list_models": "twin.model", "Op": "twin.program", "Options": "twin.program", "Program": "twin.program",
+    "build_program": "twin.program",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'twin' has no attribute {name!r}")

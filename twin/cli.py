@@ -10,12 +10,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from topologies.datafile import write_atomic
-from twin.errors import TwinError
+from twin.common import write_atomic
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.memory import GIB, check_fits, memory_per_gpu
 from twin.model import list_models, load_model
-from twin.program import Options, build_program
+from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
+                         SeqOpt, options_from_flags)
+from twin.program import build_program
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
@@ -36,33 +38,10 @@ def handles_errors(fn):
     return wrapper
 
 
-def not_implemented(what: str) -> None:
-    typer.echo(f"error: `twin {what}` is not implemented yet", err=True)
-    raise typer.Exit(1)
-
-
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
-GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest), e.g. 8x8x4x128.")]
 SystemOpt = Annotated[str, typer.Option("--system", "-s", help="System name (see `twin systems`) or a system .toml file.")]
 StudyModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")]
 GpusOpt = Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")]
-BatchOpt = Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")]
-SeqOpt = Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")]
 PlacementOpt = Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")]
-OarOpt = Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap backward all-reduce (y) with the dW GEMM.")]
-OrsOpt = Annotated[bool, typer.Option("--ors/--no-ors", help="Overlap z reduce-scatters with earlier layers.")]
-OagOpt = Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather.")]
-CacheOpt = Annotated[int, typer.Option(help="Keep gathered weights of the first N blocks.")]
-RecomputeOpt = Annotated[bool, typer.Option("--recompute/--no-recompute", help="Activation recomputation.")]
-MicroOpt = Annotated[int, typer.Option(help="Gradient accumulation steps.")]
-
-
-def options_from_flags(oar: bool, ors: bool, oag: bool, cache_layers: int, recompute: bool,
-                       micro_batches: int) -> Options:
-    if cache_layers < 0:
-        raise TwinError(f"--cache-layers must be >= 0, got {cache_layers}")
-    return Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
-                   micro_batches=micro_batches)
 
 
 @app.command("models")
@@ -229,8 +208,8 @@ def search_cmd(
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
     import json
 
-    from twin.search import search
-    from twin.simulate import prepare
+    from twin.simulate import search
+    from twin.study import prepare
 
     if top < 1:
         raise TwinError(f"--top must be at least 1, got {top}")

@@ -49,7 +49,7 @@ from topologies.network import GPU_GPU, build_network
 from topologies.placement import place
 from topologies.routing import MODES, Routes, route
 from topologies.system import SystemSpec
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.flows import max_min_rates
 from twin.grid import AXES, Grid
 

@@ -112,12 +112,12 @@ class _Sim:
         b = self.buckets.get(due)
         if b is None:
             b = self.buckets[due] = []
-            Timeout(self.env, due - self.env._now).callbacks.append(self.fire)
+            Timeout(self.env, due - self.env.now).callbacks.append(self.fire)
         stream.slot = len(b)
         b.append(stream)
 
     def fire(self, _event) -> None:
-        now = self.env._now
+        now = self.env.now
         b = self.buckets[now]
         k = 0
         while k < len(b):  # entries added at this very time (zero delays) run after the others, as in simpy
@@ -189,7 +189,7 @@ class _ComputeStream:
                 self.waited = d
                 sim.wait(rank * sim.n + d, self)
                 return
-        now = self.env._now
+        now = self.env.now
         if self.waited is not None:
             if now > self.prev_end:
                 sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
@@ -207,7 +207,7 @@ class _ComputeStream:
         if not self.running:
             return
         sim = self.sim
-        now = sim.env._now
+        now = sim.env.now
         self.work = max(0.0, self.work - (now - self.seg) / self.factor)
         self.seg = now
         self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
@@ -218,7 +218,7 @@ class _ComputeStream:
 
     def on_done(self) -> None:
         sim = self.sim
-        now = self.env._now
+        now = self.env.now
         left = self.work * self.factor - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = due = now + int(left + 0.5)
@@ -279,7 +279,7 @@ class _GroupStream:
                 mk = 0
                 dj += 1
             self.dk = self.mk = 0
-        now = sim.env._now
+        now = sim.env.now
         axis = self.axis
         self.starts[self.pc] = now
         self.blockers[self.pc] = self.blk
@@ -304,7 +304,7 @@ class _GroupStream:
 
     def rerate(self) -> None:
         sim = self.sim
-        now = sim.env._now
+        now = sim.env.now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
         self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis])
@@ -315,7 +315,7 @@ class _GroupStream:
 
     def on_done(self) -> None:
         sim = self.sim
-        now = sim.env._now
+        now = sim.env.now
         left = self.frac * self.dur - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = due = now + int(left + 0.5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.model import ModelSpec
 
 AXES = ("x", "y", "z", "data")
@@ -119,6 +119,3 @@ class Grid:
             if (k * n // self.x // self.y) % self.z:
                 raise TwinError(f"{lname} shard of {k}x{n}/(G_x*G_y) is not divisible by G_z={self.z}")
 
-
-def parse_grid(text: str) -> Grid:
-    return Grid.parse(text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.model import ModelSpec
 from twin.program import ACT_BYTES, Options, _local_params

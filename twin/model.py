@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from topologies.datafile import read_spec, shipped
-from twin.errors import TwinError
+from twin.common import TwinError
 
 MODELS_DIR = Path(__file__).parent / "models"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from topologies.datafile import read_spec, shipped
-from twin.errors import TwinError
+from twin.common import TwinError
 
 # The data files live with the calibration (they are what calibration measures and fits); the loader
 # lives in twin so that twin never imports calibration (imports run topologies <- twin <- calibration).

@@ -119,10 +119,6 @@ class Program:
         return sum(op.flops / op.replicas for op in self.ops
                    if op.kind in ("gemm", "attention")) * self.grid.size
 
-    def hardware_flops(self) -> float:
-        """Flops that all ranks execute, replicated work included (flop)."""
-        return sum(op.flops for op in self.ops) * self.grid.size
-
     def comm_bytes(self) -> dict[str, float]:
         """Bytes on the wire sent per rank, by axis, for ring collectives (bytes)."""
         out = {a: 0.0 for a in AXES}

@@ -1,5 +1,5 @@
-"""Grid choice: rank every valid 4D grid (power-of-two ones for a power-of-two GPU count) with an
-analytical model, simulate the best few.
+"""Grid ranking: every valid 4D grid (power-of-two ones for a power-of-two GPU count) by an analytical
+model; twin.simulate (`search`, `choose_grid`) then simulates the best few.
 
 Analytical model (as AxoNN's configuration search, shared/reference/collective-bandwidth.md): for each
 linear layer of a block, the ring volume of each collective the program issues (forward all-reduce over
@@ -22,15 +22,13 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES
+from twin.study import Study, check_grid, collective_model
 
-if TYPE_CHECKING:  # twin.simulate imports this module
-    from twin.simulate import Study
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
 MAX_WORKERS = 4            # processes for probing the collective model and simulating the best grids
@@ -94,7 +92,6 @@ class Bandwidth:
             if self.fixed is not None:
                 model = self.fixed
             else:
-                from twin.simulate import collective_model
                 model = collective_model(self.study, grid)
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
             lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
@@ -190,7 +187,6 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
     gets an optimistic estimate from cheap probes at stride min(s, GPUs per node) (groups of the
     same shape on nearby nodes: the same NIC load, less network contention); exact probes are then
     made only for grids whose optimistic estimate beats the `keep`-th best exact one so far."""
-    from twin.simulate import check_grid
     valid, reasons = [], []
     for grid in candidate_grids(study.gpus):
         try:
@@ -228,37 +224,3 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
             out += [analytical(study, grid, exact_bw) for grid in batch]
     out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
     return out
-
-
-def _simulate_job(args):
-    from twin.simulate import simulate_grid
-    study, grid = args
-    return simulate_grid(study, grid)
-
-
-def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
-    """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated
-    (in parallel processes when there are several CPUs)."""
-    from twin.simulate import simulate_grid
-    cands = rank_grids(study, collectives, keep=max(top, simulate_top))[:max(top, simulate_top)]
-    sims = cands[:simulate_top]
-    if collectives is None:
-        results = parallel_map(_simulate_job, [(study, c.grid) for c in sims])
-    else:
-        results = [simulate_grid(study, c.grid, collectives=collectives) for c in sims]
-    for c, r in zip(sims, results):
-        c.result, c.simulated_s = r, r.iteration_time_s
-    return cands[:top]
-
-
-def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
-    """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
-    its symmetric-mode result when simulated), and a line saying how it was chosen."""
-    cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)
-    sims = [c for c in cands if c.simulated_s is not None]
-    if not sims:
-        best = cands[0]
-        return best, f"auto: best of the analytical ranking ({best.analytical_s:.3f} s estimated)"
-    best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
-    return best, (f"auto: fastest simulated of the analytical top {len(sims)} "
-                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})")

@@ -1,83 +1,27 @@
 """`simulate(...)`: one training iteration of a model on a system, the Python API behind `twin simulate`.
 
-Pieces: the system spec (topologies.system), a kernel profile for its GPU (twin.profile reads
-calibration/profiles),
-the program of the grid (twin.program), the collective model (twin.collectives.CollectiveModel on the
-job's rank placement), and the engine (twin.engine). `--grid auto` ranks every valid grid with the
-analytical model of twin.search and simulates the best few.
+Pieces: the study (twin.study: system spec, model, kernel profile), the program of the grid
+(twin.program), the collective model (twin.collectives.CollectiveModel on the job's rank placement),
+and the engine (twin.engine). `--grid auto` ranks every valid grid with the analytical model of
+twin.search (`rank_grids`) and simulates the best few (`search`, `choose_grid` here).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-from topologies.system import SystemSpec, load_system
+from topologies.system import SystemSpec
+from twin.common import TwinError
 from twin.engine import simulate_program
-from twin.errors import TwinError
 from twin.grid import AXES, Grid
-from twin.kernels import KernelModel
-from twin.memory import check_fits, memory_per_gpu
-from twin.model import ModelSpec, load_model
-from twin.profile import Profile, load_profile, profile_for_gpu
+from twin.memory import memory_per_gpu
+from twin.model import ModelSpec
 from twin.program import Options, Program, build_program
 from twin.result import SimulationResult
+from twin.search import Candidate, parallel_map, rank_grids
+from twin.study import Study, check_grid, collective_model, prepare
 from twin.trace import Span, op_args
-
-
-@dataclass
-class Study:
-    """What to simulate, apart from the grid: system, model, GPU count, batch, switches, kernel model."""
-
-    system: SystemSpec
-    model: ModelSpec
-    gpus: int
-    batch: int          # global batch, sequences
-    seq_len: int        # tokens per sequence
-    options: Options
-    placement: str      # contiguous | scattered
-    profile: Profile
-    kernels: KernelModel
-
-
-def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
-            batch: int | None = None, seq_len: int | None = None, options: Options | None = None,
-            placement: str = "contiguous", profile: str | None = None, gemm_tuning: bool = True) -> Study:
-    """Resolve names and defaults (the system's default study) into a Study. Raises TwinError."""
-    spec = load_system(system) if isinstance(system, str) else system
-    if model is None:
-        model = spec.default_model
-        gpus = spec.default_gpus if gpus is None else gpus
-    m = load_model(model) if isinstance(model, str) else model
-    gpus = spec.default_gpus if gpus is None else gpus
-    if gpus < 1 or gpus > spec.total_gpus:
-        raise TwinError(f"{spec.name} has {spec.total_gpus} GPUs; --gpus {gpus} is out of range")
-    if placement not in ("contiguous", "scattered"):
-        raise TwinError(f"unknown placement {placement!r}: choose contiguous or scattered")
-    prof_name = profile or getattr(spec, "profile", None)
-    prof = load_profile(prof_name) if prof_name else profile_for_gpu(spec.gpu.name)
-    batch = m.global_batch if batch is None else batch
-    seq_len = m.seq_len if seq_len is None else seq_len
-    if batch < 1 or seq_len < 1:
-        raise TwinError(f"batch ({batch}) and sequence length ({seq_len}) must be positive")
-    if options is not None and options.micro_batches < 1:
-        raise TwinError(f"--micro-batches must be at least 1, got {options.micro_batches}")
-    return Study(spec, m, gpus, batch, seq_len, options or Options(), placement, prof,
-                 KernelModel(prof, tuning=gemm_tuning))
-
-
-def check_grid(study: Study, grid: Grid) -> None:
-    """Raise TwinError unless `grid` runs the study's model on its GPUs and fits in HBM."""
-    grid.validate(study.model, gpus=study.gpus, batch=study.batch,
-                  micro_batches=study.options.micro_batches, seq_len=study.seq_len)
-    mem = memory_per_gpu(study.model, grid, study.options, study.batch, study.seq_len)
-    check_fits(mem, study.system.gpu.hbm_bytes, f"{study.model.name} on grid {grid} of {study.system.name} ")
-
-
-def collective_model(study: Study, grid: Grid):
-    """The system's collective model for this grid on the study's rank placement."""
-    from twin.collectives import CollectiveModel
-    return CollectiveModel(study.system, grid, placement=study.placement)
 
 
 def collective_timer(program: Program, model):
@@ -129,6 +73,38 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     return result
 
 
+def _simulate_job(args):
+    study, grid = args
+    return simulate_grid(study, grid)
+
+
+def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
+    """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated
+    (in parallel processes when there are several CPUs)."""
+    cands = rank_grids(study, collectives, keep=max(top, simulate_top))[:max(top, simulate_top)]
+    sims = cands[:simulate_top]
+    if collectives is None:
+        results = parallel_map(_simulate_job, [(study, c.grid) for c in sims])
+    else:
+        results = [simulate_grid(study, c.grid, collectives=collectives) for c in sims]
+    for c, r in zip(sims, results):
+        c.result, c.simulated_s = r, r.iteration_time_s
+    return cands[:top]
+
+
+def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
+    """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
+    its symmetric-mode result when simulated), and a line saying how it was chosen."""
+    cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)
+    sims = [c for c in cands if c.simulated_s is not None]
+    if not sims:
+        best = cands[0]
+        return best, f"auto: best of the analytical ranking ({best.analytical_s:.3f} s estimated)"
+    best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+    return best, (f"auto: fastest simulated of the analytical top {len(sims)} "
+                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})")
+
+
 def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
              grid: str | Grid | None = "auto", batch: int | None = None, seq_len: int | None = None,
              options: Options | None = None, placement: str = "contiguous", full: bool = False,
@@ -141,7 +117,6 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
     study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
     result = None
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
-        from twin.search import choose_grid
         best, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
         g = best.grid
         if best.result is not None and not (full or slowdown or record):

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topologies.datafile import write_atomic
+from twin.common import write_atomic
 from twin.program import STREAMS, Op
 
 
