@@ -67,11 +67,11 @@ def run_cmd(
     oar: OarOpt = True, ors: OrsOpt = True, oag: OagOpt = True,
     cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
     data: Annotated[str, typer.Option(help="'synthetic', a .bin of uint16 token ids, or any file read as bytes.")] = "synthetic",
-    out: Annotated[str, typer.Option(help="Directory for log.jsonl and trace.json.")] = "runs/latest",
+    out: Annotated[str, typer.Option(help="Directory for log.jsonl, summary.json and trace/ (per-rank traces).")] = "runs/latest",
     ckpt_dir: Annotated[Optional[str], typer.Option(help="Checkpoint directory; a run resumes from its latest checkpoint.")] = None,
     ckpt_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps (0: never).")] = 0,
     log_every: Annotated[int, typer.Option(help="Log every N steps.")] = 1,
-    trace_step: Annotated[Optional[int], typer.Option(help="Step whose ops are written to trace.json (default: the last).")] = None,
+    trace_step: Annotated[Optional[int], typer.Option(help="Step whose ops are written to trace/ (default: the last).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights and the data order.")] = 0,
     device: DeviceOpt = "cpu",
 ) -> int:
@@ -100,7 +100,7 @@ def replay_cmd(
     micro_batches: MicroOpt = 1,
     oar: OarOpt = True, ors: OrsOpt = True, oag: OagOpt = True,
     cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
-    out: Annotated[str, typer.Option(help="Trace file (Chrome trace JSON).")] = "runs/replay-trace.json",
+    out: Annotated[str, typer.Option(help="Trace folder (one Chrome trace per rank; Perfetto and HTA read it).")] = "runs/replay-trace",
     device: DeviceOpt = "cpu",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda, fp32 on cpu), fp32 or bf16.")] = "auto",
 ) -> int:

@@ -8,7 +8,7 @@ timed from its issue to the completion of its wait().
     rec = Recorder(enabled=True, device=torch.device("cpu"))
     with rec.op("L0.qkv.fwd.gemm", "gemm", "compute", m=64, n=96, k=32, layout="NN"):
         y = x @ w
-    spans = rec.spans(rank)      # -> list[twin.trace.Span]; write them with twin.trace.write_trace
+    spans = rec.spans(rank)      # -> list[twin.trace.Span]; twin.trace.write_trace(folder, spans) writes them
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from twin.trace import Span
+from twin.trace import Span, span_args
 
 
 @dataclass
@@ -108,11 +108,8 @@ class Recorder:
         for i, r in enumerate(self.records):
             start = self._seconds(r._start)
             end = self._seconds(r._end) if r._end is not None else start
-            args = {"kind": r.kind, "stream": r.stream, "index": index.get(r.name, i), **r.args}
-            if r.axis:
-                args.update(axis=r.axis, bytes=r.bytes)
-            if r.kind == "gemm":
-                args.update(m=r.m, n=r.n, k=r.k, layout=r.layout)
+            args = {**span_args(r.kind, r.stream, index.get(r.name, i), r.axis, r.bytes, r.m, r.n, r.k, r.layout),
+                    **r.args}
             out.append(Span(rank, r.name, r.kind, r.stream, start, max(end - start, 0.0), args))
         return out
 

@@ -44,7 +44,7 @@ class ReplayConfig:
     oag: bool = True
     cache_layers: int = 0
     recompute: bool = True
-    out: str = "runs/replay-trace.json"
+    out: str = "runs/replay-trace"
     device: str = "cpu"
     dtype: str = "auto"  # auto: bf16 on cuda, fp32 on cpu
 
@@ -162,16 +162,16 @@ def main(config: dict) -> None:
             if ctx.rank == 0:
                 print(f"replay {step}/{cfg.steps}: {seconds * 1e3:.2f} ms ({len(program.ops)} program ops)",
                       flush=True)
-        spans = replayer.recorder.spans(ctx.rank)
+        spans = replayer.recorder.spans(ctx.rank, program)
         gathered = [None] * grid.size if ctx.rank == 0 else None
         dist.gather_object(spans, gathered, dst=0)
         if ctx.rank == 0:
             out = Path(cfg.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
             write_trace(out, [s for part in gathered for s in part],
                         {"source": "backend replay", "model": cfg.model, "grid": str(grid),
                          "device": str(ctx.device), "dtype": str(cfg.torch_dtype()).removeprefix("torch."),
-                         "options": asdict(cfg.options())})
+                         "options": asdict(cfg.options())}, step=cfg.steps, world_size=grid.size,
+                        backend="nccl" if ctx.device.type == "cuda" else "gloo")
             print(f"wrote {out}", flush=True)
     finally:
         destroy()

@@ -52,12 +52,12 @@ class TrainConfig:
     cache_layers: int = 0
     recompute: bool = True
     data: str = "synthetic"           # 'synthetic', a .bin of uint16 token ids, or any file (bytes)
-    out: str = "runs/latest"          # log.jsonl and trace.json go here
+    out: str = "runs/latest"          # log.jsonl, summary.json and trace/ (per-rank traces) go here
     ckpt_dir: str | None = None       # checkpoints (resumes from its latest one when present)
     ckpt_every: int = 0               # steps between checkpoints; 0: none
     keep_ckpts: int = 2
     log_every: int = 1
-    trace_step: int | None = None     # step whose ops go to trace.json (default: the last one)
+    trace_step: int | None = None     # step whose ops go to trace/ (default: the last one)
     seed: int = 0
     device: str = "cpu"               # cpu (gloo, fp32) or cuda (NCCL, bf16 compute, fp32 master weights)
 
@@ -183,14 +183,15 @@ class MetricsLog:
 
 
 def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
-    """Gather every rank's spans to rank 0 and write one Chrome trace (twin.trace schema)."""
+    """Gather every rank's spans to rank 0 and write the run folder of per-rank traces (twin.trace)."""
     import torch.distributed as dist
     from twin.trace import write_trace
 
     gathered = [None] * ctx.grid.size if ctx.rank == 0 else None
     dist.gather_object(spans, gathered, dst=0)
     if ctx.rank == 0:
-        write_trace(path, [s for part in gathered for s in part], metadata)
+        write_trace(path, [s for part in gathered for s in part], metadata, step=metadata.get("step", 1),
+                    world_size=ctx.grid.size, backend="nccl" if ctx.device.type == "cuda" else "gloo")
 
 
 def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
@@ -276,7 +277,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             records.append(metrics.log(step, loss, lr, seconds))
             if step == trace_step:
                 model.recorder = NULL_RECORDER
-                _write_trace(out / "trace.json", recorder.spans(ctx.rank, program), ctx,
+                _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,
                              {"source": "backend run", "model": spec.name, "grid": str(grid), "step": step,
                               "device": str(ctx.device), "options": asdict(options)})
             if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):

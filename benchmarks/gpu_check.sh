@@ -72,7 +72,7 @@ timeout "$RUN_TIMEOUT" $PY -m backend.cli run --model "$MODEL" --grid 1x1x1x1 --
 
 echo "== 3. backend replay $MODEL 1x1x1x1 (GEMMs of the program, traced)"
 timeout 120 $PY -m backend.cli replay --model "$MODEL" --grid 1x1x1x1 --device "$DEVICE" --steps 3 \
-  --out "$WORK/replay_trace.json" 2>&1 | tee "$WORK/replay.log"
+  --out "$WORK/replay_trace" 2>&1 | tee "$WORK/replay.log"
 
 echo "== 4. summary"
 $PY benchmarks/gpu_check_summary.py "$WORK" 2>&1 | tee "$WORK/summary.txt"

@@ -82,8 +82,8 @@ def main(out_dir: str) -> dict:
         log = (out / "pytest_gpu.log").read_text().strip().splitlines() if (out / "pytest_gpu.log").is_file() else []
         result["gpu_tests"] = {"exit_code": int((out / "pytest_gpu.rc").read_text().strip() or -1),
                                "last_line": log[-1] if log else ""}
-    if (out / "replay_trace.json").is_file():
-        result["replay"] = replay_summary(out / "replay_trace.json", peak)
+    if (out / "replay_trace").is_dir():
+        result["replay"] = replay_summary(out / "replay_trace", peak)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -76,7 +76,7 @@ def test_under_a_launcher_every_rank_reports_and_exits(tmp_path):
 
 
 def test_replay_writes_a_trace(tmp_path):
-    out = tmp_path / "replay.json"
+    out = tmp_path / "replay"
     r = backend("replay", "--model", "gpt-tiny", "--grid", "1x1x2x1", "--steps", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     spans = read_trace(out)

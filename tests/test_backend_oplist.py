@@ -104,12 +104,12 @@ def test_spans_write_a_trace(tmp_path) -> None:
     spans = rec.spans(rank=3)
     assert len(spans) == len(rec.records) and all(s.duration_s >= 0 and s.start_s >= 0 for s in spans)
     assert spans[0].start_s <= spans[-1].start_s
-    path = tmp_path / "trace.json"
+    path = tmp_path / "trace"
     write_trace(path, spans)
     back = read_trace(path)
     assert sorted(s.name for s in back) == sorted(s.name for s in spans)
     assert {s.stream for s in back} == set(STREAMS)
-    assert json.loads(path.read_text())["traceEvents"]
+    assert json.loads((path / "rank3.json").read_text())["traceEvents"]
 
 
 def test_slurm_first_host() -> None:

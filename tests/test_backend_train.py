@@ -41,7 +41,7 @@ def test_run_trains_logs_and_traces(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["grid"] == GRID and summary["tokens_per_s"] > 0
 
-    spans = read_trace(out / "trace.json")
+    spans = read_trace(out / "trace")
     program = build_program(load_model("gpt-tiny"), Grid.parse(GRID), Options())
     names = {op.name for op in program.ops}
     assert {s.rank for s in spans} == set(range(4))

@@ -51,7 +51,7 @@ def test_grid_auto_says_what_it_chose():
 
 
 def test_human_output_and_trace_and_html(tmp_path):
-    trace, html = tmp_path / "t.json", tmp_path / "t.html"
+    trace, html = tmp_path / "t", tmp_path / "t.html"
     r = runner.invoke(app, ["simulate", *SMALL, "--grid", "2x2x2x2", "--trace", str(trace), "--html", str(html)])
     assert r.exit_code == 0, r.output
     assert "iteration time" in r.stdout and "exposed comm" in r.stdout

@@ -164,7 +164,7 @@ def simulate_cmd(
     slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
-    trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome trace (Perfetto) of the iteration here.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).")] = None,
     html: Annotated[Optional[Path], typer.Option(help="Write an interactive plotly timeline here.")] = None,
 ) -> None:
     """Simulate one training iteration of a model on a system and say where the time goes."""
@@ -178,7 +178,7 @@ def simulate_cmd(
                  record=bool(trace or html), simulate_top=simulate_top)
     if trace is not None:
         from twin.trace import write_trace
-        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False))
+        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
     if html is not None:
         from twin.plots import timeline_html
         write_atomic(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
