@@ -44,11 +44,11 @@ def test_user_model_file(tmp_path):
 
 
 @pytest.mark.parametrize("text,msg", [
-    ("layers = 2\nhidden = 128\n", "missing keys"),
+    ("layers = 2\nhidden = 128\n", "heads is missing"),
     ("layers = [", "malformed"),
     ("layers = 2\nhidden = 130\nheads = 4\nvocab = 256\nseq_len = 64\nglobal_batch = 8\n", "not divisible"),
-    ("layers = 2\nhidden = 128\nheads = 4\nvocab = 256\nseq_len = 64\nglobal_batch = 8\ncolour = 1\n", "unknown keys"),
-    ("layers = -2\nhidden = 128\nheads = 4\nvocab = 256\nseq_len = 64\nglobal_batch = 8\n", "positive"),
+    ("layers = 2\nhidden = 128\nheads = 4\nvocab = 256\nseq_len = 64\nglobal_batch = 8\ncolour = 1\n", "colour is not a known key"),
+    ("layers = -2\nhidden = 128\nheads = 4\nvocab = 256\nseq_len = 64\nglobal_batch = 8\n", "layers must be an integer in"),
 ])
 def test_bad_model_file(tmp_path, text, msg):
     p = tmp_path / "bad.toml"

@@ -190,11 +190,11 @@ def test_cli_unknown_system_and_too_large_a_job():
 @pytest.mark.parametrize("edit,text", [
     (lambda t: t + "\n[[[", "malformed system file"),
     (lambda t: t[:t.index("[network]")] + t[t.index("[collectives]"):], "need a [network] table"),
-    (lambda t: t.replace("[network]", "[netw]"), "unknown key(s) netw in the top level"),
-    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwidth = \"fast\""), "nic_bandwidth must be a float"),
+    (lambda t: t.replace("[network]", "[netw]"), "netw is not a known key of the top level"),
+    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwidth = \"fast\""), "node.nic_bandwidth must be a finite number"),
     (lambda t: t.replace("[  0, 100, 100, 100],", "[  0, 100, 100],"), "links_gbs must be a 4x4 matrix"),
     (lambda t: t.replace("groups = 14 ", "groups = 2 "), "hold fewer than"),
-    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwith = 25e9"), "unknown key(s) nic_bandwith in [node]"),
+    (lambda t: t.replace("nic_bandwidth = 25e9", "nic_bandwith = 25e9"), "node.nic_bandwith is not a known key of node"),
     (lambda t: t.replace("global_links_per_pair = 12", "global_links_per_pair = 40"), "between 1 and switches_per_group"),
     (lambda t: t.replace("endpoints_per_switch = 16", "endpoints_per_switch = 30"), "a Rosetta switch has 64"),
 ])

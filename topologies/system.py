@@ -14,6 +14,7 @@ import numpy as np
 
 from topologies.datafile import read_spec, shipped
 from twin.common import InputError
+from twin.schema import SYSTEM, check
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 GIB = 2 ** 30
@@ -126,33 +127,8 @@ def _table(data: dict, key: str, path: Path) -> dict:
 def load_system(name_or_path: str) -> SystemSpec:
     """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
     path, data = read_spec(name_or_path, SYSTEMS_DIR, "system")
-    _check_keys(data, path)
+    check(data, SYSTEM, path, "system")  # types, ranges and known keys; _parse checks the relations
     return _parse(data, path)
-
-
-KNOWN_KEYS = {
-    "": {"name", "description", "sources", "gpu", "node", "network", "collectives", "default"},
-    "gpu": {"name", "peak_flops", "gemm_flops", "hbm_gib", "hbm_bandwidth"},
-    "node": {"nodes", "gpus_per_node", "nics_per_node", "nic_bandwidth", "gpu_nic", "gpu_nic_bandwidth",
-             "link_latency", "links_gbs"},
-    "network": {"groups", "switches_per_group", "endpoints_per_switch", "nodes_per_group", "global_links_per_pair",
-                "link_bandwidth", "switch_latency", "nic_latency", "local_cable_latency", "global_cable_latency"},
-    "collectives": {"library", "ring_only", "intra_node_efficiency", "inter_node_channel_efficiency", "step_latency"},
-    "default": {"model", "gpus"},
-}
-
-
-def _check_keys(data: dict, path: Path) -> None:
-    """Refuse unknown keys: a misspelt key would otherwise be silently ignored."""
-    for table, known in KNOWN_KEYS.items():
-        t = data if not table else data.get(table, {})
-        if not isinstance(t, dict):
-            raise InputError(f"system file {path}: [{table}] must be a table")
-        unknown = sorted(set(t) - known)
-        if unknown:
-            where = f"[{table}]" if table else "the top level"
-            raise InputError(f"system file {path}: unknown key(s) {', '.join(unknown)} in {where} "
-                            f"(known: {', '.join(sorted(known))})")
 
 
 def _parse(data: dict, path: Path) -> SystemSpec:

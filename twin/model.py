@@ -8,11 +8,12 @@ tied to the token embedding. Linear layers carry no bias (the 4D layer is bias-f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from topologies.datafile import read_spec, shipped
 from twin.common import TwinError
+from twin.schema import MODEL, check
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -34,11 +35,12 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "ffn_mult"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise TwinError(f"model {self.name!r}: {f} must be a positive integer, got {getattr(self, f)!r}")
         if self.hidden % self.heads:
             raise TwinError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
-        if not self.tied_embeddings:
+        if self.tied_embeddings is not True:
             raise TwinError(f"model {self.name!r}: only tied embeddings are supported (set tied_embeddings = true)")
 
     @property
@@ -92,13 +94,6 @@ def list_models() -> list[str]:
 def load_model(name_or_path: str) -> ModelSpec:
     """Load a model by name (a shipped spec) or from a TOML file path."""
     path, data = read_spec(name_or_path, MODELS_DIR, "model")
-    known = {f.name for f in fields(ModelSpec)}
-    unknown = set(data) - known
-    if unknown:
-        raise TwinError(f"model file {path}: unknown keys {', '.join(sorted(unknown))} "
-                        f"(known: {', '.join(sorted(known))})")
+    check(data, MODEL, path, "model")
     data.setdefault("name", path.stem)
-    missing = {"layers", "hidden", "heads", "vocab", "seq_len", "global_batch"} - set(data)
-    if missing:
-        raise TwinError(f"model file {path}: missing keys {', '.join(sorted(missing))}")
     return ModelSpec(**data)

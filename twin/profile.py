@@ -12,6 +12,7 @@ from pathlib import Path
 
 from topologies.datafile import read_spec, shipped
 from twin.common import TwinError
+from twin.schema import PROFILE, check
 
 # The data files live with the calibration (they are what calibration measures and fits); the loader
 # lives in twin so that twin never imports calibration (imports run topologies <- twin <- calibration).
@@ -91,6 +92,7 @@ def _penalties(path: Path, key: str, entry, sources: dict[str, str]) -> dict[str
 def load_profile(name_or_path: str) -> Profile:
     """Load a profile by name (calibration/profiles/<name>.toml) or from a TOML file path."""
     path, data = read_spec(name_or_path, PROFILES_DIR, "kernel profile")
+    check(data, PROFILE, path, "kernel profile")  # types, ranges and known keys
     sources: dict[str, str] = {}
     missing = [k for k in _SCALARS + ("layout_penalty", "layout_penalty_small") if k not in data]
     if missing:
