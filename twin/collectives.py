@@ -33,7 +33,12 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   routing may use every group of the machine, so the whole machine's network is built (the rest
   of the machine is taken to be idle).
 - `algorithm="hierarchical"` instead runs a ring inside each node, then m rings across nodes (one per
-  local position, each over its own NIC, 1/m of the data), one phase after the other.
+  local position, each over its own NIC, 1/m of the data). The phases are pipelined chunk by chunk,
+  as NCCL's tree and RCCL's hierarchical algorithms stream their intra- and inter-node stages: the
+  transfer takes as long as the slowest phase, the latencies of all phases add up. (Run one phase
+  after the other, this model gave 99.6 GB/s of bus bandwidth for Alps' measured 2-node all-reduce at
+  128 MiB, below the 122.6 GB/s measured and the 100 GB/s a flat ring over 4 NICs can reach; see
+  tests/test_fidelity.py.) The phases' rates are computed apart (they use mostly disjoint links).
 - all-reduce may use a tree (double binary tree: 2 log2(p) steps, each rank sends the buffer twice)
   when that is faster, as NCCL's tuner does for small buffers; all-gather and reduce-scatter are
   ring-only (system file).
@@ -213,11 +218,14 @@ class CollectiveModel:
         rates = self._bus_rates(axes, algorithm)[axis]
         _, alphas, sizes = self._phases(axis, algorithm)
         mult = 2.0 if kind == "all_reduce" else 1.0
-        t, data = 0.0, float(nbytes)
+        latency, transfer, data = 0.0, 0.0, float(nbytes)
         for rate, alpha, q in zip(rates, alphas, sizes):
-            t += mult * ((q - 1) * alpha + (q - 1) / q * data / rate)
+            latency += mult * (q - 1) * alpha
+            # phases are pipelined chunk by chunk (the library's tree/hierarchical algorithms stream
+            # the inner and outer stages concurrently): the slowest phase's transfer sets the pace
+            transfer = max(transfer, mult * (q - 1) / q * data / rate)
             data /= q  # the next (across-node) phase carries 1/q of the data per ring
-        return t
+        return latency + transfer
 
     # -- public API -------------------------------------------------------------------------------
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset[str] = frozenset()) -> float:
@@ -264,8 +272,8 @@ class CollectiveModel:
         algorithm = self._algorithm(axis, self.algorithm)
         rates = self._bus_rates(axes, algorithm)[axis]
         sizes = self._phases(axis, algorithm)[2]
-        t, data = 0.0, 1.0   # time per byte of payload, phase by phase
+        t, data = 0.0, 1.0   # time per byte of payload: the slowest of the pipelined phases
         for rate, q in zip(rates, sizes):
-            t += (q - 1) / q * data / rate
+            t = max(t, (q - 1) / q * data / rate)
             data /= q
         return (p - 1) / p / t

@@ -10,9 +10,15 @@ of collectives times the group's latency (layer-norm statistics are all-reduced 
 bandwidth and latency come from the system's collective model: a large all-gather and a tiny
 all-reduce over a probe grid whose groups have that size and stride and sit on nodes as they would
 in a large grid. Compute is added from the kernel model (GEMMs and attention of every block, the
-head), so grids that make GEMMs too thin lose too; communication is counted as not overlapped and
-without contention between axes (the engine has both). The sum ranks grids; the engine then
-simulates the best few (in parallel processes when there are several CPUs).
+head), so grids that make GEMMs too thin lose too. Communication the program overlaps is counted
+as exposed only beyond what it can hide behind: the z all-gathers (OAG) and reduce-scatters (ORS)
+behind the block's compute, the backward all-reduces (OAR) behind the weight-gradient GEMMs; the
+forward all-reduces and the data all-reduces at the end of the step are exposed. (Counting all of it
+as exposed ranked grids whose y all-reduces cross nodes first, because the z traffic they avoid is
+hidden in the engine anyway: on 8,192 Frontier GCDs, gpt-80b, the top 3 simulated at 8.2-8.3 s
+while grids ranked tenth and below simulated at 6.7 s; docs/fidelity.md.) There is no contention
+between axes here (the engine has it). The estimate ranks grids; the engine then simulates the best
+few (in parallel processes when there are several CPUs).
 """
 
 from __future__ import annotations
@@ -78,14 +84,15 @@ def _probe_grid(p: int, stride: int, gpus_per_node: int) -> tuple[Grid, str]:
 
 class Bandwidth:
     """What a group of size p and rank stride s gets, from the collective model: ring bandwidth (bytes/s
-    of ring volume, a large all-gather) and latency (seconds of a collective of a few bytes)."""
+    of ring volume, a large all-gather), latency (seconds of a collective of a few bytes) and all-reduce
+    bandwidth (bytes/s of ring volume of a large all-reduce, which the model may run hierarchically)."""
 
     def __init__(self, study: Study, collectives=None):
         self.study = study
         self.fixed = collectives  # a stand-in model used for every grid (tests)
-        self._cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._cache: dict[tuple[int, int], tuple[float, float, float]] = {}
 
-    def _probe(self, p: int, stride: int) -> tuple[float, float]:
+    def _probe(self, p: int, stride: int) -> tuple[float, float, float]:
         key = (p, stride)
         if key not in self._cache:
             grid, axis = _probe_grid(p, stride, self.study.system.gpus_per_node)
@@ -95,7 +102,8 @@ class Bandwidth:
                 model = collective_model(self.study, grid)
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
             lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
-            self._cache[key] = ((p - 1) / p * PROBE_BYTES / t, lat)
+            t_ar = model.time("all_reduce", axis, PROBE_BYTES, concurrent=frozenset())
+            self._cache[key] = ((p - 1) / p * PROBE_BYTES / t, lat, 2 * (p - 1) / p * PROBE_BYTES / t_ar)
         return self._cache[key]
 
     def __call__(self, p: int, stride: int) -> float:
@@ -104,32 +112,42 @@ class Bandwidth:
     def latency(self, p: int, stride: int) -> float:
         return self._probe(p, stride)[1]
 
+    def all_reduce(self, p: int, stride: int) -> float:
+        return self._probe(p, stride)[2]
+
 
 def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
-    """The analytical estimate of one iteration on `grid` (seconds): compute, plus per axis the ring
-    volume over the group's bandwidth and the number of collectives times the group's latency."""
+    """The analytical estimate of one iteration on `grid` (seconds): compute, plus the exposed part of
+    the communication (per axis: ring volume over the group's bandwidth and the number of collectives
+    times the group's latency; overlapped collectives count only beyond what they hide behind).
+    `comm_s` holds every axis' whole communication time, overlapped or not."""
     model, opt, km = study.model, study.options, study.kernels
     h = model.hidden
     m = study.batch // (grid.z * grid.data) * study.seq_len   # tokens per rank per iteration
     fwd_passes = 2 if opt.recompute else 1
-    vol = {a: 0.0 for a in AXES}    # ring bytes per rank per block
-    count = {a: 0 for a in AXES}    # collectives per block
-    compute = 0.0
+    # per (axis, how it overlaps): ring bytes per rank per block and collectives per block. "exposed":
+    # on the critical path; "oar": hidden behind the weight-gradient GEMMs; "z": behind the block's compute
+    vol: dict[tuple[str, str, bool], float] = {}   # (axis, how, all-reduce?) -> bytes
+    count: dict[tuple[str, str, bool], int] = {}
+    compute = wgrad = 0.0
 
-    def ring(axis: str, nbytes: float, all_reduce: bool, times: int = 1) -> None:
+    def ring(axis: str, nbytes: float, all_reduce: bool, times: int = 1, how: str = "exposed") -> None:
         p = grid.axis_size(axis)
         if p > 1:
-            vol[axis] += times * (2.0 if all_reduce else 1.0) * (p - 1) / p * nbytes
-            count[axis] += times
+            key = (axis, how, all_reduce)
+            vol[key] = vol.get(key, 0.0) + times * (2.0 if all_reduce else 1.0) * (p - 1) / p * nbytes
+            count[key] = count.get(key, 0) + times
 
     for _, k, n, transposed in model.linear_shapes():
         in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
         kl, nl = k // grid.axis_size(in_axis), n // grid.axis_size(out_axis)
-        compute += fwd_passes * km.gemm_time(m, nl, kl, "NN") + km.gemm_time(m, kl, nl, "NT") \
-            + km.gemm_time(kl, nl, m, "TN")
+        w = km.gemm_time(kl, nl, m, "TN")
+        wgrad += w
+        compute += fwd_passes * km.gemm_time(m, nl, kl, "NN") + km.gemm_time(m, kl, nl, "NT") + w
         ring(in_axis, ACT_BYTES * m * nl, True, fwd_passes)     # forward (and recomputed) output
-        ring(out_axis, ACT_BYTES * m * kl, True)                 # backward input gradient
-        ring("z", ACT_BYTES * kl * nl, False, 3)                 # two gathers, one reduce-scatter
+        ring(out_axis, ACT_BYTES * m * kl, True, how="oar" if opt.oar else "exposed")  # backward input gradient
+        ring("z", ACT_BYTES * kl * nl, False, 2, how="z" if opt.oag else "exposed")  # two gathers
+        ring("z", ACT_BYTES * kl * nl, False, 1, how="z" if opt.ors else "exposed")  # one reduce-scatter
         ring("data", GRAD_AR_BYTES * k * n / grid.tensor_size, True)
     ring("x", STAT_BYTES * 2 * m, True, 2 * (fwd_passes + 1))   # layer-norm statistics
     seqs = m // study.seq_len
@@ -137,18 +155,21 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     p = study.profile
     compute += fwd_passes * attn_flops / (p.peak_flops * p.attention_fwd_efficiency) \
         + 2 * attn_flops / (p.peak_flops * p.attention_bwd_efficiency)
+    block = compute
     compute *= model.layers
     vocab = model.padded_vocab(grid.y)
     compute += 3 * km.gemm_time(m, vocab // grid.y, h // grid.x, "NT")
-    comm = {}
-    for a in AXES:
-        if not count[a]:
-            comm[a] = 0.0
-            continue
+    per_block = {how: 0.0 for how in ("exposed", "oar", "z")}
+    comm = {a: 0.0 for a in AXES}
+    for (a, how, all_reduce), v in vol.items():
         size, stride = grid.axis_size(a), grid.stride(a)
-        comm[a] = model.layers * (vol[a] / bandwidth(size, stride) + count[a] * bandwidth.latency(size, stride))
+        bw = bandwidth.all_reduce(size, stride) if all_reduce else bandwidth(size, stride)
+        t = v / bw + count[a, how, all_reduce] * bandwidth.latency(size, stride)
+        per_block[how] += t
+        comm[a] += model.layers * t
+    exposed = per_block["exposed"] + max(0.0, per_block["oar"] - wgrad) + max(0.0, per_block["z"] - block)
     mem = memory_per_gpu(model, grid, opt, study.batch, study.seq_len).total
-    return Candidate(grid, compute + sum(comm.values()), compute, comm, mem)
+    return Candidate(grid, compute + model.layers * exposed, compute, comm, mem)
 
 
 def parallel_map(fn, items: list, workers: int | None = None) -> list:
@@ -161,7 +182,7 @@ def parallel_map(fn, items: list, workers: int | None = None) -> list:
         return list(ex.map(fn, items, chunksize=max(1, len(items) // (4 * workers))))
 
 
-def _probe_job(args) -> tuple[float, float]:
+def _probe_job(args) -> tuple[float, float, float]:
     study, p, stride = args
     return Bandwidth(study)._probe(p, stride)
 
