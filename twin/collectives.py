@@ -38,7 +38,7 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   transfer takes as long as the slowest phase, the latencies of all phases add up. (Run one phase
   after the other, this model gave 99.6 GB/s of bus bandwidth for Alps' measured 2-node all-reduce at
   128 MiB, below the 122.6 GB/s measured and the 100 GB/s a flat ring over 4 NICs can reach; see
-  tests/test_fidelity.py.) The phases' rates are computed apart (they use mostly disjoint links).
+  tests/test_collectives.py.) The phases' rates are computed apart (they use mostly disjoint links).
 - all-reduce may use a tree (double binary tree: 2 log2(p) steps, each rank sends the buffer twice)
   when that is faster, as NCCL's tuner does for small buffers; all-gather and reduce-scatter are
   ring-only (system file).
