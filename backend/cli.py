@@ -74,6 +74,11 @@ def run_cmd(
     trace_step: Annotated[Optional[int], typer.Option(help="Step whose ops are written to trace/ (default: the last).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights and the data order.")] = 0,
     device: DeviceOpt = "cpu",
+    goldfish_k: Annotated[Optional[int], typer.Option(help="Goldfish loss: leave about one target in K out of the loss (K >= 1; default: off).")] = None,
+    goldfish_h: Annotated[int, typer.Option(help="Goldfish loss: a target is dropped by a hash of the H tokens before it.")] = 13,
+    eval_data: Annotated[Optional[str], typer.Option(help="Held-out data (same forms as --data); its loss goes to the log.")] = None,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: after the last step only).")] = 0,
+    eval_batches: Annotated[int, typer.Option(help="Global batches of held-out windows per evaluation.")] = 4,
 ) -> int:
     """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch import launch
@@ -83,7 +88,12 @@ def run_cmd(
                       lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
                       recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
-                      log_every=log_every, trace_step=trace_step, seed=seed, device=device)
+                      log_every=log_every, trace_step=trace_step, seed=seed, device=device,
+                      goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
+                      eval_every=eval_every, eval_batches=eval_batches)
+    if goldfish_k is not None:
+        from backend.goldfish import check
+        check(goldfish_k, goldfish_h)
     g = Grid.parse(grid)
     check_launcher_world(g)
     validate(cfg)

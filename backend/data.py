@@ -11,6 +11,10 @@ tokens at offsets from a generator seeded by (seed, t), so every rank computes t
 resumed run continues exactly. The global batch is split by whole sequences over the z x data shards;
 a rank with coordinates (z, d) reads shard z + G_z*d, i.e. sequences [shard*b, (shard+1)*b) with
 b = B / (G_z*G_data). Ranks that differ only in x or y read the same sequences.
+
+Goldfish loss (backend.goldfish; goldfish_k > 0): targets that the goldfish hash drops are IGNORE. The
+loader reads the h tokens before each window too, so a target's fate depends only on the text before
+it in the source, never on where a window starts, which rank reads it or which grid runs.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ class ShardedLoader:
     """
 
     def __init__(self, source: TokenSource, global_batch: int, seq_len: int, shard: int, shards: int,
-                 micro_batches: int = 1, seed: int = 0):
+                 micro_batches: int = 1, seed: int = 0, goldfish_k: int = 0, goldfish_h: int = 13):
         if global_batch % shards or (global_batch // shards) % micro_batches:
             raise DataError(f"global batch {global_batch} does not split into {shards} shards "
                             f"of {micro_batches} micro-batches")
@@ -123,6 +127,7 @@ class ShardedLoader:
                             f"sequence of {seq_len}+1")
         self.source, self.global_batch, self.seq_len = source, global_batch, seq_len
         self.shard, self.shards, self.micro_batches, self.seed = shard, shards, micro_batches, seed
+        self.goldfish_k, self.goldfish_h = goldfish_k, goldfish_h  # goldfish loss (k = 0: off)
         self.step = 0
 
     @property
@@ -141,10 +146,16 @@ class ShardedLoader:
         mine = self.offsets(step)[self.shard * b:(self.shard + 1) * b]
         s = self.seq_len
         rows = np.stack([np.asarray(self.source.tokens[o:o + s + 1], dtype=np.int64) for o in mine])
+        targets = rows[:, 1:]
+        if self.goldfish_k:  # the mask of a target depends on the h tokens before it in the source
+            from backend.goldfish import mask_rows
+            h = self.goldfish_h
+            targets = np.stack([mask_rows(np.asarray(self.source.tokens[o - min(h, o):o + s + 1])[None],
+                                          self.goldfish_k, h, context=min(h, o))[0] for o in mine])
         import torch  # here, so that checking a data file does not import torch
-        rows = torch.from_numpy(rows).to(device)
+        inputs, targets = torch.from_numpy(rows[:, :-1]).to(device), torch.from_numpy(targets).to(device)
         per = b // self.micro_batches
-        return [Batch(rows[j * per:(j + 1) * per, :-1].contiguous(), rows[j * per:(j + 1) * per, 1:].contiguous())
+        return [Batch(inputs[j * per:(j + 1) * per].contiguous(), targets[j * per:(j + 1) * per].contiguous())
                 for j in range(self.micro_batches)]
 
     def next(self, device: torch.device | str = "cpu") -> list[Batch]:

@@ -60,6 +60,11 @@ class TrainConfig:
     trace_step: int | None = None     # step whose ops go to trace/ (default: the last one)
     seed: int = 0
     device: str = "cpu"               # cpu (gloo, fp32) or cuda (NCCL, bf16 compute, fp32 master weights)
+    goldfish_k: int = 0               # goldfish loss: drop one target in k (backend.goldfish); 0: off
+    goldfish_h: int = 13              # goldfish loss: tokens hashed per target
+    eval_data: str | None = None      # held-out data (same forms as `data`); its loss is logged
+    eval_every: int = 0               # steps between held-out evaluations (0: at the last step only)
+    eval_batches: int = 4             # global batches of held-out data per evaluation
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -73,7 +78,8 @@ class TrainConfig:
 
     def options(self) -> Options:
         return options_from_flags(self.oar, self.ors, self.oag, self.cache_layers, self.recompute,
-                                  self.micro_batches, grad_clip=self.grad_clip > 0)
+                                  self.micro_batches, grad_clip=self.grad_clip > 0,
+                                  goldfish_h=self.goldfish_h if self.goldfish_k else 0)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -118,8 +124,14 @@ def validate(cfg: TrainConfig) -> None:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
         raise TwinError("--ckpt-every needs --ckpt-dir")
+    if cfg.goldfish_k:
+        from backend.goldfish import check
+        check(cfg.goldfish_k, cfg.goldfish_h)
     program = cfg.program()  # grid x model x batch checks
     spec, grid = program.model, program.grid
+    if cfg.eval_data:
+        from backend.evaluate import check_eval
+        check_eval(cfg.eval_data, cfg.eval_every, cfg.eval_batches, spec)
     source = open_source(cfg.data, spec.vocab, cfg.seed)
     if len(source) < spec.seq_len + 2:
         raise TwinError(f"data source {source.name} has {len(source)} tokens, fewer than one sequence "
@@ -172,13 +184,14 @@ class MetricsLog:
                "model_flops_per_s": self.model_flops / seconds,
                "flops_convention": "narayanan-sc21" + ("+recompute" if self.cfg.recompute else ""),
                "eta_s": avg * (self.cfg.steps - step), **(extra or {})}
-        if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps):
+        if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             pct = 100.0 * step / self.cfg.steps
             print(f"step {step:>5}/{self.cfg.steps} ({pct:5.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
                   f"{rec['tokens_per_s']:,.0f} tok/s | {format_flops(rec['flops_per_s_per_gpu'])} per gpu "
-                  f"({rec['flops_convention']}) | eta {format_eta(rec['eta_s'])}", flush=True)
+                  f"({rec['flops_convention']}) | eta {format_eta(rec['eta_s'])}"
+                  + (f" | held-out loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""), flush=True)
         return rec
 
 
@@ -248,7 +261,11 @@ def train(cfg: TrainConfig) -> list[dict]:
         model = GPT(spec, ctx, options, seed=cfg.seed).to(ctx.device)
         optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         loader = ShardedLoader(source, program.batch, program.seq_len, ctx.batch_shard, ctx.batch_shards,
-                               cfg.micro_batches, cfg.seed)
+                               cfg.micro_batches, cfg.seed, cfg.goldfish_k, cfg.goldfish_h)
+        held_out = None
+        if cfg.eval_data:
+            from backend.evaluate import HeldOut
+            held_out = HeldOut(cfg.eval_data, spec, program.batch, ctx, cfg.eval_batches, cfg.seed)
         start = _resume(cfg, model, optimizer, loader, ctx)
         out = Path(cfg.out)
         metrics = MetricsLog(out / "log.jsonl", cfg, program, enabled=rank0)
@@ -274,7 +291,10 @@ def train(cfg: TrainConfig) -> list[dict]:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            records.append(metrics.log(step, loss, lr, seconds))
+            extra = {}
+            if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
+                extra["val_loss"] = held_out.loss(model)
+            records.append(metrics.log(step, loss, lr, seconds, extra))
             if step == trace_step:
                 model.recorder = NULL_RECORDER
                 _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,

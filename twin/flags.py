@@ -26,11 +26,12 @@ MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient ac
 
 
 def options_from_flags(oar: bool = True, ors: bool = True, oag: bool = True, cache_layers: int = 0,
-                       recompute: bool = True, micro_batches: int = 1, grad_clip: bool = True) -> Options:
+                       recompute: bool = True, micro_batches: int = 1, grad_clip: bool = True,
+                       goldfish_h: int = 0) -> Options:
     """The switches of the 4D algorithm from the command line's flags (raises TwinError)."""
     if cache_layers < 0:
         raise TwinError(f"--cache-layers must be >= 0, got {cache_layers}")
     if micro_batches < 1:
         raise TwinError(f"--micro-batches must be at least 1, got {micro_batches}")
     return Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
-                   micro_batches=micro_batches, grad_clip=grad_clip)
+                   micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h)

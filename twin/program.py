@@ -49,6 +49,7 @@ class Options:
     recompute: bool = True    # full activation recomputation of each block in the backward pass
     micro_batches: int = 1    # gradient accumulation steps per iteration
     grad_clip: bool = True    # global-norm gradient clipping (three scalar all-reduces)
+    goldfish_h: int = 0       # goldfish loss: tokens hashed per target to mask it (0: off)
 
 
 @dataclass(frozen=True)
@@ -357,6 +358,9 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         ag = b.gather("head")
         b.main(b.gemm("head.fwd.gemm", m, V // gy, h // gx, "NT", deps=[ag]))
         b.allreduce_ready("head.fwd.ar_x", "x", ACT_BYTES * m * V // gy)
+        if options.goldfish_h:  # the goldfish mask: integer hashing of h ids per target, no flops;
+            # the loss still runs over every token (backend.goldfish)
+            b.compute("loss.fwd.mask", "elementwise", flops=0.0, bytes=8 * 2 * m, replicas=gx * gy)
         b.compute("loss.fwd", "loss", flops=5.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx)
         b.allreduce_ready("loss.fwd.ar_y_max", "y", STAT_BYTES * m)
         b.allreduce_ready("loss.fwd.ar_y_sum", "y", STAT_BYTES * 2 * m)
