@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.model import ModelSpec, load_model
 

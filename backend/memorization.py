@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from twin.errors import TwinError
+from twin.common import TwinError
 
 
 def lcs_length(a, b) -> int:

@@ -14,7 +14,7 @@ from backend.generate import Weights, forward, generate, load_weights  # noqa: E
 from backend.memorization import (check_lengths, lcs_length, load_sequences, measure, rouge_l,  # noqa: E402
                                   score)
 from backend.model import ReferenceGPT  # noqa: E402
-from twin.errors import TwinError  # noqa: E402
+from twin.common import TwinError  # noqa: E402
 from twin.model import load_model  # noqa: E402
 
 
