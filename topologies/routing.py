@@ -20,10 +20,12 @@ Between switches:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from topologies.memo import Memo, digest
 from topologies.network import Network
 from twin.common import InputError
 
@@ -37,6 +39,11 @@ class Routes:
 
     ptr: np.ndarray
     links: np.ndarray
+    key: bytes | None = None  # digest of what determined these routes (set by `route`), for memos
+
+    @property
+    def nbytes(self) -> int:
+        return self.ptr.nbytes + self.links.nbytes
 
     def __len__(self) -> int:
         return len(self.ptr) - 1
@@ -58,7 +65,9 @@ class Routes:
         for r in parts:
             ptrs.append(r.ptr[1:] + off)
             off += len(r.links)
-        return Routes(np.concatenate(ptrs), np.concatenate([r.links for r in parts] or [np.zeros(0, np.int64)]))
+        keys = [r.key for r in parts]
+        return Routes(np.concatenate(ptrs), np.concatenate([r.links for r in parts] or [np.zeros(0, np.int64)]),
+                      digest(*keys) if parts and None not in keys else None)
 
 
 def minimal(net: Network, s, d, j=None) -> np.ndarray:
@@ -132,20 +141,47 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
     cands = [np.pad(minimal(net, s, d, j), ((0, 0), (0, _HOPS - 3)), constant_values=-1) for j in range(max(net.L, 1))]
     cands += [valiant(net, s, d, seed + 7919 * k) for k in range(detours)]
-    cand = np.stack(cands, 1)                      # (flows, candidates, hops); -1 -> the sentinel link
-    factor = 1 + hop_weight * (cand >= 0).sum(-1)  # (flows, candidates)
-    load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last)
-    out = np.empty((n, _HOPS), dtype=np.int64)
+    # Everything a batch needs is laid out in placement order once, so that a batch reads slices:
+    # the loop then costs a few numpy calls per batch (the load it reads changes between batches).
     order = np.random.default_rng(seed + 1).permutation(n)
-    for part in np.array_split(order, max(1, -(-n // batch))):
-        c = cand[part]
-        util = (load[c] + dem[part, None, None]) / cap_ext[c]
-        cost = factor[part] * util.max(-1)
-        choice = c[np.arange(len(part)), cost.argmin(1)]
-        out[part] = choice
-        ok = choice >= 0
-        np.add.at(load, choice[ok], np.broadcast_to(dem[part, None], choice.shape)[ok])
-    return out
+    cand = np.stack(cands, 2)[order]               # (flows, hops, candidates); -1 -> the sentinel link
+    cap = cap_ext[cand]                            # capacity of every candidate link (inf: no link)
+    factor = 1 + hop_weight * (cand >= 0).sum(1)   # (flows, candidates)
+    dem = np.ascontiguousarray(dem[order])
+    load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last: capacity inf)
+    out = np.empty((n, _HOPS), dtype=np.int64)
+    parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
+    size, extra = divmod(n, parts)
+    rows = np.arange(size + 1)
+    a = 0
+    for k in range(parts):
+        b = a + size + (k < extra)
+        c = cand[a:b]
+        util = load[c]
+        util += dem[a:b, None, None]
+        util /= cap[a:b]
+        cost = factor[a:b] * util.max(1)
+        choice = c[rows[:b - a], :, cost.argmin(1)]
+        out[a:b] = choice
+        # -1 (no hop) adds to the sentinel, whose capacity is infinite: no effect on any cost
+        np.add.at(load, choice.ravel(), np.repeat(dem[a:b], _HOPS))
+        a = b
+    res = np.empty_like(out)
+    res[order] = out
+    return res
+
+
+ROUTES = Memo(512 * 2**20, lambda r: r.nbytes)  # routes already computed in this process
+_NET_KEYS: "weakref.WeakKeyDictionary[Network, bytes]" = weakref.WeakKeyDictionary()
+
+
+def network_key(net: Network) -> bytes:
+    """Digest of what routing reads from a network: its shape and its link capacities."""
+    key = _NET_KEYS.get(net)
+    if key is None:
+        key = _NET_KEYS[net] = digest(net.groups, net.nodes, net.gpn, net.nics_per_node, net.S, net.E, net.L,
+                                      net.system.nodes_per_group, net.gpu_nic, net.capacity)
+    return key
 
 
 def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str = "minimal",
@@ -156,12 +192,27 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
     GPU src_nic_gpu (default: src itself; another GPU of src's node models a library channel that
     uses that GPU's NIC, reached over the node fabric) and enters through the NIC of dst_nic_gpu.
     `demand` (bytes/s, scalar or per flow) is what adaptive routing assumes each flow wants.
+    The result is shared with any later call that asks the same (treat it as read-only).
     """
     if mode not in MODES:
         raise InputError(f"unknown routing mode {mode!r}: choose one of {', '.join(MODES)}")
     src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     sv = src if src_nic_gpu is None else np.asarray(src_nic_gpu, dtype=np.int64)
     dv = dst if dst_nic_gpu is None else np.asarray(dst_nic_gpu, dtype=np.int64)
+    n = len(src)
+    dem_key = None if demand is None or mode != "adaptive" else \
+        np.broadcast_to(np.asarray(demand, dtype=float), (n,))
+    key = digest(network_key(net), mode, seed if mode != "minimal" else 0, src, dst, sv, dv, dem_key)
+    hit = ROUTES.get(key)
+    if hit is not None:
+        return hit
+    out = _route(net, src, dst, sv, dv, mode, seed, demand)
+    out.key = key
+    ROUTES.put(key, out)
+    return out
+
+
+def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Routes:
     n = len(src)
     m = np.full((n, 6 + _HOPS), -1, dtype=np.int64)
     g = net.gpn

@@ -14,9 +14,32 @@ regular traffic of collectives), and each round costs O(flows x path length).
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import numpy as np
+
+from topologies.memo import Memo, digest
+
+RATES = Memo(64 * 2**20, lambda r: r.nbytes)  # rates already computed in this process
+_ARRAY_KEYS: dict[int, tuple] = {}
+
+
+def array_key(a: np.ndarray) -> bytes:
+    """Digest of an array, remembered for as long as that very array lives (capacity vectors are
+    built once per collective model and never changed)."""
+    hit = _ARRAY_KEYS.get(id(a))
+    if hit is not None and hit[0]() is a:
+        return hit[1]
+    key = digest(a)
+    try:
+        ref = weakref.ref(a)
+    except TypeError:
+        return key
+    if len(_ARRAY_KEYS) > 256:
+        _ARRAY_KEYS.clear()
+    _ARRAY_KEYS[id(a)] = (ref, key)
+    return key
 
 
 def _csr(paths) -> tuple[np.ndarray, np.ndarray]:
@@ -39,56 +62,68 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     caps: optional per-flow upper bound on the rate, bytes/s (np.inf for none).
     A flow with an empty path and no cap gets np.inf.
     Raises ValueError on a NaN or negative capacity or cap (which would defeat the loop's exit test).
+    The same question asked twice in a process (the same paths, capacities of the links they use,
+    caps) gets the same answer from a memo; treat the array returned as read-only.
     """
     ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
     n = len(ptr) - 1
     cap_flow = np.full(n, np.inf) if caps is None else np.broadcast_to(np.asarray(caps, dtype=float), (n,)).copy()
+    if np.isnan(cap_flow).any() or (cap_flow < 0).any():
+        raise ValueError("max_min_rates: per-flow caps must be non-negative numbers (inf for none)")
+    key = digest(getattr(paths, "key", None) or digest(ptr, links), array_key(cap_link), cap_flow, rtol)
+    hit = RATES.get(key)
+    if hit is not None:
+        return hit
+    rate = _max_min(ptr, links, cap_link, cap_flow, rtol)
+    RATES.put(key, rate)
+    return rate
+
+
+def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
+    n = len(ptr) - 1
     rate = np.full(n, np.inf)
     lens = np.diff(ptr)
     empty = lens == 0
-    if np.isnan(cap_flow).any() or (cap_flow < 0).any():
-        raise ValueError("max_min_rates: per-flow caps must be non-negative numbers (inf for none)")
     rate[empty] = cap_flow[empty]
     if links.size == 0:
         return rate
-    flow_e = np.repeat(np.arange(n), lens)            # flow of each entry
     # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
     used = np.flatnonzero(np.bincount(links, minlength=len(cap_link)))
     local = np.empty(len(cap_link), dtype=np.int64)
     local[used] = np.arange(len(used))
-    lk = local[links]                                  # local link id of each entry
     rem = cap_link[used].copy()                        # remaining capacity of each used link
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     U = len(rem)
-    starts_flow = ptr[:-1][~empty]                     # first entry of every non-empty flow
-    nonempty = np.flatnonzero(~empty)
-    active = ~empty
-    while active.any():
-        act_e = active[flow_e]
-        cnt = np.bincount(lk[act_e], minlength=U)
+    # the unfrozen flows and their entries, compacted after every round (entries keep their order,
+    # so every sum below adds the same numbers in the same order as over all entries)
+    flows = np.flatnonzero(~empty)                     # unfrozen flows
+    flen = lens[flows]                                 # their path lengths
+    lk = local[links]                                  # local link id of each of their entries
+    fcap = cap_flow[flows]
+    while len(flows):
+        starts = np.zeros(len(flows), dtype=np.int64)
+        np.cumsum(flen[:-1], out=starts[1:])
+        cnt = np.bincount(lk, minlength=U)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
         # per flow: smallest share on its path (and its own cap)
-        fmin = np.full(n, np.inf)
-        fmin[nonempty] = np.minimum.reduceat(share[lk], starts_flow)
-        fmin = np.minimum(fmin, cap_flow)
-        # per link: smallest fmin among its active flows
+        fmin = np.minimum(np.minimum.reduceat(share[lk], starts), fcap)
+        fmin_e = np.repeat(fmin, flen)
+        # per link: smallest fmin among its flows; a link at that share is a bottleneck
         lmin = np.full(U, np.inf)
-        np.minimum.at(lmin, lk[act_e], fmin[flow_e[act_e]])
+        np.minimum.at(lmin, lk, fmin_e)
         bottleneck = (cnt > 0) & (share <= lmin * (1 + rtol))
-        hit = np.zeros(n, dtype=bool)
-        hit[flow_e[act_e & bottleneck[lk]]] = True
-        hit |= active & (cap_flow <= fmin * (1 + rtol))
-        hit &= active
+        hit = np.maximum.reduceat(bottleneck[lk], starts) | (fcap <= fmin * (1 + rtol))
         if not hit.any():  # numerical safety: freeze the globally tightest flows
-            hit = active & (fmin <= fmin[active].min() * (1 + rtol))
+            hit = fmin <= fmin.min() * (1 + rtol)
         if not hit.any():  # cannot happen with valid inputs; never spin
             raise ValueError("max_min_rates: no flow could be frozen (non-finite rates)")
-        rate[hit] = fmin[hit]
-        active &= ~hit
-        done_e = hit[flow_e]
-        rem -= np.bincount(lk[done_e], weights=rate[flow_e[done_e]], minlength=U)
+        rate[flows[hit]] = fmin[hit]
+        done_e = np.repeat(hit, flen)
+        rem -= np.bincount(lk[done_e], weights=fmin_e[done_e], minlength=U)
         np.maximum(rem, 0.0, out=rem)
+        keep, keep_e = ~hit, ~done_e
+        flows, flen, fcap, lk = flows[keep], flen[keep], fcap[keep], lk[keep_e]
     return rate
