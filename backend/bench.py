@@ -1,19 +1,34 @@
-"""Microbenchmarks: GEMM flop/s by shape and layout, collective bandwidth by size for each axis.
+"""Microbenchmarks: what the twin needs to know about the machine at hand, measured for one grid.
 
-The result is one JSON table (the input of calibration): machine, date, device, dtype, then
-`gemm` rows {m, n, k, layout, dtype, seconds, tflops} and `collectives` rows {axis, kind, group_size,
-bytes, seconds, algbw_gbps, busbw_gbps}. Bandwidths follow nccl-tests: algbw = payload / time;
-busbw = algbw * 2(p-1)/p for all-reduce and (p-1)/p for all-gather and reduce-scatter (GB/s = 1e9 B/s).
+Every rank of the grid runs every benchmark at the same time, as the ranks of a training run do, so
+what one rank measures already includes sharing the node (its cores and memory bandwidth on CPU).
+One JSON measurement file (the input of `twin calibrate`) holds:
+- `machine`: host, CPU/GPU, cores, threads per rank, date, torch/python/numpy versions, git commit,
+  load average; `grid`, `ranks` (ranks sharing the node), `dtype`;
+- `gemm` rows {m, n, k, layout, seconds, tflops}: the local GEMM shapes of the model's program (of
+  this grid, or of every valid grid with this many ranks) in their program layout (or all three),
+  and square GEMMs; seconds are the mean over the ranks;
+- `ops` rows {op, numel, bytes, seconds}: a small elementwise op at several sizes (per-op overhead
+  plus memory bandwidth) and one forward+backward of a tiny autograd op (eager per-op overhead);
+- `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
+  through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
+  bytes are the real payload (all-gather: the gathered output), every group of the axis at once;
+- `overlap` rows {m, n, k, axis, alone_s, overlapped_s, slowdown}: a GEMM alone and while an
+  all-reduce runs on the axis.
+Bandwidths follow nccl-tests: algbw = payload / time; busbw = algbw * 2(p-1)/p for all-reduce and
+(p-1)/p for all-gather and reduce-scatter (GB/s = 1e9 B/s).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import socket
+import subprocess
+import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +42,8 @@ from twin.program import Options, build_program
 
 LAYOUTS = ("NN", "NT", "TN")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMAT = "backend-bench/2"
+OP_SIZES = (1, 4096, 65536, 1 << 20)  # elements of the elementwise-op benchmark
 
 
 def synchronize(device: torch.device) -> None:
@@ -43,10 +60,20 @@ def gemm_operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype, devic
     return a, b
 
 
+def _agree(value: float, group, op=dist.ReduceOp.MIN) -> float:
+    """The members' MIN (or MAX, SUM) of a number; the number itself without a group."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return float(t.item())
+
+
 def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 200, group=None) -> float:
     """Seconds per call of `fn`: one warm-up call, one timed call to size the loop, then a timed loop.
 
-    With `group` (a collective under test) the members agree on the loop count, or they would hang.
+    With `group` the members agree on the loop count (a collective under test would hang otherwise;
+    compute benchmarks use it so that all ranks load the machine for the same span).
     """
     fn()
     synchronize(device)
@@ -54,11 +81,9 @@ def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 
     fn()
     synchronize(device)
     once = max(time.perf_counter() - start, 1e-7)
-    iters = int(min(max_iters, max(3, min_time_s / once)))
+    iters = int(_agree(int(min(max_iters, max(3, min_time_s / once))), group))
     if group is not None:
-        n = torch.tensor([iters], dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
-        iters = int(n.item())
+        dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
@@ -66,66 +91,175 @@ def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 
     return (time.perf_counter() - start) / iters
 
 
+def _world():
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _mean_over_ranks(seconds: float) -> float:
+    group = _world()
+    return _agree(seconds, group, dist.ReduceOp.SUM) / (dist.get_world_size() if group is not None else 1)
+
+
 def bench_gemm(m: int, n: int, k: int, layout: str, dtype: torch.dtype, device: torch.device,
                min_time_s: float = 0.2) -> dict:
-    """Time one GEMM shape and layout; flop/s counts 2*m*n*k."""
+    """Time one GEMM shape and layout on every rank at once; flop/s counts 2*m*n*k per rank."""
     a, b = gemm_operands(m, n, k, layout, dtype, device)
-    out = torch.empty(m, n, dtype=dtype, device=device)
-    seconds = time_fn(lambda: torch.mm(a, b, out=out), device, min_time_s)
+    seconds = _mean_over_ranks(time_fn(lambda: torch.mm(a, b), device, min_time_s, group=_world()))
     return {"m": m, "n": n, "k": k, "layout": layout, "dtype": str(dtype).removeprefix("torch."),
             "seconds": seconds, "tflops": 2.0 * m * n * k / seconds / 1e12}
 
 
-def program_gemm_shapes(model: str, grid: Grid) -> list[tuple[int, int, int, str]]:
-    """The distinct local GEMM shapes (m, n, k, layout) of the program of `model` on `grid`."""
-    prog = build_program(load_model(model), grid, Options())
-    seen = []
-    for op in prog.ops:
-        key = (op.m, op.n, op.k, op.layout)
-        if op.kind == "gemm" and key not in seen:
-            seen.append(key)
-    return seen
+def bench_ops(dtype: torch.dtype, device: torch.device, min_time_s: float = 0.2) -> list[dict]:
+    """Per-op cost of eager PyTorch: an elementwise add over several sizes (bytes read plus written),
+    and one forward+backward of a tiny autograd op (counted as two ops)."""
+    rows = []
+    for numel in OP_SIZES:
+        a = torch.randn(numel, dtype=dtype, device=device)
+        b = torch.randn(numel, dtype=dtype, device=device)
+        s = _mean_over_ranks(time_fn(lambda: torch.add(a, b), device, min_time_s, 2000, group=_world()))
+        rows.append({"op": "add", "numel": numel, "bytes": 3 * numel * a.element_size(), "seconds": s})
+    x = torch.randn(64, dtype=dtype, device=device, requires_grad=True)
+
+    def fwd_bwd():
+        torch.nn.functional.gelu(x).sum().backward()
+
+    # gelu + sum forward, their two backward nodes and accumulation: about four ops
+    s = _mean_over_ranks(time_fn(fwd_bwd, device, min_time_s, 2000, group=_world()))
+    rows.append({"op": "autograd", "numel": 64, "bytes": 0, "ops": 4, "seconds": s / 4})
+    return rows
 
 
-def bench_collective(kind: str, nbytes: int, group, group_size: int, device: torch.device,
+def bench_collective(comm, kind: str, axis: str, nbytes: int, dtype: torch.dtype, device: torch.device,
                      min_time_s: float = 0.2) -> dict:
-    """Time one collective of `nbytes` payload (all-gather: the gathered output) on `group`."""
-    numel = max(group_size, nbytes // 4 // group_size * group_size)
-    full = torch.ones(numel, dtype=torch.float32, device=device)
-    part = torch.ones(numel // group_size, dtype=torch.float32, device=device)
+    """Time one collective of about `nbytes` real payload over `axis` through backend.comm
+    (all-gather: the gathered output), all groups of the axis at once; the slowest member sets it."""
+    p = comm.ctx.size(axis)
+    group = comm.ctx.groups[axis]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    numel = max(p, nbytes // elem // p * p)
+    full = torch.ones(numel, dtype=dtype, device=device)
+    part = torch.ones(numel // p, dtype=dtype, device=device)
+    name = f"bench.{kind}_{axis}"
     if kind == "all_reduce":
-        fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
+        fn = lambda: comm.all_reduce(full, axis, name)  # noqa: E731
     elif kind == "all_gather":
-        fn = lambda: dist.all_gather_into_tensor(full, part, group=group)  # noqa: E731
-        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")
+        fn = lambda: comm.all_gather(part, axis, name)  # noqa: E731
     else:
-        fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
-    dist.barrier(group=group)
-    seconds = time_fn(fn, device, min_time_s, max_iters=50, group=group)
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest member sets the time
-    seconds = float(t.item())
-    payload = numel * 4
-    factor = 2 * (group_size - 1) / group_size if kind == "all_reduce" else (group_size - 1) / group_size
+        fn = lambda: comm.reduce_scatter(full, axis, name)  # noqa: E731
+    seconds = time_fn(fn, device, min_time_s, max_iters=100, group=group)
+    seconds = _agree(seconds, _world(), dist.ReduceOp.MAX)
+    payload = numel * elem
+    factor = 2 * (p - 1) / p if kind == "all_reduce" else (p - 1) / p
     algbw = payload / seconds / 1e9
-    return {"kind": kind, "group_size": group_size, "bytes": payload, "seconds": seconds,
-            "algbw_gbps": algbw, "busbw_gbps": algbw * factor}
+    return {"axis": axis, "kind": kind, "group_size": p, "stride": comm.ctx.grid.stride(axis),
+            "bytes": payload, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * factor}
+
+
+def bench_overlap(comm, axis: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                  nbytes: int = 1 << 20, min_time_s: float = 0.2) -> dict:
+    """A GEMM alone, then while an asynchronous all-reduce of `nbytes` runs over `axis`."""
+    a, b = gemm_operands(m, n, k, "NN", dtype, device)
+    buf = torch.ones(max(1, nbytes // a.element_size()), dtype=dtype, device=device)
+    group = _world()
+    alone = _mean_over_ranks(time_fn(lambda: torch.mm(a, b), device, min_time_s, group=group))
+    gemm_s = []
+
+    def overlapped():
+        pending = comm.all_reduce(buf, axis, "bench.overlap", async_op=True)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        gemm_s.append(time.perf_counter() - t0)
+        pending.wait()
+
+    time_fn(overlapped, device, min_time_s, group=comm.ctx.groups[axis])
+    gemm_s.sort()
+    with_comm = _mean_over_ranks(gemm_s[len(gemm_s) // 2])
+    return {"m": m, "n": n, "k": k, "axis": axis, "bytes": buf.numel() * buf.element_size(),
+            "alone_s": alone, "overlapped_s": with_comm, "slowdown": with_comm / alone}
+
+
+def grids_of(model: str, ranks: int, batch: int | None = None) -> list[Grid]:
+    """Every grid with `ranks` ranks that runs `model` (at `batch` sequences)."""
+    spec = load_model(model)
+    out = []
+    for x in range(1, ranks + 1):
+        for y in range(1, ranks // x + 1):
+            for z in range(1, ranks // (x * y) + 1):
+                if ranks % (x * y * z):
+                    continue
+                g = Grid(x, y, z, ranks // (x * y * z))
+                try:
+                    g.validate(spec, gpus=ranks, batch=batch)
+                except TwinError:
+                    continue
+                out.append(g)
+    return out
+
+
+def program_gemm_shapes(model: str, grid: Grid, all_grids: bool = False,
+                        batch: int | None = None) -> list[tuple[int, int, int, str]]:
+    """The distinct local GEMM shapes (m, n, k, layout) of the program of `model` on `grid` (or on
+    every valid grid with as many ranks)."""
+    seen: dict[tuple, None] = {}
+    for g in grids_of(model, grid.size, batch) if all_grids else [grid]:
+        prog = build_program(load_model(model), g, Options(), batch=batch)
+        for op in prog.ops:
+            if op.kind == "gemm":
+                seen[(op.m, op.n, op.k, op.layout)] = None
+    return list(seen)
+
+
+def _git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {"host": socket.gethostname(), "platform": platform.platform(), "torch": torch.__version__,
+    """Where and when the measurement was taken, with what."""
+    import numpy
+    info = {"host": socket.gethostname(), "platform": platform.platform(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(device)}
+            "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+            "numpy": numpy.__version__, "commit": _git_commit(), "cores": os.cpu_count(),
+            "threads_per_rank": torch.get_num_threads()}
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except OSError:
+        pass
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        info["cpu"] = platform.processor() or platform.machine()
-        info["threads"] = torch.get_num_threads()
+        info["cpu"] = _cpu_model() or platform.processor() or platform.machine()
     return info
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
 def main(config: dict) -> None:
-    """The `bench` job (one rank). config: model, grid, device, dtype, sizes_mib, squares, out, gemm, comm."""
+    """The `bench` job (one rank). config: model, grid, device, dtype, squares, sizes_mib, layouts
+    ("program" or "all"), all_grids, gemm, comm, ops, overlap, min_time_s, batch, out."""
+    from backend.comm import Comm
+    from backend.dist import ParallelContext, destroy
     from backend.launch import env_rank
     rank, local_rank, world = env_rank()
     grid = Grid.parse(config["grid"])
@@ -136,39 +270,69 @@ def main(config: dict) -> None:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dtype = DTYPES[config["dtype"]]
-    result = {"machine": machine_info(device), "model": config["model"], "grid": str(grid),
-              "dtype": config["dtype"], "gemm": [], "collectives": []}
     min_t = float(config.get("min_time_s", 0.2))
-    if config.get("gemm", True) and rank == 0:
-        shapes = [(s, s, s, lay) for s in config.get("squares", []) for lay in LAYOUTS]
-        if config.get("model"):
-            mnk = dict.fromkeys((m, n, k) for m, n, k, _ in program_gemm_shapes(config["model"], grid))
-            shapes += [(m, n, k, lay) for m, n, k in mnk for lay in LAYOUTS]
-        for m, n, k, lay in dict.fromkeys(shapes):
-            row = bench_gemm(m, n, k, lay, dtype, device, min_t)
-            result["gemm"].append(row)
-            print(f"gemm {m}x{n}x{k} {lay} {row['dtype']}: {row['tflops']:.3f} TF/s", flush=True)
-    if config.get("comm", True) and world > 1:
-        from backend.dist import ParallelContext, destroy
-        ctx = ParallelContext.from_env(grid, backend="nccl" if device.type == "cuda" else "gloo")
-        try:
-            groups = {axis: g for axis, g in ctx.groups.items() if g is not None}
-            kinds = ["all_reduce", "all_gather"] + (["reduce_scatter"] if device.type == "cuda" else [])
-            for axis in AXES:
-                if axis not in groups:
-                    continue
+    ctx = ParallelContext.from_env(grid, backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        result = {"format": FORMAT, "machine": machine_info(device), "model": config.get("model") or "",
+                  "grid": str(grid), "ranks": world, "ranks_per_node": local, "dtype": config["dtype"],
+                  "dtype_bytes": torch.tensor([], dtype=dtype).element_size(),
+                  "gemm": [], "ops": [], "collectives": [], "overlap": []}
+        if config.get("gemm", True):
+            shapes = [(s, s, s, lay) for s in config.get("squares", []) for lay in LAYOUTS]
+            if config.get("model"):
+                prog = program_gemm_shapes(config["model"], grid, bool(config.get("all_grids")),
+                                           config.get("batch"))
+                if config.get("layouts", "all") == "all":
+                    shapes += [(m, n, k, lay) for m, n, k in dict.fromkeys((m, n, k) for m, n, k, _ in prog)
+                               for lay in LAYOUTS]
+                else:
+                    shapes += prog
+            for m, n, k, lay in dict.fromkeys(shapes):
+                row = bench_gemm(m, n, k, lay, dtype, device, min_t)
+                result["gemm"].append(row)
+                _say(rank, f"gemm {m}x{n}x{k} {lay}: {row['seconds'] * 1e6:.1f} us, {row['tflops'] * 1e3:.2f} GF/s")
+        if config.get("ops", True):
+            result["ops"] = bench_ops(dtype, device, min_t)
+            for row in result["ops"]:
+                _say(rank, f"op {row['op']} ({row['numel']} elements): {row['seconds'] * 1e6:.1f} us")
+        comm = Comm(ctx)
+        axes = [a for a in AXES if grid.axis_size(a) > 1]
+        if config.get("comm", True):
+            for axis in axes:
                 for mib in config.get("sizes_mib", [0.0625, 1, 16]):
-                    for kind in kinds:
-                        row = {"axis": axis, **bench_collective(kind, int(mib * 2**20), groups[axis],
-                                                                grid.axis_size(axis), device, min_t)}
+                    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+                        row = bench_collective(comm, kind, axis, int(mib * 2**20), dtype, device, min_t)
                         result["collectives"].append(row)
-                        if rank == 0:
-                            print(f"{kind} over {axis} ({row['group_size']} ranks) {row['bytes']} B: "
-                                  f"busbw {row['busbw_gbps']:.3f} GB/s", flush=True)
-        finally:
-            destroy()
-    if rank == 0:
-        out = Path(config["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, json.dumps(result, indent=1))
-        print(f"wrote {out}", flush=True)
+                        _say(rank, f"{kind} over {axis} ({row['group_size']} ranks) {row['bytes']} B: "
+                                   f"{row['seconds'] * 1e6:.0f} us, busbw {row['busbw_gbps']:.3f} GB/s")
+        if config.get("overlap", True) and axes and result["gemm"]:
+            big = max(result["gemm"], key=lambda r: r["m"] * r["n"] * r["k"])
+            for axis in axes:
+                row = bench_overlap(comm, axis, big["m"], big["n"], big["k"], dtype, device, min_time_s=min_t)
+                result["overlap"].append(row)
+                _say(rank, f"gemm {big['m']}x{big['n']}x{big['k']} under an all-reduce over {axis}: "
+                           f"{row['slowdown']:.2f}x slower")
+        if rank == 0:
+            out = Path(config["out"])
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(out, json.dumps(result, indent=1))
+            print(f"wrote {out}", flush=True)
+    finally:
+        destroy()
+        sys.stdout.flush()
+
+
+def peak_memory(fn, *modules_and_optimizers) -> tuple[object, int]:
+    """Run `fn()` under torch's memory tracker; (its result, peak bytes this rank held on its device).
+
+    The parameters, gradients and optimizer states of `modules_and_optimizers` count from the start,
+    so the peak is everything the rank holds, not only what `fn` allocates.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(*modules_and_optimizers)
+    with tracker:
+        out = fn()
+    peak = tracker.get_tracker_snapshot("peak")
+    return out, int(sum(v.get("Total", 0) for v in peak.values()))

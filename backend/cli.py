@@ -139,8 +139,13 @@ def bench_cmd(
     grid: GridOpt = "1x1x1x1",
     squares: Annotated[str, typer.Option(help="Comma-separated sizes of square GEMMs to time.")] = "1024",
     sizes_mib: Annotated[str, typer.Option(help="Comma-separated collective payloads in MiB.")] = "0.0625,1,16",
-    gemm: Annotated[bool, typer.Option(help="Time GEMMs (rank 0).")] = True,
+    gemm: Annotated[bool, typer.Option(help="Time GEMMs (every rank at once).")] = True,
     comm: Annotated[bool, typer.Option(help="Time collectives over each axis of size > 1.")] = True,
+    ops: Annotated[bool, typer.Option(help="Time small eager ops (per-op overhead, memory bandwidth).")] = True,
+    overlap: Annotated[bool, typer.Option(help="Time a GEMM while an all-reduce runs on each axis.")] = True,
+    layouts: Annotated[str, typer.Option(help="Model GEMMs in: all (NN, NT, TN) or program (the program's layout).")] = "all",
+    all_grids: Annotated[bool, typer.Option(help="Model GEMM shapes of every valid grid with this many ranks.")] = False,
+    batch: BatchOpt = None,
     min_time: Annotated[float, typer.Option(help="Seconds to spend timing each entry.")] = 0.2,
     out: Annotated[Optional[str], typer.Option(help="JSON table to write (default: calibration/measurements/bench-<host>-<device>-<date>.json).")] = None,
     device: DeviceOpt = "cpu",
@@ -152,15 +157,20 @@ def bench_cmd(
     g = Grid.parse(grid)
     if model:
         load_model(model)
-    if device not in ("cpu", "cuda") or dtype not in ("fp32", "bf16", "fp16"):
-        raise TwinError("--device must be cpu or cuda and --dtype fp32, bf16 or fp16")
+    if device not in ("cpu", "cuda") or dtype not in ("fp32", "bf16", "fp16") or layouts not in ("all", "program"):
+        raise TwinError("--device must be cpu or cuda, --dtype fp32, bf16 or fp16, --layouts all or program")
+    if min_time <= 0 or (batch is not None and batch < 1):
+        raise TwinError("--min-time must be positive and --batch at least 1")
     try:
         sq = [int(s) for s in squares.split(",") if s.strip()]
         sizes = [float(s) for s in sizes_mib.split(",") if s.strip()]
     except ValueError:
         raise TwinError("--squares takes integers and --sizes-mib numbers, comma-separated") from None
     check_launcher_world(g)
+    if model:
+        g.validate(load_model(model), batch=batch)
     cfg = {"model": model, "grid": grid, "squares": sq, "sizes_mib": sizes, "gemm": gemm, "comm": comm,
+           "ops": ops, "overlap": overlap, "layouts": layouts, "all_grids": all_grids, "batch": batch,
            "min_time_s": min_time, "out": out or default_bench_out(device), "device": device, "dtype": dtype}
     return launch("bench", cfg, g.size)
 

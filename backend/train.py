@@ -276,7 +276,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                   f"data {source.name}" + (f", resumed after step {start}" if start else ""), flush=True)
         trace_step = cfg.trace_step or cfg.steps
         crash_after = int(os.environ.get(CRASH_ENV, "0"))
-        records = []
+        records, peaks = [], []
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -287,7 +287,14 @@ def train(cfg: TrainConfig) -> list[dict]:
                 dist.barrier()  # align the ranks' time origins
                 recorder.reset()
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip)
+            if step == start + 1:  # the first step: also measure the memory peak (torch's tracker)
+                from backend.bench import peak_memory
+                loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip),
+                                         model, optimizer)
+                peaks = [None] * grid.size
+                dist.all_gather_object(peaks, peak)
+            else:
+                loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
@@ -313,6 +320,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
                        "flops_convention": records[-1]["flops_convention"],
+                       "memory_peak_bytes": peaks,  # per rank, first step of this run (torch's memory tracker)
                        "note": "averages over the steps of this run after its first"}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return records

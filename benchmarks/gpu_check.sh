@@ -8,7 +8,10 @@
 # 2. `backend run` of gpt-1b on grid 1x1x1x1 (bf16 compute, fp32 master weights), with activation
 #    recomputation (the AxoNN setting) and without;
 # 3. `backend replay` of the same program (GEMMs alone, traced) for calibrating the twin;
-# 4. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.model.ModelSpec, with and
+# 4. `twin calibrate` of step 1's measurement into a profile (profile/h200.toml) and, where the
+#    simulator's packages are installed, `twin validate` of the two runs against it (else the command
+#    to run on the returned files). Commit measurement, profile and report under calibration/;
+# 5. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.model.ModelSpec, with and
 #    without the recomputed forward counted) and the fraction of the measured GEMM peak.
 #
 # $OUT receives three files: gpu_check.json (the summary), gpu_check.log (everything printed) and
@@ -74,7 +77,21 @@ echo "== 3. backend replay $MODEL 1x1x1x1 (GEMMs of the program, traced)"
 timeout 120 $PY -m backend.cli replay --model "$MODEL" --grid 1x1x1x1 --device "$DEVICE" --steps 3 \
   --out "$WORK/replay_trace" 2>&1 | tee "$WORK/replay.log"
 
-echo "== 4. summary"
+echo "== 4. calibrate and validate (the bench of step 1 -> a profile -> the runs of step 2)"
+case "$DEVICE" in cuda) BASE=${BASE:-h200}; PROFILE=h200 ;; *) BASE=${BASE:-calibration/base/cpu.toml}; PROFILE=cpu ;; esac
+mkdir -p "$WORK/profile"
+timeout 120 $PY -m twin.cli calibrate "$WORK/gemm.json" --base "$BASE" --out "$WORK/profile/$PROFILE.toml" 2>&1 \
+  | tee "$WORK/calibrate.log"
+if $PY -c "import simpy, plotly, networkx" 2>/dev/null; then
+  timeout 300 $PY -m twin.cli validate "$WORK/run_recompute" "$WORK/run_no_recompute" --system "${SYSTEM:-$PROFILE}" \
+    --profile "$WORK/profile/$PROFILE.toml" --json "$WORK/validate.json" 2>&1 | tee "$WORK/validate.log"
+else  # the H200 image lacks the simulator's packages: validate where the files come back
+  echo "twin validate skipped (no simpy/plotly/networkx here); on a machine with the repository, unpack"
+  echo "gpu_check_files.tar.gz into DIR and run: twin validate DIR/run_recompute DIR/run_no_recompute \\"
+  echo "  --system h200 --profile DIR/profile/$PROFILE.toml --json DIR/validate.json"
+fi
+
+echo "== 5. summary"
 $PY benchmarks/gpu_check_summary.py "$WORK" 2>&1 | tee "$WORK/summary.txt"
 cp "$WORK/gpu_check.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/gpu_check_files.tar.gz" -C "$WORK" .

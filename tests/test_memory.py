@@ -47,9 +47,9 @@ def test_breakdown_moves_the_right_way():
     cached = memory_per_gpu(m, Grid(2, 2, 8, 16), Options(cache_layers=10))
     assert cached.gathered_weights > base.gathered_weights
     assert base.total == sum(v for k, v in base.as_dict().items() if k != "total")
-    # 18 bytes per parameter of the shard
+    # 16 bytes per parameter of the shard (fp32 shard, gradient, Adam m and v, as the backend holds them)
     assert base.parameters + base.gradients + base.optimizer == pytest.approx(
-        18 * m.parameters(m.padded_vocab(2)) / 32, rel=0.01)
+        16 * m.parameters(m.padded_vocab(2)) / 32, rel=0.01)
 
 
 def test_check_fits_says_by_how_much():

@@ -86,10 +86,12 @@ class CollectiveModel:
     routing: "minimal", "nonminimal" or "adaptive" (Slingshot's default); algorithm: "ring" (library
     behaviour) or "hierarchical"; spread: sub-flows per node-crossing flow when routing is not minimal.
     Results are cached: build one model per simulation and call `time` as often as needed.
+    measured: a table of measured collective times (twin.profile.CollectiveTable, from `twin
+    calibrate`); where it has the kind and group size, its time replaces the flow model's.
     """
 
     def __init__(self, system: SystemSpec, grid: Grid, placement: str = "contiguous", seed: int = 0,
-                 routing: str = "adaptive", algorithm: str = "ring", spread: int = 4):
+                 routing: str = "adaptive", algorithm: str = "ring", spread: int = 4, measured=None):
         if routing not in MODES:
             raise TwinError(f"unknown routing {routing!r}: choose one of {', '.join(MODES)}")
         if not isinstance(spread, int) or spread < 1:
@@ -105,6 +107,7 @@ class CollectiveModel:
         self.capacity = cap
         self.channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
         self.seed = seed
+        self.measured = measured
         self.spread = 1 if routing == "minimal" else spread
         self._flows: dict[tuple, tuple] = {}
         self._rates: dict[tuple, dict[str, list[float]]] = {}
@@ -248,6 +251,11 @@ class CollectiveModel:
         if p == 1 or nbytes <= 0:
             self._times[key] = 0.0
             return 0.0
+        if self.measured is not None:  # measured on this machine (calibration/profiles): use it
+            t = self.measured.time(kind, axis, p, nbytes, self.grid.stride(axis))
+            if t is not None:
+                self._times[key] = t
+                return t
         axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
         t = self._ring_time(kind, axis, nbytes, axes, self.algorithm)
         if kind == "all_reduce" and "all_reduce" not in self.system.collectives.ring_only:

@@ -75,6 +75,8 @@ class KernelModel:
         t = self._cache.get(key)
         if t is None:
             layouts = LAYOUTS if self.tuning else (layout or "NN",)
+            measured = [lay for lay in layouts if self._measured_rate(m, n, k, lay) is not None]
+            layouts = measured or layouts  # tune among measured layouts only, where any was measured
             t = min(self.gemm_time_layout(m, n, k, lay) for lay in layouts)
             self._cache[key] = t
         return t

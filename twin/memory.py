@@ -1,9 +1,10 @@
 """Memory per GPU of a model under a 4D grid (bytes), and the check that it fits.
 
-Mixed-precision AdamW as Megatron-LM counts it: bf16 weights (2 bytes per parameter), fp32 gradients
-(4, all-reduced over data in fp32), fp32 master weights and Adam's two moments (12): 18 bytes per
-parameter of the rank's shard. Source: Megatron-LM distributed-optimizer documentation (18 bytes per
-parameter without sharding the optimizer state).
+Static state as the backend holds it (backend/optim.py: fp32 parameter shards, fp32 gradients,
+AdamW's two fp32 moments; bf16 copies of weights are made on the fly for the GEMMs on GPU): 16 bytes
+per parameter of the rank's shard. (Megatron-LM's mixed precision keeps a bf16 copy too: 18.)
+Activations are counted at `activation_bytes` per element: 2 (bf16) on GPU, 4 on CPU, where the
+backend computes in fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from twin.model import ModelSpec
 from twin.program import ACT_BYTES, Options, _local_params
 
 GIB = 1024**3
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8  # fp32 shard, fp32 gradient, Adam m and v
 LOGIT_BYTES = 4  # fp32 logits for the loss; their gradient is written in place
 
 
@@ -41,8 +42,10 @@ class Memory:
 
 
 def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
-                   batch: int | None = None, seq_len: int | None = None) -> Memory:
-    """Peak memory of one rank during an iteration (bytes); the grid must already be valid."""
+                   batch: int | None = None, seq_len: int | None = None,
+                   activation_bytes: int = ACT_BYTES) -> Memory:
+    """Peak memory of one rank during an iteration (bytes); the grid must already be valid.
+    activation_bytes: bytes per activation element (the profile's; 4 on CPU, fp32)."""
     options = options or Options()
     batch = model.global_batch if batch is None else batch
     s = model.seq_len if seq_len is None else seq_len
@@ -52,9 +55,9 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
 
     # activations a block saves when it is not recomputed: inputs of the two layer norms and of the
     # four GEMMs, q/k/v, the attention output and its softmax statistics, the GELU input
-    per_block = ACT_BYTES * m * (4 * h // gx + (3 * h + h + 2 * model.ffn) // gy) \
+    per_block = activation_bytes * m * (4 * h // gx + (3 * h + h + 2 * model.ffn) // gy) \
         + 4 * (m // s) * (model.heads // gy) * s
-    block_input = ACT_BYTES * m * h // gx
+    block_input = activation_bytes * m * h // gx
     if options.recompute:
         activations = model.layers * block_input + per_block
     else:
@@ -63,7 +66,7 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
     in_flight = (2 if options.oag else 1) * max(block_weights) + max(block_weights)  # + one full wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
-    gathered = ACT_BYTES * (in_flight + cached) if grid.z > 1 else 0
+    gathered = activation_bytes * (in_flight + cached) if grid.z > 1 else 0
 
     return Memory(
         parameters=WEIGHT_BYTES * n_local,

@@ -7,7 +7,8 @@ it comes from (a document, a measurement, or "assumed: <why>"). `load_profile` t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from topologies.datafile import read_spec, shipped
@@ -22,13 +23,62 @@ LAYOUTS = ("NN", "NT", "TN")
 
 @dataclass(frozen=True)
 class GemmPoint:
-    """One measured GEMM: C[m,n] = A[m,k] B[k,n] in `layout`, reaching `flops` flop/s."""
+    """One measured GEMM: C[m,n] = A[m,k] B[k,n] in `layout`, reaching `flops` flop/s per rank while
+    `ranks` ranks shared the node (0: not recorded, applies to any count)."""
 
     m: int
     n: int
     k: int
     layout: str
     flops: float
+    ranks: int = 0
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """What one rank gets while `ranks` ranks share a node (fitted from `backend bench` on that many
+    ranks): per-op overhead (s), memory bandwidth per rank (bytes/s), compute slowdown under overlap."""
+
+    ranks: int
+    launch_s: float
+    hbm_bandwidth: float
+    overlap_slowdown: float
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    """A measured collective: seconds = latency_s + bytes / bandwidth (real payload bytes, bytes/s),
+    for `kind` over groups of `group_size` (rank stride `stride`) while `ranks` ranks share the node."""
+
+    kind: str
+    group_size: int
+    ranks: int
+    latency_s: float
+    bandwidth: float
+    stride: int = 0
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """Measured collective costs (the `[[collective_table]]` rows of a profile) for one rank count.
+
+    Payloads are counted as the program counts them (twin.program: activations ACT_BYTES per element,
+    data-axis gradients GRAD_AR_BYTES); on a device whose activations are `activation_bytes` wide (4 on
+    CPU, fp32) the real payload of a non-data collective is bytes x activation_bytes / ACT_BYTES.
+    """
+
+    points: tuple[CollectivePoint, ...]
+    activation_bytes: int = 2
+
+    def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
+        """Seconds for one collective, or None when no point of this kind and group size was measured."""
+        from twin.program import ACT_BYTES
+        pts = [p for p in self.points if p.kind == kind and p.group_size == group_size]
+        if not pts:
+            return None
+        pt = min(pts, key=lambda p: (p.stride != stride, abs(p.stride - stride)))
+        real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
+        return pt.latency_s + real / pt.bandwidth
 
 
 @dataclass(frozen=True)
@@ -52,7 +102,35 @@ class Profile:
     layout_penalty: dict[str, float]        # time factor per layout, large GEMMs
     layout_penalty_small: dict[str, float]  # time factor per layout, smaller GEMMs
     gemm_table: tuple[GemmPoint, ...] = ()
+    activation_bytes: int = 2       # bytes per activation element the device computes in (4: fp32 CPU)
+    node_share: tuple[NodeShare, ...] = ()           # per count of ranks sharing a node (measured)
+    collective_table: tuple[CollectivePoint, ...] = ()  # measured collectives (replace the flow model)
+    ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def for_ranks(self, ranks: int) -> "Profile":
+        """This profile as one rank sees it while `ranks` ranks share its node: the measured node-share
+        figures and GEMM points of the nearest measured rank count (on a log scale) replace the
+        defaults. Unchanged when the profile has no per-rank-count measurements."""
+        counts = sorted({s.ranks for s in self.node_share} | {g.ranks for g in self.gemm_table if g.ranks}
+                        | {c.ranks for c in self.collective_table})
+        if not counts:
+            return self
+        r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))
+        kw: dict = {"ranks": r,
+                    "gemm_table": tuple(g for g in self.gemm_table if g.ranks in (0, r)),
+                    "collective_table": tuple(c for c in self.collective_table if c.ranks == r)}
+        share = next((s for s in self.node_share if s.ranks == r), None)
+        if share is not None:
+            kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
+                      overlap_slowdown=share.overlap_slowdown)
+        return replace(self, **kw)
+
+    def collectives(self) -> CollectiveTable | None:
+        """The measured collective table (after for_ranks), or None when the profile has none."""
+        if not self.collective_table:
+            return None
+        return CollectiveTable(self.collective_table, self.activation_bytes)
 
     @property
     def gemm_efficiency(self) -> float:
@@ -103,13 +181,48 @@ def load_profile(name_or_path: str) -> Profile:
     for k in ("layout_penalty", "layout_penalty_small"):
         kw[k] = _penalties(path, k, data[k], sources)
     table = []
-    for i, row in enumerate(data.get("gemm_table", [])):
+    for i, row in enumerate(_rows(path, data, "gemm_table")):
         flops = _value(path, f"gemm_table[{i}].flops", row.get("flops"), sources)
         if row.get("layout") not in LAYOUTS:
             raise TwinError(f"profile {path}: gemm_table[{i}].layout must be one of {', '.join(LAYOUTS)}")
-        table.append(GemmPoint(int(row["m"]), int(row["n"]), int(row["k"]), row["layout"], float(flops)))
+        m, n, k, ranks = (_int(path, f"gemm_table[{i}].{key}", row.get(key, 0 if key == "ranks" else None),
+                               0 if key == "ranks" else 1) for key in ("m", "n", "k", "ranks"))
+        table.append(GemmPoint(m, n, k, row["layout"], float(flops), ranks))
+    shares = []
+    for i, row in enumerate(_rows(path, data, "node_share")):
+        where = f"node_share[{i}]"
+        shares.append(NodeShare(_int(path, f"{where}.ranks", row.get("ranks"), 1),
+                                *(_value(path, f"{where}.{key}", row.get(key), sources)
+                                  for key in ("launch_s", "hbm_bandwidth", "overlap_slowdown"))))
+    colls = []
+    for i, row in enumerate(_rows(path, data, "collective_table")):
+        where = f"collective_table[{i}]"
+        if row.get("kind") not in ("all_gather", "reduce_scatter", "all_reduce"):
+            raise TwinError(f"profile {path}: {where}.kind must be all_gather, reduce_scatter or all_reduce")
+        colls.append(CollectivePoint(row["kind"], _int(path, f"{where}.group_size", row.get("group_size"), 2),
+                                     _int(path, f"{where}.ranks", row.get("ranks"), 1),
+                                     _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
+                                     _value(path, f"{where}.bandwidth", row.get("bandwidth"), sources),
+                                     _int(path, f"{where}.stride", row.get("stride", 0), 0)))
+    act = data.get("activation_bytes", 2)
+    if act not in (1, 2, 4, 8):
+        raise TwinError(f"profile {path}: activation_bytes must be 1, 2, 4 or 8, got {act!r}")
     return Profile(name=data.get("name", path.stem), gpus=tuple(g.lower() for g in data.get("gpus", [])),
-                   gemm_table=tuple(table), sources=sources, **kw)
+                   gemm_table=tuple(table), activation_bytes=act, node_share=tuple(shares),
+                   collective_table=tuple(colls), sources=sources, **kw)
+
+
+def _rows(path: Path, data: dict, key: str) -> list[dict]:
+    rows = data.get(key, [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TwinError(f"profile {path}: {key} must be a list of tables ([[{key}]])")
+    return rows
+
+
+def _int(path: Path, key: str, v, least: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise TwinError(f"profile {path}: {key} must be an integer >= {least}, got {v!r}")
+    return v
 
 
 def list_profiles() -> list[str]:

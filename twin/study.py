@@ -52,6 +52,7 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
     if abs(prof.peak_flops - spec.gpu.peak_flops) > 1e-6 * spec.gpu.peak_flops:
         raise TwinError(f"kernel profile {prof.name} says a GPU peaks at {prof.peak_flops:.4g} flop/s but system "
                         f"{spec.name} says {spec.gpu.peak_flops:.4g}: one machine has one peak, make them agree")
+    prof = prof.for_ranks(min(gpus, spec.gpus_per_node))  # ranks sharing a node (measured profiles)
     batch = m.global_batch if batch is None else batch
     seq_len = m.seq_len if seq_len is None else seq_len
     if batch < 1 or seq_len < 1:
@@ -73,4 +74,4 @@ def check_grid(study: Study, grid: Grid) -> None:
 def collective_model(study: Study, grid: Grid):
     """The system's collective model for this grid on the study's rank placement."""
     from twin.collectives import CollectiveModel
-    return CollectiveModel(study.system, grid, placement=study.placement)
+    return CollectiveModel(study.system, grid, placement=study.placement, measured=study.profile.collectives())

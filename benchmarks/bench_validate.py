@@ -1,0 +1,140 @@
+"""The calibration loop on this machine: bench, calibrate, then run and validate every grid.
+
+    python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01 \\
+        --profile calibration/profiles/cpu.toml            # the whole loop (gpt-small, 1-8 ranks)
+    python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks (the CI size)
+
+1. `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM shapes of every
+   valid grid with that many ranks, small ops, and each collective over group sizes 2, 4 and 8;
+   one measurement file per grid under OUT/ (each stamped with machine, date, versions, commit,
+   load average);
+2. `twin calibrate OUT/*.json --out PROFILE`, printing the fit's residuals;
+3. `backend run` of every valid grid of the model with those rank counts (STEPS steps each), into
+   WORK/runs/<grid>/;
+4. `twin validate` of all runs against PROFILE: per grid, predicted vs measured iteration time,
+   per-op median error, memory peak; the grid ranking (Spearman). The table goes to stdout, the
+   report without per-op rows to OUT/report.json; the runs, the full report and the per-op scatter
+   (HTML) to WORK (default out/validate, not committed).
+Targets (issue 10): iteration within 15 %, per-op median within 20 %, Spearman >= 0.9, memory within 10 %.
+Timings depend on the machine's load: the load average is printed at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (grid, what to measure) per rank count: the first of each count measures GEMMs (of every grid with
+# that many ranks) and small ops; the others add collectives over the remaining group sizes
+BENCH_GRIDS = {
+    1: [("1x1x1x1", True)],
+    2: [("2x1x1x1", True)],
+    4: [("2x2x1x1", True), ("4x1x1x1", False)],
+    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False)],
+}
+SIZES_MIB = "0.004,0.03,0.25,1,4"
+
+
+def sh(cmd: list[str], timeout: float) -> str:
+    """Run a command from the repository root; its output, or exit with its last lines."""
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{tail}")
+    print(f"  {time.perf_counter() - t0:6.1f} s  {' '.join(cmd[3:9])} ...", flush=True)
+    return r.stdout
+
+
+def load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for the measurement files, runs and report")
+    ap.add_argument("--profile", help="profile to fit and validate against (default: OUT/cpu.toml)")
+    ap.add_argument("--work", default=str(ROOT / "out" / "validate"),
+                    help="folder for the runs, the full report and its HTML scatter (default: out/validate)")
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
+    ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first two are left out)")
+    ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
+    ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
+    ap.add_argument("--skip-bench", action="store_true", help="reuse the measurement files already in OUT")
+    ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps (the CI size)")
+    a = ap.parse_args()
+    if a.quick:
+        a.model, a.ranks, a.steps, a.min_time = "gpt-tiny", "1,2", 4, 0.02
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    profile = Path(a.profile).resolve() if a.profile else out / "cpu.toml"
+    work = Path(a.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    ranks = [int(r) for r in a.ranks.split(",")]
+    py = sys.executable
+    t_start = time.perf_counter()
+    print(f"load average at the start: {load()} ({os.cpu_count()} cores)", flush=True)
+
+    from backend.bench import grids_of
+    print("1. backend bench", flush=True)
+    files = []
+    for r in ranks:
+        for grid, first in BENCH_GRIDS[r]:
+            f = out / f"bench-{grid}.json"
+            files.append(f)
+            if a.skip_bench and f.exists():
+                continue
+            cmd = [py, "-m", "backend.cli", "bench", "--model", a.model, "--grid", grid, "--layouts", "program",
+                   "--all-grids", "--squares", "", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
+                   "--out", str(f)]
+            if not first:
+                cmd += ["--no-gemm", "--no-ops"]
+            sh(cmd, 600)
+    t_bench = time.perf_counter() - t_start
+
+    print("2. twin calibrate", flush=True)
+    print(sh([py, "-m", "twin.cli", "calibrate", *map(str, files), "--out", str(profile)], 300), flush=True)
+
+    print("3. backend run, every grid", flush=True)
+    grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
+    if a.grids:
+        grids = [g for g in grids if g in a.grids.split(",")]
+    runs = []
+    for g in grids:
+        d = work / "runs" / g
+        sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
+            "--warmup", "1", "--out", str(d)], 600)
+        runs.append(d)
+
+    print("4. twin validate", flush=True)
+    report, html = work / "report.json", work / "report.html"
+    print(sh([py, "-m", "twin.cli", "validate", *map(str, runs), "--profile", str(profile),
+              "--json", str(report), "--html", str(html)], 900), flush=True)
+    rep = json.loads(report.read_text())
+    summary = {**rep, "runs": [{k: v for k, v in r.items() if k != "per_op"} for r in rep["runs"]],
+               "load_average_end": os.getloadavg(), "cores": os.cpu_count(), "steps": a.steps}
+    (out / "report.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'report.json'} (per-op rows and the scatter: {work})")
+    its = [abs(r["iteration"]["error"]) for r in rep["runs"]]
+    ops = [r["ops"]["median_abs_error"] for r in rep["runs"]]
+    mem = [abs(r["memory"]["error"]) for r in rep["runs"] if r["memory"]["error"] is not None]
+    print(f"worst iteration error {100 * max(its):.0f} % (target 15 %), worst per-op median error "
+          f"{100 * max(ops):.0f} % (target 20 %), worst memory error "
+          f"{100 * max(mem) if mem else float('nan'):.0f} % (target 10 %), Spearman "
+          f"{rep['spearman'] if rep['spearman'] is not None else float('nan'):.2f} (target 0.9)")
+    print(f"bench {t_bench:.0f} s, whole loop {time.perf_counter() - t_start:.0f} s; "
+          f"load average at the end: {load()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Validation: the twin's prediction of a run against what `backend run` measured.
+
+`validate_run(RUN_DIR)` reads what the run wrote (trace.json: every op of the traced step on every
+rank, with model, grid and switches in its metadata; log.jsonl: the step times; summary.json: the
+measured memory peak per rank), simulates the same run (model, grid, batch, switches, GEMMs in the
+program's layout as the backend runs them) on a system with a kernel profile, and compares:
+- iteration: predicted time against the median measured step time (steps after the first two);
+- per op: for each op name, predicted duration against the median over ranks of the measured span;
+  error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|;
+- memory: the twin's peak per rank against the measured peak (max over ranks).
+`validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
+iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from twin.errors import TwinError
+from twin.grid import Grid
+from twin.program import Options
+
+SKIP_STEPS = 2  # warm-up steps left out of the measured iteration time
+
+
+def _percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    i = q * (len(v) - 1)
+    lo = int(i)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (i - lo)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (average ranks for ties)."""
+    if len(a) != len(b) or len(a) < 2:
+        return float("nan")
+
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def read_run(run_dir: str | Path) -> dict:
+    """What a run wrote: metadata, step times, memory peaks, spans. Raises TwinError, one line."""
+    from twin.trace import read_trace
+    d = Path(run_dir)
+    trace, log = d / "trace.json", d / "log.jsonl"
+    for f in (trace, log):
+        if not f.exists():
+            raise TwinError(f"{d} is not a run directory of `backend run`: {f.name} is missing")
+    try:
+        meta = json.loads(trace.read_text()).get("metadata", {})
+        steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TwinError(f"{d}: a file of the run is not valid JSON ({e})") from None
+    missing = [k for k in ("model", "grid", "options") if k not in meta]
+    if missing:
+        raise TwinError(f"{trace}: trace metadata lacks {', '.join(missing)} (write it with `backend run`)")
+    if not steps or any("step_time_s" not in s for s in steps):
+        raise TwinError(f"{log}: no step times (each line needs step_time_s)")
+    return {"dir": str(d), "meta": meta, "steps": steps, "summary": summary, "spans": read_trace(trace)}
+
+
+def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None = None) -> dict:
+    """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
+    from twin.memory import memory_per_gpu
+    from twin.model import load_model
+    from twin.simulate import prepare, simulate_grid
+
+    run = read_run(run_dir)
+    meta, steps = run["meta"], run["steps"]
+    spec = load_model(meta["model"])
+    grid = Grid.parse(meta["grid"])
+    known = Options.__dataclass_fields__
+    options = Options(**{k: v for k, v in meta["options"].items() if k in known})
+    tokens = steps[-1]["tokens_per_s"] * steps[-1]["step_time_s"]
+    batch = int(round(tokens / spec.seq_len))
+    study = prepare(system, spec, grid.size, batch, spec.seq_len, options, profile=profile, gemm_tuning=False)
+    res = simulate_grid(study, grid, record=True)
+    warm = [s["step_time_s"] for s in steps if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in steps]
+    measured_it = statistics.median(warm)
+
+    measured: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
+    for s in run["spans"]:
+        measured.setdefault(s.name, []).append(s.duration_s)
+        kinds[s.name] = s.kind
+    predicted: dict[str, list[float]] = {}
+    for s in res.spans:
+        predicted.setdefault(s.name, []).append(s.duration_s)
+    ops = []
+    for name, times in measured.items():
+        if name not in predicted:
+            continue
+        m, p = statistics.median(times), statistics.median(predicted[name])
+        if m > 0:
+            ops.append({"name": name, "kind": kinds[name], "measured_s": m, "predicted_s": p, "error": p / m - 1})
+    per_kind = {}
+    for kind in sorted({o["kind"] for o in ops}):
+        errs = [abs(o["error"]) for o in ops if o["kind"] == kind]
+        per_kind[kind] = {"ops": len(errs), "median_abs_error": statistics.median(errs),
+                          "p90_abs_error": _percentile(errs, 0.9),
+                          "measured_s": sum(o["measured_s"] for o in ops if o["kind"] == kind),
+                          "predicted_s": sum(o["predicted_s"] for o in ops if o["kind"] == kind)}
+    compute = [abs(o["error"]) for o in ops if o["kind"] not in ("all_gather", "reduce_scatter", "all_reduce")]
+    mem_pred = memory_per_gpu(spec, grid, options, batch, spec.seq_len, study.profile.activation_bytes)
+    peaks = run["summary"].get("memory_peak_bytes")
+    mem_meas = max(peaks) if isinstance(peaks, list) and peaks else None
+    return {
+        "run": run["dir"], "model": spec.name, "grid": str(grid), "ranks": grid.size, "batch": batch,
+        "options": meta["options"], "profile": study.profile.name, "system": study.system.name,
+        "iteration": {"measured_s": measured_it, "predicted_s": res.iteration_time_s,
+                      "error": res.iteration_time_s / measured_it - 1, "steps_used": len(warm)},
+        "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
+                "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
+                "compute_median_abs_error": statistics.median(compute) if compute else None,
+                "by_kind": per_kind},
+        "memory": {"predicted_bytes": mem_pred.total, "predicted": mem_pred.as_dict(), "measured_bytes": mem_meas,
+                   "error": mem_pred.total / mem_meas - 1 if mem_meas else None},
+        "per_op": ops,
+    }
+
+
+def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str | None = None) -> dict:
+    """validate_run over several runs, plus the grid ranking (Spearman, predicted vs measured)."""
+    if not run_dirs:
+        raise TwinError("twin validate needs at least one run directory (from `backend run --out DIR`)")
+    runs = [validate_run(d, system, profile) for d in run_dirs]
+    pred = [r["iteration"]["predicted_s"] for r in runs]
+    meas = [r["iteration"]["measured_s"] for r in runs]
+    return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
+            "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs)}
+
+
+def scatter_html(report: dict) -> str:
+    """Predicted vs measured per op (log-log, one colour per kind, the y = x line) as one HTML page."""
+    import plotly.graph_objects as go
+    fig = go.Figure()
+    ops = [o | {"run": r["grid"]} for r in report["runs"] for o in r["per_op"]]
+    for kind in sorted({o["kind"] for o in ops}):
+        sel = [o for o in ops if o["kind"] == kind]
+        fig.add_trace(go.Scatter(x=[o["measured_s"] * 1e3 for o in sel], y=[o["predicted_s"] * 1e3 for o in sel],
+                                 mode="markers", name=kind, text=[f"{o['run']} {o['name']}" for o in sel],
+                                 hovertemplate="%{text}<br>measured %{x:.3f} ms<br>predicted %{y:.3f} ms"))
+    if ops:
+        lo = min(min(o["measured_s"], o["predicted_s"]) for o in ops if o["predicted_s"] > 0) * 1e3
+        hi = max(max(o["measured_s"], o["predicted_s"]) for o in ops) * 1e3
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="predicted = measured",
+                                 line={"dash": "dash", "color": "grey"}))
+    grids = ", ".join(r["grid"] for r in report["runs"])
+    fig.update_layout(title=f"twin vs backend per op ({grids})", xaxis_title="measured (ms)",
+                      yaxis_title="predicted (ms)", xaxis_type="log", yaxis_type="log", height=700)
+    return fig.to_html(include_plotlyjs=True)

@@ -1,0 +1,109 @@
+"""Calibration: measurement files, the fit, the fitted profile in the twin, validation helpers."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from calibration.fit import fit_line, fit_profile
+from calibration.measurements import load_measurement
+from calibration.validate import spearman
+from twin.errors import TwinError
+from twin.profile import load_profile
+
+MEASUREMENT = {
+    "format": "backend-bench/2", "grid": "2x1x1x1", "ranks": 2, "ranks_per_node": 2, "dtype": "fp32",
+    "dtype_bytes": 4, "model": "gpt-tiny",
+    "machine": {"host": "testhost", "date": "2026-11-30T00:00:00+00:00", "torch": "2.13", "commit": "abc",
+                "device": "cpu"},
+    "gemm": [{"m": 64, "n": 64, "k": 64, "layout": "NN", "seconds": 1e-4}],
+    "ops": [{"op": "add", "numel": n, "bytes": 12 * n, "seconds": 5e-6 + 12 * n / 1e10} for n in (1, 4096, 1 << 20)]
+    + [{"op": "autograd", "numel": 64, "bytes": 0, "ops": 4, "seconds": 3e-5}],
+    "collectives": [{"axis": "x", "kind": k, "group_size": 2, "stride": 1, "bytes": b, "seconds": 2e-4 + b / 1e9}
+                    for k in ("all_gather", "reduce_scatter", "all_reduce") for b in (4096, 1 << 20, 1 << 22)],
+    "overlap": [{"m": 64, "n": 64, "k": 64, "axis": "x", "alone_s": 1e-4, "overlapped_s": 1.2e-4}],
+}
+
+
+def write(tmp_path, data, name="m.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_fit_line_recovers_latency_and_bandwidth():
+    x = [1e3, 1e5, 1e6, 1e7]
+    a, b, res = fit_line(x, [2e-4 + v / 1e9 for v in x])
+    assert a == pytest.approx(2e-4, rel=1e-6) and 1 / b == pytest.approx(1e9, rel=1e-6)
+    assert max(map(abs, res)) < 1e-9
+    a, b, _ = fit_line(x, [1e-3, 1e-3, 1e-3, 1e-3])  # no size effect: bandwidth left out, never negative
+    assert a == pytest.approx(1e-3) and b == 0
+
+
+def test_fitted_profile_drives_the_twin(tmp_path):
+    fit = fit_profile([write(tmp_path, MEASUREMENT)], "cpu-test")
+    prof_path = tmp_path / "cpu-test.toml"
+    prof_path.write_text(fit.toml)
+    prof = load_profile(str(prof_path)).for_ranks(2)
+    assert prof.ranks == 2 and prof.activation_bytes == 4
+    assert prof.launch_s == pytest.approx(3e-5) and prof.hbm_bandwidth == pytest.approx(1e10, rel=1e-3)
+    assert prof.overlap_slowdown == pytest.approx(1.2)
+    table = prof.collectives()
+    # a non-data payload counted at 2 bytes per element travels at 4 on an fp32 CPU
+    assert table.time("all_reduce", "x", 2, 1 << 19) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
+    assert table.time("all_reduce", "data", 2, 1 << 20) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
+    assert table.time("all_reduce", "x", 4, 1 << 20) is None  # not measured: the flow model answers
+    assert all("m.json (testhost" in src for k, src in prof.sources.items() if k.startswith(("collective", "gemm_table")))
+    from twin.simulate import prepare, simulate_grid
+    from twin.grid import Grid
+    study = prepare("cpu", "gpt-tiny", 2, profile=str(prof_path), gemm_tuning=False)
+    assert study.profile.ranks == 2
+    r = simulate_grid(study, Grid(2, 1, 1, 1))
+    assert r.iteration_time_s > 0 and r.breakdown_s["exposed_comm"]["x"] > 0
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["machine"].pop("date"), "machine stamp lacks date"),
+    (lambda d: d.update(ranks=4), "has 2 ranks but `ranks` is 4"),
+    (lambda d: d["collectives"][0].pop("seconds"), "collectives\\[0\\] lacks seconds"),
+    (lambda d: d["collectives"][0].update(group_size=4), "does not match grid"),
+    (lambda d: d["gemm"][0].update(seconds=-1), "gemm\\[0\\].seconds must be a positive number"),
+    (lambda d: d.update(format="old"), "format is 'old'"),
+])
+def test_bad_measurement_files_get_one_line(tmp_path, edit, message):
+    data = copy.deepcopy(MEASUREMENT)
+    edit(data)
+    with pytest.raises(TwinError, match=message):
+        load_measurement(write(tmp_path, data))
+
+
+def test_bad_profile_rows_get_one_line(tmp_path):
+    fit = fit_profile([write(tmp_path, MEASUREMENT)], "bad")
+    p = tmp_path / "bad.toml"
+    p.write_text(fit.toml.replace('kind = "all_gather"', 'kind = "broadcast"'))
+    with pytest.raises(TwinError, match="collective_table\\[0\\].kind"):
+        load_profile(str(p))
+    p.write_text(fit.toml.replace("group_size = 2", "group_size = 1"))
+    with pytest.raises(TwinError, match="group_size must be an integer >= 2"):
+        load_profile(str(p))
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) > 0.9
+
+
+def test_calibrate_cli_one_line_errors(tmp_path):
+    bad = write(tmp_path, {**MEASUREMENT, "machine": {}})
+    r = subprocess.run([sys.executable, "-m", "twin.cli", "calibrate", str(bad), "--out", str(tmp_path / "p.toml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "machine stamp" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "p.toml").exists()
+    good = write(tmp_path, MEASUREMENT, "good.json")
+    r = subprocess.run([sys.executable, "-m", "twin.cli", "calibrate", str(good), "--out", str(tmp_path / "p.toml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "residual" in r.stdout and load_profile(str(tmp_path / "p.toml")).collective_table
