@@ -93,7 +93,9 @@ def test_bench_writes_a_table(tmp_path):
     table = json.loads(out.read_text())
     assert {row["layout"] for row in table["gemm"]} == {"NN", "NT", "TN"}
     assert table["gemm"][0]["tflops"] > 0
-    assert {(row["axis"], row["kind"]) for row in table["collectives"]} == {("data", "all_reduce"), ("data", "all_gather")}
+    assert {(row["axis"], row["kind"]) for row in table["collectives"]} == {
+        ("data", "all_reduce"), ("data", "all_gather"), ("data", "reduce_scatter")}
+    assert table["machine"]["commit"] and table["ranks"] == 2 and table["ops"] and table["overlap"]
     assert all(row["busbw_gbps"] > 0 for row in table["collectives"])
 
 
