@@ -69,8 +69,13 @@ def _agree(value: float, group, op=dist.ReduceOp.MIN) -> float:
     return float(t.item())
 
 
-def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 200, group=None) -> float:
-    """Seconds per call of `fn`: one warm-up call, one timed call to size the loop, then a timed loop.
+REPEATS = 3  # timed loops per entry; the median counts (a busy machine disturbs single loops)
+
+
+def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 200, group=None,
+            repeats: int = REPEATS) -> float:
+    """Seconds per call of `fn`: one warm-up call, one timed call to size the loop, then `repeats`
+    timed loops of about min_time_s / repeats each; the median loop counts.
 
     With `group` the members agree on the loop count (a collective under test would hang otherwise;
     compute benchmarks use it so that all ranks load the machine for the same span).
@@ -81,14 +86,17 @@ def time_fn(fn, device: torch.device, min_time_s: float = 0.2, max_iters: int = 
     fn()
     synchronize(device)
     once = max(time.perf_counter() - start, 1e-7)
-    iters = int(_agree(int(min(max_iters, max(3, min_time_s / once))), group))
-    if group is not None:
-        dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / iters
+    iters = int(_agree(int(min(max_iters, max(2, min_time_s / repeats / once))), group))
+    loops = []
+    for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        synchronize(device)
+        loops.append((time.perf_counter() - start) / iters)
+    return sorted(loops)[len(loops) // 2]
 
 
 def _world():

@@ -287,7 +287,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 dist.barrier()  # align the ranks' time origins
                 recorder.reset()
             t0 = time.perf_counter()
-            if step == start + 1:  # the first step: also measure the memory peak (torch's tracker)
+            if step == min(start + 2, cfg.steps) and step != trace_step:
+                # the second step (optimizer state exists by then): also measure the memory peak
                 from backend.bench import peak_memory
                 loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip),
                                          model, optimizer)
@@ -320,7 +321,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
                        "flops_convention": records[-1]["flops_convention"],
-                       "memory_peak_bytes": peaks,  # per rank, first step of this run (torch's memory tracker)
+                       "memory_peak_bytes": peaks,  # per rank, second step of this run (torch's memory tracker)
                        "note": "averages over the steps of this run after its first"}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return records

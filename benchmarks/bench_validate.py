@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
     ap.add_argument("--skip-bench", action="store_true", help="reuse the measurement files already in OUT")
+    ap.add_argument("--calibrate-only", action="store_true", help="stop after step 2 (bench and calibrate)")
     ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps (the CI size)")
     a = ap.parse_args()
     if a.quick:
@@ -94,16 +95,17 @@ def main() -> int:
             if a.skip_bench and f.exists():
                 continue
             cmd = [py, "-m", "backend.cli", "bench", "--model", a.model, "--grid", grid, "--layouts", "program",
-                   "--all-grids", "--squares", "", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
+                   "--all-grids", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
                    "--out", str(f)]
-            if not first:
-                cmd += ["--no-gemm", "--no-ops"]
+            cmd += ["--squares", "256"] if first else ["--no-gemm", "--no-ops"]
             sh(cmd, 600)
     t_bench = time.perf_counter() - t_start
 
     print("2. twin calibrate", flush=True)
     print(sh([py, "-m", "twin.cli", "calibrate", *map(str, files), "--out", str(profile)], 300), flush=True)
 
+    if a.calibrate_only:
+        return 0
     print("3. backend run, every grid", flush=True)
     grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
     if a.grids:

@@ -24,7 +24,7 @@ import numpy as np
 
 from calibration.measurements import describe, load_measurement
 from topologies.datafile import read_spec
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.profile import PROFILES_DIR
 
 BASE_CPU = Path(__file__).resolve().parent / "base" / "cpu.toml"  # assumed CPU figures bench does not reach
@@ -76,6 +76,25 @@ def fit_line(x: list[float], t: list[float]) -> tuple[float, float, list[float]]
     return best[1], best[2], best[3]
 
 
+def _square_rates(group: list[dict]) -> dict[int, float]:
+    """flop/s per rank of the square NN GEMMs (m = n = k) a group of measurements timed, by size."""
+    out: dict[int, list[float]] = {}
+    for r in group:
+        for row in r["gemm"]:
+            if row["m"] == row["n"] == row["k"] and row["layout"] == "NN":
+                out.setdefault(row["m"], []).append(2.0 * row["m"] ** 3 / row["seconds"])
+    return {size: statistics.median(v) for size, v in out.items()}
+
+
+def _compute_scale(square: dict[int, dict[int, float]], ranks: int, most: int, src: str) -> str:
+    common = sorted(set(square[ranks]) & set(square[most]))
+    if not common:
+        return _entry(1.0, "not measured (no square GEMM timed with this many and with the most ranks): 1")
+    size = common[-1]
+    return _entry(square[ranks][size] / square[most][size],
+                  f"measured: {size}^3 GEMM rate per rank with {ranks} over {most} rank(s), {src}")
+
+
 def _residual(what: str, res: list[float]) -> Residual:
     a = [abs(r) for r in res]
     return Residual(what, len(a), statistics.median(a) if a else 0.0, max(a) if a else 0.0)
@@ -118,6 +137,11 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
            f"gpus = [{', '.join(chr(34) + _quote(g) + chr(34) for g in (gpus if gpus is not None else base_data.get('gpus', [])))}]",
            f"activation_bytes = {act_bytes.pop()}", ""]
     shares, gemms, colls = [], [], []
+    # the profile's own figures (peak, GEMM rate) are per rank with the most ranks sharing the node,
+    # as the system file counts them; fewer ranks get more of the node: compute_scale, measured on the
+    # square GEMMs that every rank count timed
+    most = max(by_ranks)
+    square = {r: _square_rates(g) for r, g in by_ranks.items()}
     for ranks, group in sorted(by_ranks.items()):
         src = "; ".join(describe(r) for r in group)
         # per-op overhead and memory bandwidth
@@ -139,7 +163,8 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                 "hbm_bandwidth = " + _entry(bw, f"fitted: elementwise add over {len(adds)} sizes, {src}"),
                 "overlap_slowdown = " + _entry(slow, (f"measured: median GEMM slowdown under an all-reduce "
                                                       f"({len(over)} axes, at least 1), {src}") if over
-                                               else "no overlap measured with this many ranks: 1"), ""]))
+                                               else "no overlap measured with this many ranks: 1"),
+                "compute_scale = " + _compute_scale(square, ranks, most, src), ""]))
         for r in group:
             for row in r["gemm"]:
                 flops = 2.0 * row["m"] * row["n"] * row["k"] / row["seconds"]
@@ -163,8 +188,8 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                 "latency_s = " + _entry(max(a, 1e-9), how),
                 "bandwidth = " + _entry(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
                 ""]))
-    # scalars: the base profile's, with what the fewest-ranks measurement says instead where it reaches
-    least = min(by_ranks)
+    # scalars: the base profile's, with what the most-ranks measurement says instead where it reaches
+    least = most
     first = next((s for s in shares if f"ranks = {least}\n" in s), None)
     for key in BASE_SCALARS:
         entry = base_data.get(key)
@@ -180,9 +205,9 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
             top = max(rows, key=lambda row: row["m"] * row["n"] * row["k"] / row["seconds"])
             value = 2.0 * top["m"] * top["n"] * top["k"] / top["seconds"]
             source = f"measured: fastest GEMM ({top['m']}x{top['n']}x{top['k']} {top['layout']}) with {least} rank(s), {describe(by_ranks[least][0])}"
-            if value > base_data["peak_flops"]["value"]:
-                raise TwinError(f"measured GEMM rate {value:.3g} flop/s exceeds the base profile's peak "
-                                f"{base_data['peak_flops']['value']:.3g}: choose a base profile of this device")
+            if value > base_data["peak_flops"]["value"]:  # the assumed peak is too low: keep the base figure
+                value, source = entry["value"], (f"base profile {base_path.name} (the measured {value:.3g} "
+                                                 f"flop/s exceeds its assumed peak): {entry.get('source', '')}")
         out.append(f"{key} = {_entry(value, _quote(source))}")
     for key in ("layout_penalty", "layout_penalty_small"):
         e = base_data[key]
@@ -194,7 +219,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
 
 def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None) -> Fit:
     """Fit and write the profile to `out` (its name: the file's stem); checks that the twin loads it."""
-    from topologies.datafile import write_atomic
+    from twin.common import write_atomic
     from twin.profile import load_profile
     out = Path(out)
     if out.suffix != ".toml":

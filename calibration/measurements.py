@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from twin.errors import TwinError
+from twin.common import TwinError
 
 FORMAT = "backend-bench/2"
 MACHINE_KEYS = ("host", "date", "torch", "commit", "device")

@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.grid import Grid
 from twin.program import Options
 
@@ -86,7 +86,8 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
     from twin.memory import memory_per_gpu
     from twin.model import load_model
-    from twin.simulate import prepare, simulate_grid
+    from twin.simulate import simulate_grid
+    from twin.study import prepare
 
     run = read_run(run_dir)
     meta, steps = run["meta"], run["steps"]

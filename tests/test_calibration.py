@@ -10,7 +10,7 @@ import pytest
 from calibration.fit import fit_line, fit_profile
 from calibration.measurements import load_measurement
 from calibration.validate import spearman
-from twin.errors import TwinError
+from twin.common import TwinError
 from twin.profile import load_profile
 
 MEASUREMENT = {
@@ -56,7 +56,8 @@ def test_fitted_profile_drives_the_twin(tmp_path):
     assert table.time("all_reduce", "data", 2, 1 << 20) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
     assert table.time("all_reduce", "x", 4, 1 << 20) is None  # not measured: the flow model answers
     assert all("m.json (testhost" in src for k, src in prof.sources.items() if k.startswith(("collective", "gemm_table")))
-    from twin.simulate import prepare, simulate_grid
+    from twin.simulate import simulate_grid
+    from twin.study import prepare
     from twin.grid import Grid
     study = prepare("cpu", "gpt-tiny", 2, profile=str(prof_path), gemm_tuning=False)
     assert study.profile.ranks == 2

@@ -43,6 +43,7 @@ class NodeShare:
     launch_s: float
     hbm_bandwidth: float
     overlap_slowdown: float
+    compute_scale: float = 1.0  # a rank's GEMM rate relative to the profile's own (peak_flops, gemm_flops)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class Profile:
         share = next((s for s in self.node_share if s.ranks == r), None)
         if share is not None:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
-                      overlap_slowdown=share.overlap_slowdown)
+                      overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
+                      gemm_flops=self.gemm_flops * share.compute_scale)
         return replace(self, **kw)
 
     def collectives(self) -> CollectiveTable | None:
@@ -193,7 +195,9 @@ def load_profile(name_or_path: str) -> Profile:
         where = f"node_share[{i}]"
         shares.append(NodeShare(_int(path, f"{where}.ranks", row.get("ranks"), 1),
                                 *(_value(path, f"{where}.{key}", row.get(key), sources)
-                                  for key in ("launch_s", "hbm_bandwidth", "overlap_slowdown"))))
+                                  for key in ("launch_s", "hbm_bandwidth", "overlap_slowdown")),
+                                _value(path, f"{where}.compute_scale", row.get("compute_scale",
+                                       {"value": 1.0, "source": "not measured: 1"}), sources)))
     colls = []
     for i, row in enumerate(_rows(path, data, "collective_table")):
         where = f"collective_table[{i}]"
