@@ -47,9 +47,13 @@ def test_breakdown_moves_the_right_way():
     cached = memory_per_gpu(m, Grid(2, 2, 8, 16), Options(cache_layers=10))
     assert cached.gathered_weights > base.gathered_weights
     assert base.total == sum(v for k, v in base.as_dict().items() if k != "total")
-    # 16 bytes per parameter of the shard (fp32 shard, gradient, Adam m and v, as the backend holds them)
+    # 18 bytes per parameter of the shard in bf16 mixed precision, 16 in fp32 (the backend on CPU)
     assert base.parameters + base.gradients + base.optimizer == pytest.approx(
+        18 * m.parameters(m.padded_vocab(2)) / 32, rel=0.01)
+    fp32 = memory_per_gpu(m, Grid(2, 2, 8, 16), activation_bytes=4)
+    assert fp32.parameters + fp32.gradients + fp32.optimizer == pytest.approx(
         16 * m.parameters(m.padded_vocab(2)) / 32, rel=0.01)
+    assert 1.9 * base.activations < fp32.activations <= 2 * base.activations
 
 
 def test_check_fits_says_by_how_much():

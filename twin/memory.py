@@ -1,10 +1,12 @@
 """Memory per GPU of a model under a 4D grid (bytes), and the check that it fits.
 
-Static state as the backend holds it (backend/optim.py: fp32 parameter shards, fp32 gradients,
-AdamW's two fp32 moments; bf16 copies of weights are made on the fly for the GEMMs on GPU): 16 bytes
-per parameter of the rank's shard. (Megatron-LM's mixed precision keeps a bf16 copy too: 18.)
-Activations are counted at `activation_bytes` per element: 2 (bf16) on GPU, 4 on CPU, where the
-backend computes in fp32.
+Static state per parameter of the rank's shard, by precision (`activation_bytes`, the profile's):
+- bf16 mixed precision (2): bf16 weights (2 bytes), fp32 gradients (4), fp32 master weights and Adam's
+  two moments (12): 18 bytes, as Megatron-LM counts it (distributed-optimizer documentation, 18 bytes
+  per parameter without sharding the optimizer state);
+- fp32 (4, the backend on CPU, backend/optim.py): fp32 parameter shards, fp32 gradients, AdamW's two
+  fp32 moments: 16 bytes.
+Activations are counted at `activation_bytes` per element.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from twin.model import ModelSpec
 from twin.program import ACT_BYTES, Options, _local_params
 
 GIB = 1024**3
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8  # fp32 shard, fp32 gradient, Adam m and v
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16 mixed precision (Megatron-LM)
+FP32_BYTES = (4, 4, 8)  # fp32 training: parameter shard, gradient, Adam m and v
 LOGIT_BYTES = 4  # fp32 logits for the loss; their gradient is written in place
 
 
@@ -68,10 +71,11 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
     gathered = activation_bytes * (in_flight + cached) if grid.z > 1 else 0
 
+    weight, grad, opt = FP32_BYTES if activation_bytes >= 4 else (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
     return Memory(
-        parameters=WEIGHT_BYTES * n_local,
-        gradients=GRAD_BYTES * n_local,
-        optimizer=OPTIMIZER_BYTES * n_local,
+        parameters=weight * n_local,
+        gradients=grad * n_local,
+        optimizer=opt * n_local,
         activations=activations,
         gathered_weights=gathered,
         logits=LOGIT_BYTES * m * model.padded_vocab(gy) // gy,
