@@ -17,12 +17,12 @@ from typing import Annotated, Optional
 import typer
 
 from twin.common import TwinError
-from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt,
+from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OneLineErrors, OrsOpt,
                         RecomputeOpt)
 from twin.grid import Grid
 from twin.model import load_model
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="Train for real with PyTorch, running the same schedule the twin simulates.")
 
 

@@ -92,8 +92,10 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     out.append(("twin topology --html ''", twin + ["topology", "--system", "cpu", "--html", ""], "error", {}))
     out.append(("twin simulate --trace into a missing dir", twin + ["simulate", "--system", "perlmutter", *small,
                                                                   "--trace", str(tmp / "no/such/dir/t.json")], "ok", {}))
-    out.append(("twin simulate --trace onto a directory", twin + ["simulate", "--system", "perlmutter", *small,
-                                                                "--trace", str(tmp)], "error", {}))
+    out.append(("twin simulate --trace onto a file", twin + ["simulate", "--system", "perlmutter", *small,
+                                                           "--trace", str(tmp / "sys-nodes=true.toml")], "error", {}))
+    out.append(("twin program --json onto a folder", twin + ["program", "--model", "gpt-tiny", "--grid", "1x1x1x1",
+                                                           "--json", str(tmp)], "error", {}))
     out.append(("twin topology scattered --seed -1", twin + ["topology", "--system", "perlmutter", "--placement",
                                                            "scattered", "--seed", "-1"], "error", {}))
     for v in ("nan", "inf", "1e300"):

@@ -50,6 +50,8 @@ def place(system: SystemSpec, ranks: int, placement: str = "contiguous", seed: i
         raise InputError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
     if not isinstance(ranks, (int, np.integer)) or ranks < 1:
         raise InputError(f"a job needs at least one GPU, got {ranks!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"the seed of a scattered placement must be an integer >= 0, got {seed!r}")
     gpn = system.gpus_per_node
     need = -(-ranks // gpn)
     if need > system.nodes:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -11,15 +10,15 @@ from rich.console import Console
 from rich.table import Table
 
 from twin.common import write_atomic
-from twin.common import TwinError
+from twin.common import TwinError, finite_json
 from twin.grid import Grid
 from twin.memory import GIB, check_fits, memory_per_gpu
 from twin.model import list_models, load_model
-from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
-                         SeqOpt, options_from_flags)
+from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OneLineErrors, OrsOpt,
+                         RecomputeOpt, SeqOpt, options_from_flags, output_file, output_folder)
 from twin.program import build_program
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
 console = Console()
 
@@ -71,7 +70,7 @@ def program_cmd(
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
     hbm_gib: Annotated[Optional[float], typer.Option(help="GPU memory (GiB) to check the fit against; off by default.")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole program (every op) as JSON here.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole program (every op) as JSON here.", callback=output_file)] = None,
 ) -> None:
     """Build the schedule of one iteration for one rank and print its summary."""
     spec = load_model(model)
@@ -80,6 +79,8 @@ def program_cmd(
     g.validate(spec, gpus=gpus, batch=batch, micro_batches=micro_batches, seq_len=seq)
     mem = memory_per_gpu(spec, g, opts, batch, seq)
     if hbm_gib is not None:
+        if not 0 < hbm_gib < 1e9:  # also refuses nan and inf
+            raise TwinError(f"--hbm-gib must be a positive number of GiB, got {hbm_gib}")
         check_fits(mem, hbm_gib * GIB, f"{spec.name} on grid {g} ")
     prog = build_program(spec, g, opts, batch, seq)
     if json_out is not None:
@@ -164,8 +165,8 @@ def simulate_cmd(
     slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
-    trace: Annotated[Optional[Path], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).")] = None,
-    html: Annotated[Optional[Path], typer.Option(help="Write an interactive plotly timeline here.")] = None,
+    trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
 ) -> None:
     """Simulate one training iteration of a model on a system and say where the time goes."""
     from twin.simulate import simulate
@@ -206,8 +207,6 @@ def search_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
 ) -> None:
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
-    import json
-
     from twin.simulate import search
     from twin.study import prepare
 
@@ -216,7 +215,7 @@ def search_cmd(
     study = prepare(system, model, gpus, batch, seq, placement=placement)
     cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
     if json_out:
-        typer.echo(json.dumps([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
+        typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
                                 "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
                                 "simulated_s": c.simulated_s} for c in cands], indent=1))
         return
@@ -252,7 +251,7 @@ def systems_cmd() -> None:
 @handles_errors
 def topology_cmd(
     system: SystemOpt = "frontier",
-    html: Annotated[Optional[Path], typer.Option("--html", help="Write the dragonfly and node fabric as one HTML file here.")] = None,
+    html: Annotated[Optional[str], typer.Option("--html", help="Write the dragonfly and node fabric as one HTML file here.", callback=output_file)] = None,
     gpus: Annotated[Optional[int], typer.Option(help="Place a job of this many GPUs (default: the system's default study).")] = None,
     placement: PlacementOpt = "contiguous",
     seed: Annotated[int, typer.Option(help="Seed of the scattered placement.")] = 0,

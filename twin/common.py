@@ -3,12 +3,16 @@
 InputError (also named TwinError) is bad user input: an unknown system or model, a grid that does not
 divide, a model that does not fit, a malformed file. Its message says what is wrong and how to fix it;
 the command lines turn it into one line on stderr and exit code 2. write_atomic writes an output so
-that a failure never leaves half a file. This module imports nothing of the project: topologies, twin,
+that a failure never leaves half a file; check_output checks (and creates the folder of) an output
+path before any work starts; finite_json writes standard JSON (never NaN or Infinity). This module imports nothing of the project: topologies, twin,
 backend and calibration all use it.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from pathlib import Path
 
 
@@ -25,3 +29,48 @@ def write_atomic(path: str | Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
+    """Make sure an output path can be written before any work starts (raises InputError).
+
+    The parent folder is created when missing; `folder`: the output is itself a folder (created).
+    """
+    text = str(path)
+    if not text.strip():
+        raise InputError(f"{flag} needs a path, got an empty one")
+    p = Path(text)
+    try:
+        if folder:
+            if p.exists() and not p.is_dir():
+                raise InputError(f"{flag} {p}: exists and is not a folder")
+            p.mkdir(parents=True, exist_ok=True)
+            target = p
+        else:
+            if p.is_dir():
+                raise InputError(f"{flag} {p}: is a folder; give a file name")
+            p.parent.mkdir(parents=True, exist_ok=True)
+            target = p.parent
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(f"{flag} {p}: a part of the path is a file, not a folder") from None
+    except OSError as e:
+        raise InputError(f"{flag} {p}: cannot create it ({e.strerror})") from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {p}: {target} is not writable")
+    return p
+
+
+def finite_json(obj, **kwargs) -> str:
+    """json.dumps that writes standard JSON: a NaN or infinite float (which no valid input produces,
+    but a bug might) becomes null instead of the non-standard NaN/Infinity."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -9,8 +9,14 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 
-from twin.common import TwinError
+try:  # typer >= 0.2x carries its own copy of click
+    from typer._click import exceptions as _cx
+except ImportError:  # pragma: no cover - older typer on click
+    import click.exceptions as _cx
+
+from twin.common import TwinError, check_output
 from twin.program import Options
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
@@ -35,3 +41,49 @@ def options_from_flags(oar: bool = True, ors: bool = True, oag: bool = True, cac
         raise TwinError(f"--micro-batches must be at least 1, got {micro_batches}")
     return Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
                    micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h)
+
+
+class OneLineErrors(typer.core.TyperGroup):
+    """A command group whose usage errors (unknown option, a value of the wrong type, a missing
+    option) are one line on stderr and exit code 2, like every other bad input, instead of a box."""
+
+    def main(self, *args, **kwargs):
+        import sys
+
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except _cx.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help(), err=True)
+            sys.exit(2)
+        except _cx.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else self.name
+            typer.echo(f"error: {e.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(2)
+        except _cx.ClickException as e:
+            typer.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def output_file(param: typer.CallbackParam, value):
+    """typer callback: an output file path, checked (its folder created) before the command runs."""
+    return _output(param, value, folder=False)
+
+
+def output_folder(param: typer.CallbackParam, value):
+    """typer callback: an output folder, created before the command runs."""
+    return _output(param, value, folder=True)
+
+
+def _output(param, value, folder: bool):
+    if value is None:
+        return None
+    flag = param.opts[0] if param.opts else "output"
+    try:
+        return check_output(value, flag, folder=folder)
+    except TwinError as e:
+        raise typer.BadParameter(str(e).removeprefix(flag + " ").removeprefix(f"{value}: ")) from None

@@ -94,6 +94,9 @@ class Grid:
         if gpus is not None and self.size != gpus:
             raise TwinError(f"grid {self} has {self.size} GPUs but --gpus is {gpus}: "
                             f"make G_x*G_y*G_z*G_data equal the GPU count")
+        for what, v in (("global batch", batch), ("sequence length", seq_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise TwinError(f"{what} must be a positive integer, got {v!r}")
         h, name = model.hidden, model.name
         for axis in ("x", "y"):
             g = self.axis_size(axis)

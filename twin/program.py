@@ -20,10 +20,10 @@ elementwise ops on y-split activations are computed identically by the G_x ranks
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from twin.common import TwinError, finite_json
 from twin.grid import AXES, Grid
 from twin.model import ModelSpec
 
@@ -151,7 +151,7 @@ class Program:
 
     def to_json(self) -> str:
         """The whole program as JSON: the summary plus every op."""
-        return json.dumps({"summary": self.summary(), "ops": [asdict(op) for op in self.ops]}, indent=1)
+        return finite_json({"summary": self.summary(), "ops": [asdict(op) for op in self.ops]}, indent=1)
 
 
 class _Builder:
@@ -250,6 +250,19 @@ def _linear_dims(grid: Grid, k: int, n: int, transposed: bool) -> tuple[int, int
     return k // grid.axis_size(in_axis), n // grid.axis_size(out_axis), in_axis, out_axis
 
 
+MAX_PROGRAM_OPS = 100_000  # a 1,700-layer model; the largest published GPTs have about 100 layers
+
+
+def check_program_size(model: ModelSpec, options: Options) -> None:
+    """Raise TwinError, before building anything, when the program would exceed MAX_PROGRAM_OPS ops
+    (about 60 per block per micro-batch), so that an absurd model (10^12 layers) is refused at once."""
+    ops = options.micro_batches * (60 * model.layers + 30)
+    if ops > MAX_PROGRAM_OPS:
+        raise TwinError(f"the program of {model.name} would have about {ops:,} ops ({model.layers:,} layers x "
+                        f"{options.micro_batches:,} micro-batches), more than the {MAX_PROGRAM_OPS:,} the twin "
+                        "builds: use fewer layers or micro-batches")
+
+
 def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
                   batch: int | None = None, seq_len: int | None = None) -> Program:
     """Build the program of one iteration for one rank (the same for every rank).
@@ -261,6 +274,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     batch = model.global_batch if batch is None else batch
     seq_len = model.seq_len if seq_len is None else seq_len
     grid.validate(model, batch=batch, micro_batches=options.micro_batches, seq_len=seq_len)
+    check_program_size(model, options)
     b = _Builder(model, grid, options, batch, seq_len)
     h, gx, gy = model.hidden, grid.x, grid.y
     m, V, s = b.tokens, b.vocab, seq_len

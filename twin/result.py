@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from twin.common import finite_json
 
 FLOPS_CONVENTION = ("reference formula of Narayanan et al. (SC'21): 96*B*s*l*h^2*(1 + s/(6h) + V/(16lh)) "
                     "with recomputation (72 instead of 96 without), V the padded vocabulary")
@@ -62,7 +63,7 @@ class SimulationResult:
 
     def to_json(self, wall_time: bool = True, indent: int | None = 1) -> str:
         """Deterministic JSON (fixed key order; wall_time_s, the one non-deterministic value, last)."""
-        return json.dumps(self.as_dict(wall_time), indent=indent)
+        return finite_json(self.as_dict(wall_time), indent=indent)
 
     @property
     def grid_str(self) -> str:

@@ -35,6 +35,20 @@ def collective_timer(program: Program, model):
     return timer
 
 
+MAX_SLOWDOWN = 1e3         # a straggler's compute at most this many times slower
+MAX_TRACE_SPANS = 4_000_000  # recorded ops (trace events) of one run: about 1.2 GB of trace files
+TRACE_EVENT_BYTES = 300      # bytes of one event in a trace file (Chrome JSON with its args), about
+
+
+def check_trace_size(ops_per_rank: int, ranks: int) -> None:
+    """Refuse, before simulating, to record a trace (--trace, --html) that would not fit in memory."""
+    spans = ops_per_rank * ranks
+    if spans > MAX_TRACE_SPANS:
+        raise TwinError(f"a trace of this run would hold {spans:,} events ({ranks:,} ranks x {ops_per_rank:,} ops, "
+                        f"about {spans * TRACE_EVENT_BYTES / 1e9:.1f} GB), more than the {MAX_TRACE_SPANS:,} the twin "
+                        "records: trace without --full (one representative rank) or a smaller job")
+
+
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
                   record: bool = False, collectives=None, grid_choice: str = "given") -> SimulationResult:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
@@ -42,10 +56,16 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
-        bad = [r for r, f in slowdown.items() if not 0 <= r < grid.size or f <= 0]
-        if bad:
-            raise TwinError(f"slowdown: rank {bad[0]} is not a rank of {grid.size} or its factor is not positive")
+        if not full:
+            raise TwinError("--slowdown needs --full: stragglers are simulated only when every rank is")
+        for r, f in slowdown.items():
+            if not 0 <= r < grid.size:
+                raise TwinError(f"--slowdown: rank {r} is not a rank of grid {grid} (0..{grid.size - 1})")
+            if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
+                raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
     prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    if record:
+        check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
     cm = collectives if collectives is not None else collective_model(study, grid)
@@ -114,6 +134,8 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
     study (model and GPU count), grid auto (analytical ranking, the best `simulate_top` simulated).
     With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span)."""
     t0 = time.perf_counter()
+    if slowdown and not full:
+        raise TwinError("--slowdown needs --full: stragglers are simulated only when every rank is")
     study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
     result = None
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
