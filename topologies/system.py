@@ -79,6 +79,7 @@ class SystemSpec:
     collectives: CollectiveSpec
     default_model: str
     default_gpus: int
+    default_batch: int = 0      # global batch of the default study, sequences (0: the model's)
     sources: tuple[str, ...] = field(default=())
     path: str = ""
 
@@ -179,7 +180,7 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         gpu_nic_bandwidth=_get(n, "gpu_nic_bandwidth", f"{path} [node]"),
         link_latency=_get(n, "link_latency", f"{path} [node]"), node_links=mat, gpu_nic=tuple(gpu_nic),
         dragonfly=dragonfly, collectives=coll, default_model=_get(d, "model", w, str),
-        default_gpus=_get(d, "gpus", w, int), sources=tuple(data.get("sources", ())), path=str(path))
+        default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path))
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -350,6 +351,77 @@ def validate_cmd(
     if html is not None:
         write_atomic(html, scatter_html(rep))
         console.print(f"wrote {html}")
+
+
+@app.command("scaling")
+@handles_errors
+def scaling_cmd(
+    system: SystemOpt,
+    series: Annotated[str, typer.Option(help="weak (AxoNN's model table, ~9.8 M parameters per GPU) or strong (the default model on 1/8..1 of the default GPUs).")] = "weak",
+    gpus: Annotated[Optional[str], typer.Option(help="Keep only these GPU counts, e.g. 512,8192,16384.")] = None,
+    batch: BatchOpt = None,
+    simulate_top: Annotated[int, typer.Option(help="Per point: simulate this many of the analytical best grids.")] = 4,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the series as one JSON object.")] = False,
+    html: Annotated[Optional[str], typer.Option(help="Write a plotly chart (percent of peak, efficiency) here.", callback=output_file)] = None,
+) -> None:
+    """Predict a weak or strong scaling series: per point the best grid, time, flop/s, % of peak, efficiency."""
+    from twin.scaling import scaling, scaling_html
+
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    try:
+        counts = [int(v) for v in gpus.split(",")] if gpus else None
+    except ValueError:
+        raise TwinError(f"--gpus must be comma-separated GPU counts, e.g. 512,8192; got {gpus!r}") from None
+    r = scaling(system, series, batch=batch, simulate_top=simulate_top, gpus=counts)
+    if html is not None:
+        write_atomic(html, scaling_html(r))
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    t = Table("model", "GPUs", "batch", "grid", "iteration (s)", "PF/s", "% of peak", "efficiency %",
+              title=f"{r.series} scaling on {r.system} (efficiency: flop/s per GPU against the first point)")
+    for p in r.points:
+        t.add_row(p.model, str(p.gpus), str(p.batch), p.grid, f"{p.iteration_s:.3f}", f"{p.flops_per_s / 1e15:.1f}",
+                  f"{p.percent_of_peak:.1f}", f"{p.efficiency:.1f}")
+    console.print(t)
+    for why in r.skipped:
+        console.print(f"left out: {why}")
+    if html is not None:
+        console.print(f"wrote {html}")
+
+
+@app.command("sensitivity")
+@handles_errors
+def sensitivity_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (chosen once, then kept).")] = "auto",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    step: Annotated[float, typer.Option(help="Relative move of each parameter (0.1 = +-10%).")] = 0.1,
+    simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.")] = False,
+) -> None:
+    """How the predicted iteration time moves when each system and profile parameter moves by +-10%."""
+    from twin.sensitivity import sensitivity
+
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    r = sensitivity(system, model, gpus, grid, batch, seq, placement=placement, step=step, simulate_top=simulate_top)
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    t = Table("parameter", "kind", "value", "low", "high", "time at low", "time at high",
+              title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
+                    f"{r.base_s:.3f} s per iteration; change of that time")
+    for row in r.rows:
+        t.add_row(row.parameter, row.kind, row.base, row.low, row.high or "-",
+                  "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
+                  "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
+    console.print(t)
 
 
 if __name__ == "__main__":

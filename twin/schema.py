@@ -214,7 +214,7 @@ SYSTEM = Table(
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
                              optional={"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3)}),
-        "default": Table(required={"model": Text(nonempty=True), "gpus": COUNT}),
+        "default": Table(required={"model": Text(nonempty=True), "gpus": COUNT}, optional={"batch": COUNT}),
     },
     optional={
         "name": Text(nonempty=True), "description": Text(), "sources": ListOf(Text()), "profile": Text(nonempty=True),

@@ -38,9 +38,10 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
             placement: str = "contiguous", profile: str | None = None, gemm_tuning: bool = True) -> Study:
     """Resolve names and defaults (the system's default study) into a Study. Raises TwinError."""
     spec = load_system(system) if isinstance(system, str) else system
-    if model is None:
+    if model is None:  # the system's default study: its model, GPU count and (if it says one) batch
         model = spec.default_model
         gpus = spec.default_gpus if gpus is None else gpus
+        batch = spec.default_batch or None if batch is None else batch
     m = load_model(model) if isinstance(model, str) else model
     gpus = spec.default_gpus if gpus is None else gpus
     if gpus < 1 or gpus > spec.total_gpus:
