@@ -1,0 +1,72 @@
+"""twin scaling and twin sensitivity: the series, the efficiency, the sorted sensitivity table, and
+their commands (small models on a few Perlmutter GPUs, so that the whole file runs in seconds)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from topologies.system import load_system
+from twin.cli import app
+from twin.scaling import WEAK_SERIES, scaling, scaling_html, series_points
+from twin.sensitivity import sensitivity
+
+runner = CliRunner()
+
+
+def test_series_points_follow_the_model_table_and_the_machine():
+    frontier, perlmutter = load_system("frontier"), load_system("perlmutter")
+    assert series_points(frontier, "weak")[:2] == [("gpt-5b", 512), ("gpt-10b", 1024)]
+    assert max(g for _, g in series_points(perlmutter, "weak")) <= perlmutter.total_gpus
+    assert len(series_points(frontier, "weak")) == len(WEAK_SERIES)
+    strong = series_points(frontier, "strong")
+    assert {m for m, _ in strong} == {frontier.default_model} and strong[-1][1] == frontier.default_gpus
+
+
+def test_scaling_efficiency_against_the_first_point_and_skips():
+    r = scaling("perlmutter", "weak", points=[("gpt-small", 8), ("gpt-small", 16), ("gpt-small", 99999)],
+                simulate_top=1)
+    assert [p.gpus for p in r.points] == [8, 16]
+    first, second = r.points
+    assert first.efficiency == 100.0
+    per_gpu = [p.flops_per_s / p.gpus for p in r.points]
+    assert abs(second.efficiency - 100 * per_gpu[1] / per_gpu[0]) < 1e-9
+    assert 0 < second.percent_of_peak < 100
+    assert len(r.skipped) == 1 and "99999" in r.skipped[0]
+    d = json.loads(r.to_json())
+    assert d["series"] == "weak" and d["points"][1]["grid"] == second.grid
+    assert "plotly" in scaling_html(r).lower()
+
+
+def test_sensitivity_rows_sorted_and_signs_physical():
+    r = sensitivity("perlmutter", "gpt-small", 16, grid="2x2x2x2")
+    assert r.grid == "2x2x2x2" and r.base_s > 0
+    swings = [row.swing for row in r.rows]
+    assert swings == sorted(swings, reverse=True)
+    rows = {row.parameter: row for row in r.rows}
+    gemm = rows["profile.gemm_flops"]
+    assert gemm.low_pct > 0 > gemm.high_pct            # slower GEMMs, longer iteration
+    lat = rows["collectives.step_latency"]
+    assert lat.low_pct < 0 < lat.high_pct              # more latency, longer iteration
+    assert rows["collectives.intra_node_efficiency"].low_pct >= 0
+    assert {"routing", "placement", "all-reduce algorithm"} <= set(rows)
+
+
+def test_commands_print_and_refuse_bad_input():
+    res = runner.invoke(app, ["sensitivity", "--system", "perlmutter", "--model", "gpt-small", "--gpus", "16",
+                              "--grid", "2x2x2x2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["rows"][0]["swing_pct"] >= 0
+    res = runner.invoke(app, ["scaling", "--system", "perlmutter", "--series", "sideways"])
+    assert res.exit_code == 2 and "unknown series" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["scaling", "--system", "perlmutter", "--gpus", "a,b"])
+    assert res.exit_code == 2 and "--gpus" in res.output
+    res = runner.invoke(app, ["sensitivity", "--system", "perlmutter", "--model", "gpt-small", "--gpus", "16",
+                              "--grid", "2x2x2x2", "--step", "1.5"])
+    assert res.exit_code == 2 and "--step" in res.output
+
+
+def test_default_study_batch_from_the_system_file():
+    from twin.study import prepare
+    assert prepare("alps").batch == 6144            # the file's assumed batch (a multiple of 3)
+    assert prepare("alps", "gpt-60b").batch == 2048  # an explicit model keeps its own batch
+    assert prepare("perlmutter").batch == 2048       # no batch in the file: the model's
