@@ -16,11 +16,10 @@ the machine lacks are left out with the reason.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 from topologies.system import SystemSpec, load_system
-from twin.common import TwinError
+from twin.common import TwinError, finite_json
 from twin.program import Options
 
 # AxoNN's model table (published.md): the weak-scaling series, about 9.8 M parameters per GPU
@@ -57,7 +56,7 @@ class ScalingResult:
                 "skipped": self.skipped}
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=1)
+        return finite_json(self.as_dict(), indent=1)
 
     def point(self, gpus: int) -> ScalingPoint:
         for p in self.points:

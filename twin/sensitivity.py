@@ -17,10 +17,9 @@ the prediction of that run moves, not which grid would win instead. Parameters:
 from __future__ import annotations
 
 import dataclasses as dc
-import json
 from dataclasses import dataclass, field
 
-from twin.common import TwinError
+from twin.common import TwinError, finite_json
 from twin.grid import Grid
 from twin.kernels import KernelModel
 from twin.program import Options
@@ -65,7 +64,7 @@ class SensitivityResult:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=1)
+        return finite_json(self.as_dict(), indent=1)
 
 
 def _fmt(v) -> str:
