@@ -421,7 +421,7 @@ def sensitivity_cmd(
         t.add_row(row.parameter, row.kind, row.base, row.low, row.high or "-",
                   "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
                   "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
-    console.print(t)
+    Console(width=max(console.width, 150)).print(t)  # the parameter names need the room
 
 
 if __name__ == "__main__":
