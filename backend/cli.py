@@ -231,7 +231,7 @@ def memorization_cmd(
 
     from backend.generate import load_weights
     from backend.memorization import check_lengths, load_sequences, measure
-    from topologies.datafile import write_atomic
+    from twin.common import write_atomic
 
     weights = load_weights(checkpoint, model)
     seqs = load_sequences(data, seq_len or weights.spec.seq_len, weights.spec.vocab)
@@ -241,6 +241,51 @@ def memorization_cmd(
     if out:
         write_atomic(out, json.dumps(report.to_dict(), indent=1))
         typer.echo(f"wrote {out}")
+    return 0
+
+
+@app.command("memorization-study")
+@handles_errors
+def memorization_study_cmd(
+    epochs: Annotated[int, typer.Option(help="Epochs over the training sequences.")] = 100,
+    eval_every: Annotated[int, typer.Option(help="Measure memorization and held-out loss every N epochs.")] = 5,
+    canaries: Annotated[int, typer.Option(help="Random-byte training sequences.")] = 32,
+    texts: Annotated[int, typer.Option(help="Pseudo-text training sequences.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    prefix: Annotated[int, typer.Option(help="Prompt with the first P tokens of each training sequence.")] = 32,
+    suffix: Annotated[int, typer.Option(help="Decode and score the next S tokens.")] = 32,
+    goldfish_k: Annotated[int, typer.Option(help="Goldfish loss: drop about one target in K.")] = 4,
+    goldfish_h: Annotated[int, typer.Option(help="Goldfish loss: hash the H tokens before a target.")] = 13,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay to a tenth of it).")] = 3e-3,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    grid: GridOpt = "1x1x1x1",
+    seed: Annotated[int, typer.Option(help="Seed of the data, the weights and the order.")] = 0,
+    out: Annotated[str, typer.Option(help="Directory for study.json and the chart.")] = "runs/memorization",
+    png: Annotated[Optional[str], typer.Option(help="Also write the chart as PNG here (headless Chromium).")] = None,
+) -> int:
+    """Train the same small model with the standard and the goldfish loss; memorization against epochs."""
+    import json
+    from pathlib import Path
+
+    from backend.launch import launch
+    from backend.study import StudyConfig, chart, check
+
+    cfg = StudyConfig(epochs=epochs, eval_every=eval_every, canaries=canaries, texts=texts, seq_len=seq_len,
+                      prefix=prefix, suffix=suffix, goldfish_k=goldfish_k, goldfish_h=goldfish_h, lr=lr,
+                      min_lr=lr / 10, batch=batch, grid=grid, seed=seed, out=out)
+    check(cfg)
+    g = Grid.parse(grid)
+    check_launcher_world(g)
+    code = launch("memorization-study", asdict(cfg), g.size)
+    result_file = Path(out) / "study.json"
+    if code or not result_file.is_file():
+        return code
+    try:
+        files = chart(json.loads(result_file.read_text()), Path(out) / "memorization.html", png)
+    except ImportError as e:  # plotly or playwright missing: the figures are in study.json
+        typer.echo(f"no chart ({e}); the figures are in {result_file}", err=True)
+        return 0
+    typer.echo("wrote " + ", ".join(map(str, files)))
     return 0
 
 

@@ -26,7 +26,8 @@ import time
 
 from twin.common import TwinError
 
-JOBS = {"run": "backend.train:main", "replay": "backend.replay:main", "bench": "backend.bench:main"}
+JOBS = {"run": "backend.train:main", "replay": "backend.replay:main", "bench": "backend.bench:main",
+        "memorization-study": "backend.study:main"}
 CONFIG_ENV = "BACKEND_CONFIG"
 SPAWNED_ENV = "BACKEND_SPAWNED"
 EXIT_BAD_INPUT = 2
