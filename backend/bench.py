@@ -8,6 +8,8 @@ One JSON measurement file (the input of `twin calibrate`) holds:
 - `gemm` rows {m, n, k, layout, seconds, tflops}: the local GEMM shapes of the model's program (of
   this grid, or of every valid grid with this many ranks) in their program layout (or all three),
   and square GEMMs; seconds are the mean over the ranks;
+- `attention` rows {m, n, k, fwd_flops, bwd_flops, fwd_s, bwd_s}: causal attention of the program's
+  shapes (m = sequences x local heads, n = tokens, k = head size), forward and backward;
 - `ops` rows {op, numel, bytes, seconds}: a small elementwise op at several sizes (per-op overhead
   plus memory bandwidth) and one forward+backward of a tiny autograd op (eager per-op overhead);
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
@@ -135,6 +137,41 @@ def bench_ops(dtype: torch.dtype, device: torch.device, min_time_s: float = 0.2)
     s = _mean_over_ranks(time_fn(fwd_bwd, device, min_time_s, 2000, group=_world()))
     rows.append({"op": "autograd", "numel": 64, "bytes": 0, "ops": 4, "seconds": s / 4})
     return rows
+
+
+def bench_attention(m: int, n: int, k: int, fwd_flops: float, bwd_flops: float, dtype: torch.dtype,
+                    device: torch.device, min_time_s: float = 0.2) -> dict:
+    """Causal attention as the backend runs it (scaled_dot_product_attention) on m = sequences x heads
+    rows of n tokens with head size k, every rank at once: forward alone, and forward + backward
+    (backward = the difference). flops: the program's count (twin.program)."""
+    import torch.nn.functional as F
+    q, kk, v = (torch.randn(1, m, n, k, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, m, n, k, dtype=dtype, device=device)
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+
+    def fwd_bwd():
+        F.scaled_dot_product_attention(q, kk, v, is_causal=True).backward(grad)
+
+    f = _mean_over_ranks(time_fn(fwd, device, min_time_s, group=_world()))
+    fb = _mean_over_ranks(time_fn(fwd_bwd, device, min_time_s, group=_world()))
+    return {"m": m, "n": n, "k": k, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "fwd_s": f,
+            "bwd_s": max(fb - f, 1e-9)}
+
+
+def program_attention_shapes(model: str, grid: Grid, all_grids: bool = False,
+                             batch: int | None = None) -> list[tuple[int, int, int, float, float]]:
+    """The distinct attention ops (m, n, k, forward flops, backward flops) of the program(s)."""
+    seen: dict[tuple, None] = {}
+    for g in grids_of(model, grid.size, batch) if all_grids else [grid]:
+        ops = build_program(load_model(model), g, Options(recompute=False), batch=batch).ops
+        fwd = next((op for op in ops if op.kind == "attention" and not op.name.endswith(".bwd")), None)
+        bwd = next((op for op in ops if op.kind == "attention" and op.name.endswith(".bwd")), None)
+        if fwd is not None and bwd is not None:
+            seen[(fwd.m, fwd.n, fwd.k, fwd.flops, bwd.flops)] = None
+    return list(seen)
 
 
 def bench_collective(comm, kind: str, axis: str, nbytes: int, dtype: torch.dtype, device: torch.device,
@@ -285,7 +322,7 @@ def main(config: dict) -> None:
         result = {"format": FORMAT, "machine": machine_info(device), "model": config.get("model") or "",
                   "grid": str(grid), "ranks": world, "ranks_per_node": local, "dtype": config["dtype"],
                   "dtype_bytes": torch.tensor([], dtype=dtype).element_size(),
-                  "gemm": [], "ops": [], "collectives": [], "overlap": []}
+                  "gemm": [], "attention": [], "ops": [], "collectives": [], "overlap": []}
         if config.get("gemm", True):
             shapes = [(s, s, s, lay) for s in config.get("squares", []) for lay in LAYOUTS]
             if config.get("model"):
@@ -300,6 +337,12 @@ def main(config: dict) -> None:
                 row = bench_gemm(m, n, k, lay, dtype, device, min_t)
                 result["gemm"].append(row)
                 _say(rank, f"gemm {m}x{n}x{k} {lay}: {row['seconds'] * 1e6:.1f} us, {row['tflops'] * 1e3:.2f} GF/s")
+        if config.get("gemm", True) and config.get("model"):
+            for m, n, k, ff, bf in program_attention_shapes(config["model"], grid, bool(config.get("all_grids")),
+                                                            config.get("batch")):
+                row = bench_attention(m, n, k, ff, bf, dtype, device, min_t)
+                result["attention"].append(row)
+                _say(rank, f"attention {m}x{n}x{k}: forward {row['fwd_s'] * 1e6:.0f} us, backward {row['bwd_s'] * 1e6:.0f} us")
         if config.get("ops", True):
             result["ops"] = bench_ops(dtype, device, min_t)
             for row in result["ops"]:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01 \\
         --profile calibration/profiles/cpu.toml            # the whole loop (gpt-small, 1-8 ranks)
-    python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks (the CI size)
+    python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, about a minute
 
 1. `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM shapes of every
    valid grid with that many ranks, small ops, and each collective over group sizes 2, 4 and 8;
@@ -71,10 +71,13 @@ def main() -> int:
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
     ap.add_argument("--skip-bench", action="store_true", help="reuse the measurement files already in OUT")
     ap.add_argument("--calibrate-only", action="store_true", help="stop after step 2 (bench and calibrate)")
-    ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps (the CI size)")
+    ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps")
+    ap.add_argument("--ci", action="store_true", help="gpt-tiny, two grids of 2 ranks, 4 steps (the test's size)")
     a = ap.parse_args()
     if a.quick:
         a.model, a.ranks, a.steps, a.min_time = "gpt-tiny", "1,2", 4, 0.02
+    if a.ci:
+        a.model, a.ranks, a.steps, a.min_time, a.grids = "gpt-tiny", "2", 4, 0.01, a.grids or "2x1x1x1,1x1x1x2"
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(a.profile).resolve() if a.profile else out / "cpu.toml"

@@ -95,6 +95,26 @@ def _compute_scale(square: dict[int, dict[int, float]], ranks: int, most: int, s
                   f"measured: {size}^3 GEMM rate per rank with {ranks} over {most} rank(s), {src}")
 
 
+def _scale_value(square: dict[int, dict[int, float]], ranks: int, most: int) -> float:
+    common = sorted(set(square[ranks]) & set(square[most]))
+    return square[ranks][common[-1]] / square[most][common[-1]] if common else 1.0
+
+
+def _attention(group: list[dict], ranks: int, peak: float, scale: float, src: str) -> list[str]:
+    """node_share lines: attention efficiency (program flops over the rank's scaled peak x time), the
+    median over the measured shapes; none when attention was not measured."""
+    rows = [row for r in group for row in r.get("attention", [])]
+    if not rows:
+        return []
+    out = []
+    for phase in ("fwd", "bwd"):
+        eff = statistics.median(row[f"{phase}_flops"] / (peak * scale * row[f"{phase}_s"]) for row in rows)
+        out.append(f"attention_{phase}_efficiency = " + _entry(
+            eff, f"measured: causal attention {'forward' if phase == 'fwd' else 'backward'}, median over "
+                 f"{len(rows)} program shapes, of the peak scaled by compute_scale, {src}"))
+    return out
+
+
 def _residual(what: str, res: list[float]) -> Residual:
     a = [abs(r) for r in res]
     return Residual(what, len(a), statistics.median(a) if a else 0.0, max(a) if a else 0.0)
@@ -164,7 +184,9 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                 "overlap_slowdown = " + _entry(slow, (f"measured: median GEMM slowdown under an all-reduce "
                                                       f"({len(over)} axes, at least 1), {src}") if over
                                                else "no overlap measured with this many ranks: 1"),
-                "compute_scale = " + _compute_scale(square, ranks, most, src), ""]))
+                "compute_scale = " + _compute_scale(square, ranks, most, src)]
+                + _attention(group, ranks, base_data["peak_flops"]["value"], _scale_value(square, ranks, most), src)
+                + [""]))
         for r in group:
             for row in r["gemm"]:
                 flops = 2.0 * row["m"] * row["n"] * row["k"] / row["seconds"]

@@ -18,7 +18,9 @@ ROW_KEYS = {
     "ops": ("op", "numel", "bytes", "seconds"),
     "collectives": ("axis", "kind", "group_size", "bytes", "seconds"),
     "overlap": ("m", "n", "k", "axis", "alone_s", "overlapped_s"),
+    "attention": ("m", "n", "k", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s"),
 }
+OPTIONAL_TABLES = ("attention",)  # absent in files written before it was measured
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -58,7 +60,8 @@ def load_measurement(path: str | Path) -> dict:
     if grid.size != data["ranks"]:
         raise _bad(path, f"grid {grid} has {grid.size} ranks but `ranks` is {data['ranks']}")
     for table, keys in ROW_KEYS.items():
-        rows = data.get(table)
+        rows = data.get(table, [] if table in OPTIONAL_TABLES else None)
+        data[table] = rows
         if not isinstance(rows, list):
             raise _bad(path, f"missing the `{table}` list")
         for i, row in enumerate(rows):

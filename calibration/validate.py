@@ -1,6 +1,6 @@
 """Validation: the twin's prediction of a run against what `backend run` measured.
 
-`validate_run(RUN_DIR)` reads what the run wrote (trace.json: every op of the traced step on every
+`validate_run(RUN_DIR)` reads what the run wrote (trace/: every op of the traced step, one file per
 rank, with model, grid and switches in its metadata; log.jsonl: the step times; summary.json: the
 measured memory peak per rank), simulates the same run (model, grid, batch, switches, GEMMs in the
 program's layout as the backend runs them) on a system with a kernel profile, and compares:
@@ -62,14 +62,18 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def read_run(run_dir: str | Path) -> dict:
     """What a run wrote: metadata, step times, memory peaks, spans. Raises TwinError, one line."""
-    from twin.trace import read_trace
+    from twin.trace import read_metadata, read_trace, trace_files
     d = Path(run_dir)
-    trace, log = d / "trace.json", d / "log.jsonl"
+    trace, log = d / "trace", d / "log.jsonl"
+    if not trace.exists() and (d / "trace.json").exists():
+        trace = d / "trace.json"  # a run written before traces became one file per rank
     for f in (trace, log):
         if not f.exists():
             raise TwinError(f"{d} is not a run directory of `backend run`: {f.name} is missing")
+    if not trace_files(trace):
+        raise TwinError(f"{trace} holds no trace files (rank0.json, ...): rerun `backend run --out {d}`")
     try:
-        meta = json.loads(trace.read_text()).get("metadata", {})
+        meta = read_metadata(trace)
         steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -44,6 +44,8 @@ class NodeShare:
     hbm_bandwidth: float
     overlap_slowdown: float
     compute_scale: float = 1.0  # a rank's GEMM rate relative to the profile's own (peak_flops, gemm_flops)
+    attention_fwd_efficiency: float = 0.0  # measured, of the scaled peak (0: the profile's own)
+    attention_bwd_efficiency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class Profile:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale)
+            if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
+                kw.update(attention_fwd_efficiency=share.attention_fwd_efficiency,
+                          attention_bwd_efficiency=share.attention_bwd_efficiency)
         return replace(self, **kw)
 
     def collectives(self) -> CollectiveTable | None:
@@ -197,7 +202,9 @@ def load_profile(name_or_path: str) -> Profile:
                                 *(_value(path, f"{where}.{key}", row.get(key), sources)
                                   for key in ("launch_s", "hbm_bandwidth", "overlap_slowdown")),
                                 _value(path, f"{where}.compute_scale", row.get("compute_scale",
-                                       {"value": 1.0, "source": "not measured: 1"}), sources)))
+                                       {"value": 1.0, "source": "not measured: 1"}), sources),
+                                *(_value(path, f"{where}.{key}", row[key], sources) if key in row else 0.0
+                                  for key in ("attention_fwd_efficiency", "attention_bwd_efficiency"))))
     colls = []
     for i, row in enumerate(_rows(path, data, "collective_table")):
         where = f"collective_table[{i}]"

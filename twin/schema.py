@@ -236,7 +236,9 @@ GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(
                  optional={"ranks": Int(0, 1 << 20)})
 NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(Positive(1.0)),
                                  "hbm_bandwidth": Sourced(RATE), "overlap_slowdown": Sourced(Positive(1e6))},
-                       optional={"compute_scale": Sourced(Positive(1e6))})
+                       optional={"compute_scale": Sourced(Positive(1e6)),
+                                 "attention_fwd_efficiency": Sourced(Positive(1e6)),
+                                 "attention_bwd_efficiency": Sourced(Positive(1e6))})
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
