@@ -129,6 +129,8 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                           "measured_s": sum(o["measured_s"] for o in ops if o["kind"] == kind),
                           "predicted_s": sum(o["predicted_s"] for o in ops if o["kind"] == kind)}
     compute = [abs(o["error"]) for o in ops if o["kind"] not in ("all_gather", "reduce_scatter", "all_reduce")]
+    from twin.trace import trace_breakdown
+    idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
     mem_pred = memory_per_gpu(spec, grid, options, batch, spec.seq_len, study.profile.activation_bytes)
     peaks = run["summary"].get("memory_peak_bytes")
     mem_meas = max(peaks) if isinstance(peaks, list) and peaks else None
@@ -136,7 +138,11 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
         "run": run["dir"], "model": spec.name, "grid": str(grid), "ranks": grid.size, "batch": batch,
         "options": meta["options"], "profile": study.profile.name, "system": study.system.name,
         "iteration": {"measured_s": measured_it, "predicted_s": res.iteration_time_s,
-                      "error": res.iteration_time_s / measured_it - 1, "steps_used": len(warm)},
+                      "error": res.iteration_time_s / measured_it - 1, "steps_used": len(warm),
+                      # time of the traced step outside every recorded op (host work between ops),
+                      # median over ranks, and the twin's idle time
+                      "outside_ops_measured_s": statistics.median(idle) if idle else None,
+                      "idle_predicted_s": res.breakdown_s["idle"]},
         "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,
