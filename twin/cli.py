@@ -304,8 +304,8 @@ def topology_cmd(
 @app.command("calibrate")
 @handles_errors
 def calibrate_cmd(
-    measurements: Annotated[list[Path], typer.Argument(help="Measurement files of `backend bench` (JSON).")],
-    out: Annotated[Path, typer.Option(help="Profile to write: calibration/profiles/NAME.toml.")],
+    measurements: Annotated[list[str], typer.Argument(help="Measurement files of `backend bench` (JSON).")],
+    out: Annotated[str, typer.Option(help="Profile to write: calibration/profiles/NAME.toml.", callback=output_file)],
     base: Annotated[Optional[str], typer.Option(help="Profile (name or .toml) for what bench does not measure (default: calibration/base/cpu.toml).")] = None,
 ) -> None:
     """Fit a kernel profile to `backend bench` measurements and print the fit's residuals."""
@@ -322,11 +322,11 @@ def calibrate_cmd(
 @app.command("validate")
 @handles_errors
 def validate_cmd(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Directories written by `backend run --out DIR`.")],
+    run_dirs: Annotated[list[str], typer.Argument(help="Directories written by `backend run --out DIR`.")],
     system: SystemOpt = "cpu",
     profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the whole report (every op) as JSON here.")] = None,
-    html: Annotated[Optional[Path], typer.Option(help="Write a plotly scatter of predicted vs measured per op here.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write a plotly scatter of predicted vs measured per op here.", callback=output_file)] = None,
 ) -> None:
     """Simulate what `backend run` ran and compare: iteration, per op by kind, memory, grid ranking."""
     import json
