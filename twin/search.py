@@ -168,7 +168,7 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
         per_block[how] += t
         comm[a] += model.layers * t
     exposed = per_block["exposed"] + max(0.0, per_block["oar"] - wgrad) + max(0.0, per_block["z"] - block)
-    mem = memory_per_gpu(model, grid, opt, study.batch, study.seq_len).total
+    mem = memory_per_gpu(model, grid, opt, study.batch, study.seq_len, study.profile.activation_bytes).total
     return Candidate(grid, compute + model.layers * exposed, compute, comm, mem)
 
 

@@ -74,7 +74,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
-    mem = memory_per_gpu(study.model, grid, study.options, study.batch, study.seq_len)
+    mem = memory_per_gpu(study.model, grid, study.options, study.batch, study.seq_len, study.profile.activation_bytes)
     breakdown = {"compute": res.compute_s, "exposed_comm": {a: res.exposed_s[a] for a in AXES},
                  "idle": res.idle_s}
     result = SimulationResult(
