@@ -258,6 +258,7 @@ def memorization_study_cmd(
     goldfish_h: Annotated[int, typer.Option(help="Goldfish loss: hash the H tokens before a target.")] = 13,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay to a tenth of it).")] = 3e-3,
     batch: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    threads: Annotated[int, typer.Option(help="Torch threads per rank (0: torch's default).")] = 0,
     grid: GridOpt = "1x1x1x1",
     seed: Annotated[int, typer.Option(help="Seed of the data, the weights and the order.")] = 0,
     out: Annotated[str, typer.Option(help="Directory for study.json and the chart.")] = "runs/memorization",
@@ -272,7 +273,7 @@ def memorization_study_cmd(
 
     cfg = StudyConfig(epochs=epochs, eval_every=eval_every, canaries=canaries, texts=texts, seq_len=seq_len,
                       prefix=prefix, suffix=suffix, goldfish_k=goldfish_k, goldfish_h=goldfish_h, lr=lr,
-                      min_lr=lr / 10, batch=batch, grid=grid, seed=seed, out=out)
+                      min_lr=lr / 10, batch=batch, threads=threads, grid=grid, seed=seed, out=out)
     check(cfg)
     g = Grid.parse(grid)
     check_launcher_world(g)

@@ -54,7 +54,7 @@ class StudyConfig:
     seed: int = 0
     grid: str = "1x1x1x1"
     out: str = "runs/memorization"
-    threads: int = 0               # torch threads (0: torch's default)
+    threads: int = 0               # torch threads per rank (0: torch's default)
     losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
 
     def spec(self) -> ModelSpec:
@@ -72,6 +72,8 @@ def check(cfg: StudyConfig) -> None:
     from backend.memorization import check_lengths
     from twin.grid import Grid
 
+    if cfg.threads < 0:
+        raise TwinError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
     if cfg.epochs < 1 or cfg.eval_every < 1:
         raise TwinError(f"--epochs and --eval-every must be >= 1, got {cfg.epochs} and {cfg.eval_every}")
     if cfg.canaries < 0 or cfg.texts < 0 or cfg.canaries + cfg.texts < 1 or cfg.held_out < 1:

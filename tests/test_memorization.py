@@ -18,6 +18,15 @@ from twin.common import TwinError  # noqa: E402
 from twin.model import load_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny decodes: on a loaded 2-core machine two OpenMP threads made them 1,000x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_rouge_l_known_cases():
     assert rouge_l([1, 2, 3], [1, 2, 3]) == 1.0
     assert rouge_l([1, 2, 3], [4, 5, 6]) == 0.0

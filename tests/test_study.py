@@ -32,7 +32,7 @@ def test_pseudo_text_is_a_seeded_language():
 
 @pytest.mark.parametrize("change,match", [
     ({"goldfish_k": 0}, "goldfish-k"), ({"prefix": 64}, "prefix"), ({"suffix": 40}, "suffix"),
-    ({"batch": 5}, "batch"), ({"epochs": 0}, "epochs"), ({"heads": 3}, "heads"),
+    ({"batch": 5}, "batch"), ({"epochs": 0}, "epochs"), ({"heads": 3}, "heads"), ({"threads": -1}, "threads"),
 ])
 def test_study_checks(change, match):
     with pytest.raises(TwinError, match=match):
