@@ -143,3 +143,25 @@ def test_goldfish_loss_on_a_4d_grid_equals_one_process():
         assert r["held_out"] == pytest.approx(r["plain"], rel=1e-5), rank
     r = results[0]
     assert 0.15 < r["dropped"] / r["tokens"] < 0.35 and r["loss"] != pytest.approx(r["plain"], rel=1e-6)
+
+
+def test_run_with_goldfish_and_held_out_loss(tmp_path):
+    """`backend run --goldfish-k 4 --eval-data ...` on a 2-rank grid: it trains, and the held-out loss
+    is in the log and on the progress line at the steps asked for."""
+    pytest.importorskip("torch")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    held = tmp_path / "held.txt"
+    held.write_bytes(bytes(range(256)) * 4)
+    r = subprocess.run([sys.executable, "-m", "backend.cli", "run", "--model", "gpt-tiny", "--grid", "1x1x1x2",
+                        "--steps", "4", "--goldfish-k", "4", "--goldfish-h", "5", "--eval-data", str(held),
+                        "--eval-every", "2", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    evals = {rec["step"]: rec["val_loss"] for rec in log if "val_loss" in rec}
+    assert sorted(evals) == [2, 4] and all(0 < v < 10 for v in evals.values())
+    assert "held-out loss" in r.stdout
