@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from twin.common import TwinError
+from twin.common import TwinError, write_atomic
 from twin.grid import Grid
 from twin.flags import options_from_flags
 from twin.model import load_model
@@ -160,10 +160,25 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def keep_log(path: Path, resumed_after: int) -> None:
+    """Start a run's log: keep the records of the steps before the checkpoint it resumed from (none for a
+    fresh run), so that the log holds each step once however often the run was restarted."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if 0 < json.loads(line)["step"] <= resumed_after:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
 class MetricsLog:
     """Per-step metrics: one JSON line per logged step in `path`, and a progress line on stdout."""
 
-    def __init__(self, path: Path, cfg: TrainConfig, program: Program, enabled: bool):
+    def __init__(self, path: Path, cfg: TrainConfig, program: Program, enabled: bool, resumed_after: int = 0):
         self.path, self.cfg, self.enabled = path, cfg, enabled
         self.flops = step_flops(program, program.options.recompute)
         self.model_flops = step_flops(program, False)
@@ -172,6 +187,7 @@ class MetricsLog:
         self.times: list[float] = []
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
+            keep_log(path, resumed_after)
 
     def log(self, step: int, loss: float, lr: float, seconds: float, extra: dict | None = None) -> dict:
         """Record one step that took `seconds`; returns the record."""
@@ -222,7 +238,7 @@ def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
 
     if not cfg.ckpt_dir:
         return 0
-    path = checkpoint.latest(cfg.ckpt_dir)
+    path = checkpoint.find_resume(cfg.ckpt_dir, ctx.rank)  # newest good one; the same on every rank
     if path is None:
         return 0
     state = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
@@ -268,7 +284,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             held_out = HeldOut(cfg.eval_data, spec, program.batch, ctx, cfg.eval_batches, cfg.seed)
         start = _resume(cfg, model, optimizer, loader, ctx)
         out = Path(cfg.out)
-        metrics = MetricsLog(out / "log.jsonl", cfg, program, enabled=rank0)
+        metrics = MetricsLog(out / "log.jsonl", cfg, program, enabled=rank0, resumed_after=start)
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
             print(f"backend run: {spec.name} ({spec.parameters(spec.padded_vocab(grid.y)) / 1e6:.1f} M parameters) "

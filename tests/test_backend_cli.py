@@ -54,12 +54,12 @@ def test_missing_data_file_and_token_out_of_vocabulary(tmp_path):
 
 
 def test_checkpoint_from_another_grid(tmp_path):
-    grid, model = Grid.parse("1x1x1x2"), load_model("gpt-tiny")
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
     checkpoint.save(tmp_path, 2, 0, {"step": 2}, checkpoint.make_meta(2, grid, model))  # its metadata decides
-    assert_one_error_line(backend("run", "--grid", "1x1x2x1", "--ckpt-dir", str(tmp_path)), "grid 1x1x1x2")
+    assert_one_error_line(backend("run", "--grid", "1x1x2x1", "--ckpt-dir", str(tmp_path)), "grid 1x1x1x1")
     other = load_model("gpt-small")
     checkpoint.save(tmp_path, 3, 0, {"step": 3}, checkpoint.make_meta(3, grid, other))
-    assert_one_error_line(backend("run", "--grid", "1x1x1x2", "--ckpt-dir", str(tmp_path)), "gpt-small")
+    assert_one_error_line(backend("run", "--grid", "1x1x1x1", "--ckpt-dir", str(tmp_path)), "gpt-small")
 
 
 def test_under_a_launcher_every_rank_reports_and_exits(tmp_path):
