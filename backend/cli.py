@@ -79,6 +79,7 @@ def run_cmd(
     eval_data: Annotated[Optional[str], typer.Option(help="Held-out data (same forms as --data); its loss goes to the log.")] = None,
     eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: after the last step only).")] = 0,
     eval_batches: Annotated[int, typer.Option(help="Global batches of held-out windows per evaluation.")] = 4,
+    progress_timeout: Annotated[float, typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never.")] = 900.0,
 ) -> int:
     """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch import launch
@@ -97,7 +98,9 @@ def run_cmd(
     g = Grid.parse(grid)
     check_launcher_world(g)
     validate(cfg)
-    return launch("run", asdict(cfg), g.size)
+    if not 0 <= progress_timeout < 1e9:
+        raise TwinError(f"--progress-timeout must be a number of seconds >= 0, got {progress_timeout}")
+    return launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)
 
 
 @app.command("replay")

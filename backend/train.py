@@ -256,7 +256,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     from backend.data import ShardedLoader, open_source
     from backend.dist import ParallelContext, destroy
-    from backend.launch import check_world_size, env_rank, fabric_warning
+    from backend.launch import check_world_size, env_rank, fabric_warning, heartbeat
     from backend.model import GPT
     from backend.optim import make_optimizer, train_step
     from backend.recorder import NULL_RECORDER, Recorder
@@ -319,6 +319,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
+            heartbeat()  # the launcher ends a run whose rank stops making progress
             if step == trace_step:
                 model.recorder = NULL_RECORDER
                 _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,
