@@ -1,143 +1,129 @@
-"""How fast the simulator is (a report, not a test).
+"""How fast the simulator is, against a baseline measured in the same run (a report, not a test).
 
-    python benchmarks/bench_simulate.py [--quick]
+    python benchmarks/bench_simulate.py [--baseline DIR] [--repeat N] [--quick] [--machine]
 
-1. `twin simulate --system frontier` (gpt-320b on 32,768 GCDs, symmetric, grid auto) as a whole
-   process, and where the time goes inside (cProfile by module: collective model, engine, search, ...).
-2. Full mode: simulated ops per second of the engine (gpt-5b on 512, 1,024 and 4,096 GCDs, grid
-   2x2x2xN), and one iteration of 4,096 ranks (gpt-40b on 4,096 Perlmutter GPUs, the published case).
-3. Growth of wall time with GPU count (512 ... 32,768; symmetric, fixed and auto grid) and with layers.
-Timings on a shared machine vary; each figure is the best of `--repeat` runs.
+Each figure is a whole `twin` process (imports included), as a user runs it:
+1. `twin simulate --system frontier` (gpt-320b on 32,768 GCDs, grid auto) and with the grid fixed;
+2. `twin search --system frontier --model gpt-320b --gpus 32768 --top 10` (every grid ranked, top 10
+   simulated and any other that could beat them);
+3. full mode: gpt-5b on 4,096 GCDs (grid 2x2x2x512), simulated ops per second of the whole process;
+4. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
+Every command runs in this checkout and, with --baseline, in another one (e.g. a worktree of an older
+commit: `git worktree add /tmp/base COMMIT`), alternately, `--repeat` times; the table gives the
+median wall and CPU seconds of each, their ratio, and each process's peak resident memory. The
+machine may be shared: the load average is printed before and after, and CPU seconds are steadier
+than wall seconds under load.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import dataclasses
-import pstats
+import json
+import os
+import resource
+import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from pathlib import Path
 
-from twin.grid import Grid
-from twin.model import load_model
-from twin.engine import simulate_program
-from twin.program import build_program
-from twin.simulate import collective_timer, simulate, simulate_grid
-from twin.study import collective_model, prepare
+HERE = Path(__file__).resolve().parent.parent
+# runs the CLI in a child and prints its peak resident memory (KiB) on the last line of stderr
+RUNNER = ("import resource, runpy, sys\n"
+          "sys.argv = ['twin'] + sys.argv[1:]\n"
+          "try:\n    runpy.run_module('twin.cli', run_name='__main__')\n"
+          "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+          "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+          "sys.exit(code)\n")
 
-
-def best_of(n: int, fn):
-    """(best wall seconds, last result) of n calls."""
-    best, out = float("inf"), None
-    for _ in range(n):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
-
-
-def cpu_of(fn):
-    """(CPU seconds of this process, result): steadier than wall time on a shared, loaded machine."""
-    t = time.process_time()
-    out = fn()
-    return time.process_time() - t, out
+CASES = [
+    ("simulate frontier (grid auto)", ["simulate", "--system", "frontier", "--json"], "< 2 s (goal 1 s)"),
+    ("simulate frontier --grid 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8", "--json"],
+     "< 1 s"),
+    ("search frontier gpt-320b 32768 --top 10", ["search", "--system", "frontier", "--model", "gpt-320b",
+                                                 "--gpus", "32768", "--top", "10", "--json"], "< 10 s"),
+    ("full: gpt-5b on 4,096 GCDs 2x2x2x512", ["simulate", "--system", "frontier", "--model", "gpt-5b", "--gpus",
+                                              "4096", "--grid", "2x2x2x512", "--full", "--json"],
+     ">= 1 M ops/s"),
+]
+MACHINE = ("full: gpt-320b on 32,768 GCDs 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8",
+                                                      "--full", "--json"], "< 300 s, < 12 GB")
 
 
-def frontier_default(repeat: int) -> None:
-    print("== twin simulate --system frontier (whole process)")
-    wall, _ = best_of(repeat, lambda: subprocess.run(["twin", "simulate", "--system", "frontier", "--json"],
-                                                     check=True, capture_output=True))
-    print(f"   whole process: {wall:.2f} s (target < 10 s)")
-    import twin.search
-    workers, twin.search.MAX_WORKERS = twin.search.MAX_WORKERS, 1  # profile in one process
-    prof = cProfile.Profile()
-    prof.enable()
-    r = simulate("frontier")
-    prof.disable()
-    twin.search.MAX_WORKERS = workers
-    stats = pstats.Stats(prof)
-    by_module: dict[str, float] = defaultdict(float)
-    for (file, _, _), (_, _, tottime, _, _) in stats.stats.items():
-        for key in ("twin/collectives", "twin/flows", "topologies/", "twin/engine", "simpy/", "twin/program",
-                    "twin/search", "twin/kernels", "twin/memory", "numpy"):
-            if key in file:
-                by_module[key] += tottime
-                break
-        else:
-            by_module["other"] += tottime
-    total = sum(by_module.values())
-    print(f"   in one process (no worker processes; profiled, so slower): {total:.2f} s; grid {r.grid_str} "
-          f"({r.grid_choice})")
-    for k, v in sorted(by_module.items(), key=lambda kv: -kv[1]):
-        print(f"     {k:20s} {v:6.2f} s  {100 * v / total:5.1f} %")
-
-
-def engine_only(study, grid: Grid, full: bool):
-    """(engine wall s, engine CPU s, EngineResult): the collective model is built and its caches warmed first."""
-    prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
-    compute = [0.0 if op.is_collective else study.kernels.op_time(op) for op in prog.ops]
-    timer = collective_timer(prog, collective_model(study, grid))
-    simulate_program(prog, compute, timer, overlap_slowdown=study.profile.overlap_slowdown)  # warm
-    t, c = time.perf_counter(), time.process_time()
-    r = simulate_program(prog, compute, timer, full=full, overlap_slowdown=study.profile.overlap_slowdown)
-    return time.perf_counter() - t, time.process_time() - c, r
-
-
-def full_mode(repeat: int, quick: bool) -> None:
-    print("== full mode (target >= 300,000 simulated ops per second at every size)")
-    for gpus in (512, 1024, 4096)[: 1 if quick else 3]:
-        study = prepare("frontier", "gpt-5b", gpus)
-        g = Grid(2, 2, 2, gpus // 8)
-        runs = [engine_only(study, g, True) for _ in range(repeat if gpus <= 1024 else 1)]
-        eng, cpu, r = min(x[0] for x in runs), min(x[1] for x in runs), runs[-1][2]
-        print(f"   gpt-5b on {gpus:,} GCDs {g}: {r.simulated_ops:,} ops; engine {eng:.2f} s wall ({cpu:.2f} s CPU) = "
-              f"{r.simulated_ops / eng:,.0f} ops/s wall, {r.simulated_ops / cpu:,.0f} per CPU second")
-    if quick:
-        return
-    study = prepare("perlmutter", "gpt-40b", 4096)
-    g = Grid.parse("1x8x8x64")
+def run(root: Path, args: list[str], timeout: float) -> dict:
+    """One whole process: wall s, CPU s (user + system), peak RSS bytes, simulated ops (if printed)."""
     t = time.perf_counter()
-    cpu, r = cpu_of(lambda: simulate_grid(study, g, full=True))
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, *args], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - t
-    print(f"   gpt-40b on 4,096 Perlmutter GPUs {g}: {r.simulated_ops:,} ops in {wall:.1f} s wall, {cpu:.1f} s CPU "
-          f"= {r.simulated_ops / cpu:,.0f} ops per CPU second (target: one iteration < 60 s)")
+    rss = next((int(line.split()[1]) * 1024 for line in reversed(err.splitlines()) if line.startswith("maxrss")), 0)
+    if proc.returncode:
+        return {"error": (err.strip().splitlines() or ["?"])[-2 if rss else -1][:200]}
+    ops = None
+    try:
+        d = json.loads(out)
+        ops = d.get("simulated_ops") if isinstance(d, dict) else None
+    except json.JSONDecodeError:
+        pass
+    return {"wall": wall, "rss": rss, "ops": ops}
 
 
-def scaling(repeat: int, quick: bool) -> None:
-    print("== wall time vs GPU count (gpt-80b on Frontier, symmetric, global batch = GPUs / 16 sequences)")
-    print(f"   {'GPUs':>6} {'grid':>12} {'fixed grid (s)':>15} {'grid auto (s)':>14} {'iteration (s)':>14}")
-    for gpus in (512, 2048, 8192, 32768)[: 2 if quick else 4]:
-        grid = Grid(8, 8, 4, gpus // 256)
-        wall_fixed, r = best_of(repeat, lambda: simulate("frontier", "gpt-80b", gpus, grid, batch=gpus // 16))
-        wall_auto, _ = best_of(1, lambda: simulate("frontier", "gpt-80b", gpus, "auto", batch=gpus // 16))
-        print(f"   {gpus:>6} {str(grid):>12} {wall_fixed:>15.2f} {wall_auto:>14.2f} {r.iteration_time_s:>14.3f}")
-    print("== full-mode wall time vs GPU count (gpt-5b on Frontier)")
-    for gpus in (128, 256, 512, 1024)[: 2 if quick else 4]:
-        grid = Grid(2, 2, 2, gpus // 8)
-        wall, r = best_of(1, lambda: simulate("frontier", "gpt-5b", gpus, grid, full=True))
-        print(f"   {gpus:>6} {str(grid):>12} {wall:>8.2f} s  {r.simulated_ops:>10,} ops  {r.simulated_ops / wall:>9,.0f} ops/s")
-    print("== wall time vs layers (gpt-320b widths on 32,768 GCDs, grid 8x8x4x128, symmetric)")
-    base = load_model("gpt-320b")
-    study = prepare("frontier", base, 32768)
-    for layers in (24, 48, 96, 192)[: 2 if quick else 4]:
-        model = dataclasses.replace(base, name=f"gpt-320b-{layers}l", layers=layers)
-        st = dataclasses.replace(study, model=model)
-        wall, r = best_of(repeat, lambda: simulate_grid(st, Grid(8, 8, 4, 128)))
-        print(f"   {layers:>4} layers: {wall:6.2f} s, {r.simulated_ops:,} ops, iteration {r.iteration_time_s:.2f} s")
+def timed(root: Path, args: list[str], timeout: float) -> dict:
+    """`run` with the child's CPU seconds (from the rusage of waited-for children)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = run(root, args, timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r["cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return r
+
+
+def fmt(rs: list[dict]) -> tuple[str, float | None, float | None]:
+    ok = [r for r in rs if "error" not in r]
+    if not ok:
+        return rs[0]["error"], None, None
+    wall = statistics.median(r["wall"] for r in ok)
+    cpu = statistics.median(r["cpu"] for r in ok)
+    rss = max(r["rss"] for r in ok)
+    ops = ok[0]["ops"]
+    extra = f", {ops / wall / 1e6:.2f} M ops/s" if ops and "--full" in " ".join(ok[0].get("args", [])) else ""
+    return f"{wall:7.2f} s wall {cpu:7.2f} s CPU {rss / 2**30:5.2f} GiB{extra}", wall, cpu
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer and smaller cases")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per timing (best is reported)")
+    ap.add_argument("--baseline", type=Path, help="another checkout to run the same commands in")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per command and checkout (median reported)")
+    ap.add_argument("--quick", action="store_true", help="the two simulate commands only")
+    ap.add_argument("--machine", action="store_true", help="also the whole-machine full-mode run (minutes)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     a = ap.parse_args()
-    frontier_default(a.repeat)
-    full_mode(a.repeat, a.quick)
-    scaling(a.repeat, a.quick)
-    sys.stdout.flush()
+    cases = CASES[:2] if a.quick else CASES + ([MACHINE] if a.machine else [])
+    roots = [("this", HERE)] + ([("baseline", a.baseline.resolve())] if a.baseline else [])
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+    for name, args, target in cases:
+        results: dict[str, list[dict]] = {k: [] for k, _ in roots}
+        for _ in range(1 if args == MACHINE[1] else a.repeat):
+            for k, root in roots:  # alternate, so that both see the same load
+                r = timed(root, args, a.timeout)
+                r["args"] = args
+                results[k].append(r)
+        print(f"== {name}  (target {target})")
+        figures = {}
+        for k, _ in roots:
+            text, wall, cpu = fmt(results[k])
+            figures[k] = (wall, cpu)
+            print(f"   {k:9s} {text}")
+        if a.baseline and None not in figures["this"] and None not in figures["baseline"]:
+            (w1, c1), (w0, c0) = figures["this"], figures["baseline"]
+            print(f"   ratio     {w1 / w0:7.2f} x wall {c1 / c0:7.2f} x CPU (this / baseline)")
+        sys.stdout.flush()
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -50,13 +50,39 @@ def test_analytical_terms_follow_the_ring_volumes():
 
 
 def test_search_simulates_the_best_and_auto_picks_the_fastest():
+    import twin.simulate as sim_mod
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     cands = search(study, top=5, simulate_top=3)
-    assert len(cands) == 5
-    assert all(c.simulated_s is not None for c in cands[:3]) and all(c.simulated_s is None for c in cands[3:])
+    assert len(cands) >= 5 and all(c.simulated_s is not None for c in cands[:3])
+    fastest = min(c.simulated_s for c in cands if c.simulated_s is not None)
+    # past the top 3, a grid is simulated exactly when its lower bound is below the fastest so far
+    checked = [c for c in cands[3:] if c.bound_s is not None]
+    assert len(checked) == min(sim_mod.SCAN, len(rank_grids(study, keep=5)) - 3)
+    assert all(c.bound_s >= fastest for c in checked if c.simulated_s is None)
+    assert all(c.bound_s <= c.simulated_s for c in checked if c.simulated_s is not None)
     best, how = choose_grid(study, simulate_top=3)
-    assert best.simulated_s == min(c.simulated_s for c in cands[:3])
+    assert best.simulated_s == fastest
     assert how.startswith("auto") and str(best.grid) in how
+
+
+def test_lower_bound_is_below_the_simulation():
+    import twin.simulate as sim_mod
+    from twin.search import lower_bound
+    study = prepare("frontier", "gpt-5b", 64, batch=64)
+    for g in (Grid(2, 2, 2, 8), Grid(8, 1, 8, 1), Grid(1, 4, 1, 16)):
+        assert 0 < lower_bound(study, g) <= sim_mod.simulate_grid(study, g).iteration_time_s
+
+
+def test_search_results_are_reused_in_the_process():
+    import twin.simulate as sim_mod
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    g = Grid(1, 2, 2, 4)
+    a = sim_mod.simulate_grid(study, g)
+    b = sim_mod.simulate_grid(prepare("perlmutter", "gpt-1b", 16, batch=16), g, grid_choice="again")
+    assert a.as_dict(wall_time=False) | {"grid_choice": "again"} == b.as_dict(wall_time=False)
+    assert a is not b and b.grid_choice == "again" and a.grid_choice == "given"
+    other = sim_mod.simulate_grid(prepare("perlmutter", "gpt-1b", 16, batch=32), g)
+    assert other.iteration_time_s != a.iteration_time_s
 
 
 def test_nothing_fits_is_a_twin_error():
@@ -65,11 +91,12 @@ def test_nothing_fits_is_a_twin_error():
         rank_grids(study, collectives=FlatBandwidth())
 
 
-def test_parallel_and_serial_probes_agree(monkeypatch):
-    import twin.search as search_mod
+def test_branch_and_bound_keeps_the_best_and_bounds_the_rest():
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
-    parallel = [(str(c.grid), c.analytical_s) for c in rank_grids(study, keep=5)]
-    monkeypatch.setattr(search_mod, "MAX_WORKERS", 1)
-    serial = [(str(c.grid), c.analytical_s) for c in rank_grids(study, keep=5)]
-    exhaustive = [(str(c.grid), c.analytical_s) for c in rank_grids(study)]
-    assert parallel == serial and parallel[:5] == exhaustive[:5]  # branch and bound keeps the best 5
+    bnb = rank_grids(study, keep=5)
+    exhaustive = rank_grids(study)
+    assert [(str(c.grid), c.analytical_s) for c in bnb[:5]] == [(str(c.grid), c.analytical_s) for c in exhaustive[:5]]
+    assert {str(c.grid) for c in bnb} == {str(c.grid) for c in exhaustive}  # every valid grid is ranked
+    exact = {str(c.grid): c.analytical_s for c in exhaustive}
+    bounds = [c for c in bnb if not c.exact]
+    assert bounds and all(c.analytical_s <= exact[str(c.grid)] * (1 + 1e-12) for c in bounds)

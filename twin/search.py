@@ -18,17 +18,23 @@ as exposed ranked grids whose y all-reduces cross nodes first, because the z tra
 hidden in the engine anyway: on 8,192 Frontier GCDs, gpt-80b, the top 3 simulated at 8.2-8.3 s
 while grids ranked tenth and below simulated at 6.7 s; docs/fidelity.md.) There is no contention
 between axes here (the engine has it). The estimate ranks grids; the engine then simulates the best
-few (in parallel processes when there are several CPUs).
+few, and as many more as could still beat the fastest simulated (twin.simulate.search).
+
+Everything runs in this process: the collective model's routes and rates are memoised by content
+(topologies.memo), so probes share them with each other and with the simulations (the probe of
+groups of 8 at stride 4,096 is exactly the data axis of 2x32x64x8), and a process pool would only
+compute them again in every worker. The probes of a system and placement are kept for the
+process (`bandwidth_for`), so a second search, `simulate --grid auto`, a scaling or a sensitivity
+sweep over the same machine reuse them.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-from concurrent.futures import ProcessPoolExecutor
+import pickle
 from dataclasses import dataclass
 
+from topologies.memo import digest
 from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
@@ -37,7 +43,6 @@ from twin.study import Study, check_grid, collective_model
 
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
-MAX_WORKERS = 4            # processes for probing the collective model and simulating the best grids
 BRANCH_BATCH = 8           # grids whose exact estimate is computed per round of the branch and bound
 
 
@@ -52,6 +57,8 @@ class Candidate:
     memory_bytes: int
     simulated_s: float | None = None
     result: object = None  # the SimulationResult, once simulated
+    exact: bool = True     # False: analytical_s is only the optimistic bound of the branch and bound
+    bound_s: float | None = None  # a lower bound on its simulated time, where the search checked one
 
 
 def candidate_grids(gpus: int) -> list[Grid]:
@@ -172,28 +179,41 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     return Candidate(grid, compute + model.layers * exposed, compute, comm, mem)
 
 
-def parallel_map(fn, items: list, workers: int | None = None) -> list:
-    """[fn(x) for x in items], on forked worker processes when there is enough work and more than
-    one CPU (the results, and their order, are the same either way)."""
-    workers = min(os.cpu_count() or 1, MAX_WORKERS) if workers is None else workers
-    if workers < 2 or len(items) < 2 or "fork" not in mp.get_all_start_methods():
-        return [fn(x) for x in items]
-    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=mp.get_context("fork")) as ex:
-        return list(ex.map(fn, items, chunksize=max(1, len(items) // (4 * workers))))
+def study_key(study: Study) -> bytes:
+    """Digest of everything a study's results depend on (system, model, GPUs, batch, switches,
+    placement, kernel profile and tuning): equal studies share ranked grids and simulations."""
+    return digest(pickle.dumps((study.system, study.model, study.gpus, study.batch, study.seq_len,
+                                study.options, study.placement, study.profile, study.kernels.tuning)))
 
 
-def _probe_job(args) -> tuple[float, float, float]:
-    study, p, stride = args
-    return Bandwidth(study)._probe(p, stride)
+def machine_key(study: Study) -> bytes:
+    """Digest of what the collective model of a study depends on: system, placement and the kernel
+    profile (which may carry measured collective tables)."""
+    return digest(pickle.dumps((study.system, study.placement, study.profile)))
+
+
+_BANDWIDTHS: dict[tuple[bytes, bool], Bandwidth] = {}
+
+
+def bandwidth_for(study: Study, optimistic: bool = False) -> Bandwidth:
+    """The process's probes of the study's machine (`machine_key`: what they measure depends on nothing
+    else), exact or optimistic (stride capped at the GPUs per node)."""
+    key = (machine_key(study), optimistic)
+    bw = _BANDWIDTHS.get(key)
+    if bw is None:
+        if len(_BANDWIDTHS) >= 16:
+            _BANDWIDTHS.pop(next(iter(_BANDWIDTHS)))
+        bw = _BANDWIDTHS[key] = Bandwidth(study)
+    bw.study = study
+    return bw
 
 
 def _probe_all(bandwidth: Bandwidth, pairs, stride_cap: int | None = None) -> None:
-    """Fill `bandwidth` for every (size, stride) in `pairs` (in parallel); with `stride_cap`, each pair
-    gets the figures of the same size at stride min(stride, stride_cap)."""
-    need = sorted({pair for pair in pairs if pair not in bandwidth._cache})
-    eff = [(p, min(s, stride_cap) if stride_cap else s) for p, s in need]
-    probes = parallel_map(_probe_job, [(bandwidth.study, p, s) for p, s in eff])
-    bandwidth._cache.update(zip(need, probes))
+    """Fill `bandwidth` for every (size, stride) in `pairs`; with `stride_cap`, each pair gets the
+    figures of the same size at stride min(stride, stride_cap)."""
+    exact = bandwidth if not stride_cap else bandwidth_for(bandwidth.study)
+    for p, s in sorted({pair for pair in pairs if pair not in bandwidth._cache}):
+        bandwidth._cache[p, s] = exact._probe(p, min(s, stride_cap) if stride_cap else s)
 
 
 def _pairs(grids) -> set[tuple[int, int]]:
@@ -202,7 +222,8 @@ def _pairs(grids) -> set[tuple[int, int]]:
 
 def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[Candidate]:
     """The valid grids (power-of-two ones for a power-of-two GPU count) that fit in HBM, best analytical
-    estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound.
+    estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound,
+    followed by every other valid grid with its optimistic bound (`exact` False), best bound first.
 
     The real collective model is probed once per (group size, stride). With `keep`, every grid first
     gets an optimistic estimate from cheap probes at stride min(s, GPUs per node) (groups of the
@@ -222,26 +243,72 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
                             f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
                             "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
         raise TwinError(f"no grid of {study.gpus} GPUs can run {study.model.name}: {reasons[-1]}")
-    exact_bw = Bandwidth(study, collectives)
+    exact_bw = Bandwidth(study, collectives) if collectives is not None else bandwidth_for(study)
     if collectives is not None or keep is None:
         if collectives is None:
             _probe_all(exact_bw, _pairs(valid))
         out = [analytical(study, grid, exact_bw) for grid in valid]
-    else:
-        optimistic = Bandwidth(study)
-        _probe_all(optimistic, _pairs(valid), stride_cap=study.system.gpus_per_node)
-        bounds = sorted((analytical(study, g, optimistic).analytical_s, str(g), g) for g in valid)
-        out, i = [], 0
-        while i < len(bounds):
-            best = sorted(c.analytical_s for c in out)
-            kth = best[keep - 1] if len(best) >= keep else math.inf
-            batch = []
-            while i < len(bounds) and bounds[i][0] <= kth and len(batch) < BRANCH_BATCH:
-                batch.append(bounds[i][2])
-                i += 1
-            if not batch:
-                break
-            _probe_all(exact_bw, _pairs(batch))
-            out += [analytical(study, grid, exact_bw) for grid in batch]
+        out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
+        return out
+    optimistic = bandwidth_for(study, optimistic=True)
+    _probe_all(optimistic, _pairs(valid), stride_cap=study.system.gpus_per_node)
+    bounds = sorted(((analytical(study, g, optimistic), str(g)) for g in valid), key=lambda b: (b[0].analytical_s, b[1]))
+    out, i = [], 0
+    while i < len(bounds):
+        best = sorted(c.analytical_s for c in out)
+        kth = best[keep - 1] if len(best) >= keep else math.inf
+        batch = []
+        while i < len(bounds) and bounds[i][0].analytical_s <= kth and len(batch) < BRANCH_BATCH:
+            batch.append(bounds[i][0].grid)
+            i += 1
+        if not batch:
+            break
+        _probe_all(exact_bw, _pairs(batch))
+        out += [analytical(study, grid, exact_bw) for grid in batch]
     out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
+    rest = [b[0] for b in bounds[i:]]
+    for c in rest:
+        c.exact = False
+    return out + rest
+
+
+BIG_BYTES = 2.0**40  # payload at which a collective's latency is negligible (bytes)
+_TRANSFER: dict[tuple[bytes, int, int], dict[str, float]] = {}
+
+
+def transfer_per_byte(study: Study, p: int, stride: int) -> dict[str, float]:
+    """Seconds per payload byte of each collective kind for a group of size p and rank stride
+    `stride`, alone on the machine (its probe grid), latency excluded: time(2^40 bytes) / 2^40. A
+    collective's time is a minimum over algorithms of latency + bytes / rate, so time(n) >= n x this
+    for every n up to 2^40."""
+    key = (machine_key(study), p, stride)
+    out = _TRANSFER.get(key)
+    if out is None:
+        grid, axis = _probe_grid(p, stride, study.system.gpus_per_node)
+        model = collective_model(study, grid)
+        out = _TRANSFER[key] = {k: model.time(k, axis, BIG_BYTES, concurrent=frozenset()) / BIG_BYTES
+                                for k in ("all_gather", "reduce_scatter", "all_reduce")}
     return out
+
+
+def lower_bound(study: Study, grid: Grid) -> float:
+    """A lower bound on the simulated iteration time of `grid` (seconds): the engine runs the grid's
+    program with every collective at its contention-free transfer time (`transfer_per_byte`: no
+    latency, no other axis running, the probe's few groups instead of all of them) and compute not
+    slowed by overlap. It bounds the simulation from below as long as contention never speeds a
+    collective up: the engine's start and end times only grow with op durations (each op starts at
+    the latest of its stream's previous op and its dependencies). Costs a program and an engine run."""
+    from twin.engine import simulate_program
+    from twin.program import build_program
+    prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    ops, km = prog.ops, study.kernels
+    compute = [0.0 if op.is_collective else km.op_time(op) for op in ops]
+    per_byte = {a: transfer_per_byte(study, grid.axis_size(a), grid.stride(a)) for a in AXES if grid.axis_size(a) > 1}
+
+    def transfer(i: int, concurrent: frozenset) -> float:
+        op = ops[i]
+        if op.axis not in per_byte or op.bytes <= 0:
+            return 0.0
+        return op.bytes * per_byte[op.axis][op.kind]
+
+    return simulate_program(prog, compute, transfer, overlap_slowdown=1.0).iteration_s

@@ -8,7 +8,10 @@ twin.search (`rank_grids`) and simulates the best few (`search`, `choose_grid` h
 
 from __future__ import annotations
 
+import copy
+import math
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 
 from topologies.system import SystemSpec
@@ -19,7 +22,7 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program
 from twin.result import SimulationResult
-from twin.search import Candidate, parallel_map, rank_grids
+from twin.search import Candidate, lower_bound, rank_grids, study_key
 from twin.study import Study, check_grid, collective_model, prepare
 from twin.trace import Span, op_args
 
@@ -49,10 +52,44 @@ def check_trace_size(ops_per_rank: int, ranks: int) -> None:
                         "records: trace without --full (one representative rank) or a smaller job")
 
 
+# After the analytical top `simulate_top`, the search checks the lower bound of the next SCAN grids of
+# the ranking and simulates those whose bound is below the fastest simulated time. The exhaustive check
+# (benchmarks/search_exhaustive.py, every valid grid simulated) found the fastest grid at analytical
+# rank 1 to 9 (counting from 0) in its studies; SCAN leaves room beyond that.
+SCAN = 16
+_SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
+
+
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
                   record: bool = False, collectives=None, grid_choice: str = "given") -> SimulationResult:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
-    collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds)."""
+    collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds).
+    A symmetric run (no full mode, slowdown, record or stand-in model) already made in this process
+    for an equal study and grid is returned again (a copy), as search, --grid auto, scaling and
+    sensitivity sweeps ask for the same grids."""
+    t0 = time.perf_counter()
+    plain = not (full or slowdown or record) and collectives is None
+    if plain:
+        key = (study_key(study), str(grid))
+        hit = _SIMULATED.get(key)
+        if hit is not None:
+            _SIMULATED.move_to_end(key)
+            result = copy.deepcopy(hit)
+            result.grid_choice = grid_choice
+            result.wall_time_s = time.perf_counter() - t0
+            return result
+    result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
+                            grid_choice=grid_choice)
+    if plain:
+        _SIMULATED[key] = copy.deepcopy(result)
+        if len(_SIMULATED) > 256:
+            _SIMULATED.popitem(last=False)
+    result.wall_time_s = time.perf_counter() - t0
+    return result
+
+
+def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, float] | None,
+                   record: bool, collectives, grid_choice: str) -> SimulationResult:
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
@@ -93,36 +130,38 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     return result
 
 
-def _simulate_job(args):
-    study, grid = args
-    return simulate_grid(study, grid)
-
-
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
-    """The best `top` grids by the analytical model; the first `simulate_top` of them also simulated
-    (in parallel processes when there are several CPUs)."""
-    cands = rank_grids(study, collectives, keep=max(top, simulate_top))[:max(top, simulate_top)]
-    sims = cands[:simulate_top]
-    if collectives is None:
-        results = parallel_map(_simulate_job, [(study, c.grid) for c in sims])
-    else:
-        results = [simulate_grid(study, c.grid, collectives=collectives) for c in sims]
-    for c, r in zip(sims, results):
+    """Every valid grid ranked by the analytical model (twin.search.rank_grids); the best
+    `simulate_top` simulated; of the next SCAN in the ranking, those whose lower bound
+    (twin.search.lower_bound) is below the fastest simulated time simulated too (in ranking order,
+    so the fastest so far only improves). Returns the best `top` of the ranking and any grid
+    simulated or bounded beyond them, in ranking order."""
+    scan = 0 if collectives is not None else SCAN
+    ranked = rank_grids(study, collectives, keep=max(top, simulate_top + scan))
+    best, last = math.inf, 0
+    for i, c in enumerate(ranked[:simulate_top + scan]):
+        if i >= simulate_top:
+            c.bound_s = lower_bound(study, c.grid)
+            last = i + 1
+            if c.bound_s >= best:
+                continue  # cannot beat the fastest simulated grid
+        r = simulate_grid(study, c.grid, collectives=collectives)
         c.result, c.simulated_s = r, r.iteration_time_s
-    return cands[:top]
+        best = min(best, r.iteration_time_s)
+        last = i + 1
+    return ranked[:max(top, last)]
 
 
 def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
-    """The grid `--grid auto` runs, the fastest simulated of the analytical top few (its Candidate, with
-    its symmetric-mode result when simulated), and a line saying how it was chosen."""
-    cands = search(study, top=max(1, simulate_top), simulate_top=simulate_top, collectives=collectives)
+    """The grid `--grid auto` runs, the fastest simulated (its Candidate, with its symmetric-mode
+    result), and a line saying how it was chosen."""
+    cands = search(study, top=1, simulate_top=simulate_top, collectives=collectives)
     sims = [c for c in cands if c.simulated_s is not None]
-    if not sims:
-        best = cands[0]
-        return best, f"auto: best of the analytical ranking ({best.analytical_s:.3f} s estimated)"
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in cands)
     return best, (f"auto: fastest simulated of the analytical top {len(sims)} "
-                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})")
+                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})"
+                  + (f"; {bounded} more ruled out by their lower bound" if bounded else ""))
 
 
 def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
