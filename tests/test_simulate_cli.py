@@ -101,7 +101,8 @@ def test_search_prints_top_grids():
     r = runner.invoke(app, ["search", *SMALL, "--top", "3", "--json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
-    assert len(rows) == 3 and all(row["simulated_s"] > 0 for row in rows)
+    # the top 3, and any grid further down that the search simulated because it might be faster
+    assert len(rows) >= 3 and all(row["simulated_s"] > 0 for row in rows)
     assert [row["analytical_s"] for row in rows] == sorted(row["analytical_s"] for row in rows)
     r = runner.invoke(app, ["search", "--system", "nowhere"])
     assert r.exit_code == 2

@@ -135,7 +135,7 @@ def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None)
     `simulate_top` simulated; of the next SCAN in the ranking, those whose lower bound
     (twin.search.lower_bound) is below the fastest simulated time simulated too (in ranking order,
     so the fastest so far only improves). Returns the best `top` of the ranking and any grid
-    simulated or bounded beyond them, in ranking order."""
+    simulated beyond them, in ranking order."""
     scan = 0 if collectives is not None else SCAN
     ranked = rank_grids(study, collectives, keep=max(top, simulate_top + scan))
     best, last = math.inf, 0
@@ -149,7 +149,7 @@ def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None)
         c.result, c.simulated_s = r, r.iteration_time_s
         best = min(best, r.iteration_time_s)
         last = i + 1
-    return ranked[:max(top, last)]
+    return ranked[:top] + [c for c in ranked[top:last] if c.simulated_s is not None]
 
 
 def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
