@@ -1,19 +1,23 @@
 """Twin predictions against published end-to-end results (validation only: nothing is fitted to them).
 
     python benchmarks/bench_published.py [--simulate-top 4] [--defaults] [--json out.json]
+        [--set frontier.collectives.inter_node_channel_efficiency=0.8 ...]
 
 Every published row of issue 11 (../shared/reference/published.md), each with the twin's prediction
 and its error: flop/s rows as a relative error, efficiency and share-of-peak rows in points, and the
 target (10% or 10 points) met or not. The same predictions as `twin simulate` / `twin scaling`
 (grid auto: the analytical ranking, the best `--simulate-top` simulated). Flop/s use the reference
 formula of Narayanan et al. with recomputation, the convention of the published AxoNN figures.
-With --defaults it also predicts each system's default study (no published figure).
+With --defaults it also predicts each system's default study (no published figure). --set runs a
+what-if: a system parameter replaced for this run only (section collectives, node or network; the
+rows then say what the published runs would need, which is not a fit: the twin keeps its files).
 docs/fidelity.md explains the remaining errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses as dc
 import json
 import sys
 import time
@@ -41,16 +45,42 @@ FRONTIER_WEAK = {"efficiency": {8192: 88.3, 16384: 79.02}, "share_of_peak": {819
 OVERLAP = ("perlmutter", "gpt-20b", 1024, 53.0)
 
 
-def rows(simulate_top: int) -> list[dict]:
+def what_if(settings: list[str]) -> dict:
+    """{system name: SystemSpec} with each SYSTEM.SECTION.KEY=VALUE of `settings` applied."""
+    specs: dict = {}
+    fields = {"collectives": "collectives", "network": "dragonfly", "node": None}
+    for item in settings:
+        try:
+            path, value = item.split("=")
+            system, section, key = path.split(".")
+            value = float(value)
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: write SYSTEM.SECTION.KEY=NUMBER, e.g. "
+                             "frontier.collectives.inter_node_channel_efficiency=0.8") from None
+        if section not in fields:
+            raise SystemExit(f"--set {item!r}: section must be one of {', '.join(fields)}")
+        spec = specs.get(system) or load_system(system)
+        attr = fields[section]
+        if attr is None:
+            spec = dc.replace(spec, **{key: type(getattr(spec, key))(value)})
+        else:
+            sub = getattr(spec, attr)
+            spec = dc.replace(spec, **{attr: dc.replace(sub, **{key: type(getattr(sub, key))(value)})})
+        specs[system] = spec
+    return specs
+
+
+def rows(simulate_top: int, specs: dict | None = None) -> list[dict]:
+    specs = specs or {}
     out = []
     for system, model, gpus, published, source in THROUGHPUT:
-        r = simulate(system, model, gpus, "auto", simulate_top=simulate_top)
+        r = simulate(specs.get(system, system), model, gpus, "auto", simulate_top=simulate_top)
         err = 100 * (r.flops_per_s - published) / published
         out.append(dict(run=f"{system} {model}, {gpus:,} GPUs, PF/s", published=published / 1e15,
                         predicted=r.flops_per_s / 1e15, error=err, unit="%", met=abs(err) <= 10,
                         grid=r.grid_str, iteration_s=r.iteration_time_s, breakdown=r.breakdown_s, source=source))
     counts = sorted({512, *FRONTIER_WEAK["efficiency"], *FRONTIER_WEAK["share_of_peak"]})
-    weak = scaling("frontier", "weak", gpus=counts, simulate_top=simulate_top)
+    weak = scaling(specs.get("frontier", "frontier"), "weak", gpus=counts, simulate_top=simulate_top)
     first = weak.points[0]
     for gpus, pub in FRONTIER_WEAK["efficiency"].items():
         p = weak.point(gpus)
@@ -69,8 +99,9 @@ def rows(simulate_top: int) -> list[dict]:
                     unit="points", met=None, grid=first.grid, iteration_s=first.iteration_s,
                     breakdown=first.breakdown_s, source="implied by the two published figures above (not a target)"))
     system, model, gpus, pub = OVERLAP
-    on = simulate(system, model, gpus, "auto", simulate_top=simulate_top)
-    off = simulate(system, model, gpus, on.grid_str, options=Options(oar=False, ors=False, oag=False))
+    spec = specs.get(system, system)
+    on = simulate(spec, model, gpus, "auto", simulate_top=simulate_top)
+    off = simulate(spec, model, gpus, on.grid_str, options=Options(oar=False, ors=False, oag=False))
     gain = 100 * (off.iteration_time_s / on.iteration_time_s - 1)
     out.append(dict(run=f"{system} {model}, {gpus:,} GPUs, overlap gain %", published=pub, predicted=gain,
                     error=gain - pub, unit="points", met=abs(gain - pub) <= 10, grid=on.grid_str,
@@ -93,9 +124,14 @@ def main() -> None:
     ap.add_argument("--simulate-top", type=int, default=4, help="grids simulated after the analytical ranking")
     ap.add_argument("--defaults", action="store_true", help="also predict each system's default study")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--set", action="append", default=[], metavar="SYSTEM.SECTION.KEY=VALUE",
+                    help="what-if: replace a system parameter for this run (repeatable)")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    out = rows(a.simulate_top)
+    specs = what_if(a.set)
+    if specs:
+        print("WHAT-IF, not the twin's files: " + ", ".join(a.set))
+    out = rows(a.simulate_top, specs)
     print(f"{'published run':<66} {'published':>10} {'twin':>8} {'error':>14} {'target':>7}  grid")
     for r in out:
         err = f"{r['error']:+.1f} {'%' if r['unit'] == '%' else 'pts'}"

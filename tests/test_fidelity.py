@@ -3,6 +3,8 @@ their commands (small models on a few Perlmutter GPUs, so that the whole file ru
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from topologies.system import load_system
@@ -70,3 +72,19 @@ def test_default_study_batch_from_the_system_file():
     assert prepare("alps").batch == 6144            # the file's assumed batch (a multiple of 3)
     assert prepare("alps", "gpt-60b").batch == 2048  # an explicit model keeps its own batch
     assert prepare("perlmutter").batch == 2048       # no batch in the file: the model's
+
+
+def test_analytical_estimate_counts_only_what_overlap_cannot_hide():
+    """With OAR, ORS and OAG off every collective is exposed: the estimate is compute plus all the
+    communication. With them on, it is smaller but never below compute plus the exposed part."""
+    from twin.grid import Grid
+    from twin.program import Options
+    from twin.search import Bandwidth, analytical
+    from twin.study import prepare
+    grid = Grid(2, 2, 2, 2)
+    on = prepare("perlmutter", "gpt-small", 16)
+    off = prepare("perlmutter", "gpt-small", 16, options=Options(oar=False, ors=False, oag=False))
+    c_on, c_off = analytical(on, grid, Bandwidth(on)), analytical(off, grid, Bandwidth(off))
+    assert c_off.analytical_s == pytest.approx(c_off.compute_s + sum(c_off.comm_s.values()))
+    assert c_on.comm_s == pytest.approx(c_off.comm_s)      # the same traffic, differently hidden
+    assert c_on.compute_s <= c_on.analytical_s < c_off.analytical_s
