@@ -384,7 +384,7 @@ def scaling_cmd(
     for p in r.points:
         t.add_row(p.model, str(p.gpus), str(p.batch), p.grid, f"{p.iteration_s:.3f}", f"{p.flops_per_s / 1e15:.1f}",
                   f"{p.percent_of_peak:.1f}", f"{p.efficiency:.1f}")
-    console.print(t)
+    Console(width=max(console.width, 120)).print(t)  # grids and headers need the room
     for why in r.skipped:
         console.print(f"left out: {why}")
     if html is not None:
