@@ -87,12 +87,7 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
     index = {ref: torch.arange(math.prod(shapes[ref])).view(shapes[ref]) for ref, *_ in entries}
     for rank in range(grid.size):
         file = ckpt / checkpoint.rank_file_name(rank)
-        if not file.is_file():
-            raise TwinError(f"checkpoint {ckpt} has no file for rank {rank} of grid {grid}")
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=False)["model"]
-        except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
-            raise TwinError(f"checkpoint {file} cannot be read ({type(e).__name__}: {e})") from None
+        state = checkpoint.read_rank(ckpt, rank).get("model", {})  # checks the file's checksum
         coords = grid.coords(rank)
         for ref, name, shape, fn in entries:
             t = state.get(name)

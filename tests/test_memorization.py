@@ -97,7 +97,7 @@ def _save_sharded(ctx, ref_state: dict, ckpt_dir: str) -> None:
     checkpoint.save(ckpt_dir, 7, ctx.rank, {"step": 7, "model": model.state_dict()}, meta)
 
 
-def test_checkpoint_of_a_4d_grid_decodes_like_one_process(tmp_path):
+def test_checkpoint_of_a_4d_grid_decodes_like_one_process(tmp_path, monkeypatch):
     from backend_helpers import run_on_grid
 
     w, _ = _weights(seed=9)
@@ -122,10 +122,23 @@ def test_checkpoint_of_a_4d_grid_decodes_like_one_process(tmp_path):
     bad = torch.load(step / "rank_00001.pt", weights_only=False)
     bad["model"]["emb.wte"] = bad["model"]["emb.wte"][:3]
     torch.save(bad, step / "rank_00001.pt")
-    with pytest.raises(TwinError, match="does not match"):
+    with pytest.raises(TwinError, match="checksum"):  # read through the checkpoint's API: verified
         load_weights(step)
     with pytest.raises(TwinError, match="no checkpoint"):
         load_weights(tmp_path)
+    # a checkpoint whose tensors are not the model's (say, written by another version of the code)
+    from backend import checkpoint
+    good = tmp_path / "ckpt2"
+    run_on_grid("1x1x1x1", _save_sharded, state, str(good))
+    real = checkpoint.read_rank
+
+    def other_shapes(path, rank, map_location="cpu"):
+        out = real(path, rank, map_location)
+        out["model"]["emb.wte"] = out["model"]["emb.wte"][:3]
+        return out
+    monkeypatch.setattr(checkpoint, "read_rank", other_shapes)
+    with pytest.raises(TwinError, match="does not match its model"):
+        load_weights(good)
 
 
 def test_sequence_files(tmp_path):
