@@ -48,6 +48,15 @@ def check_launcher_world(grid: Grid) -> None:
 
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL/RCCL).")]
+ProgramOpt = Annotated[Optional[str], typer.Option(help="Run this program file (`twin program --json`): it fixes the model, grid, batch and switches.")]
+
+
+def program_grid(program_file: str | None, grid: str) -> str:
+    """The grid to launch: the program file's (validated here, before any rank starts) or --grid."""
+    if not program_file:
+        return grid
+    from twin.programfile import load_program
+    return str(load_program(program_file).grid)
 DtypeOpt = Annotated[str, typer.Option(help="GEMM precision: fp32, bf16 or fp16.")]
 
 
@@ -80,22 +89,24 @@ def run_cmd(
     eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: after the last step only).")] = 0,
     eval_batches: Annotated[int, typer.Option(help="Global batches of held-out windows per evaluation.")] = 4,
     progress_timeout: Annotated[float, typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never.")] = 900.0,
+    program: ProgramOpt = None,
 ) -> int:
     """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch import launch
     from backend.train import TrainConfig, validate
 
-    cfg = TrainConfig(model=model, grid=grid, steps=steps, batch=batch, micro_batches=micro_batches,
+    cfg = TrainConfig(model=model, steps=steps, batch=batch, micro_batches=micro_batches,
                       lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
                       recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device,
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
-                      eval_every=eval_every, eval_batches=eval_batches)
+                      eval_every=eval_every, eval_batches=eval_batches,
+                      program_file=program, grid=program_grid(program, grid))
     if goldfish_k is not None:
         from backend.goldfish import check
         check(goldfish_k, goldfish_h)
-    g = Grid.parse(grid)
+    g = Grid.parse(cfg.grid)
     check_launcher_world(g)
     validate(cfg)
     if not 0 <= progress_timeout < 1e9:
@@ -116,15 +127,17 @@ def replay_cmd(
     out: Annotated[str, typer.Option(help="Trace folder (one Chrome trace per rank; Perfetto and HTA read it).")] = "runs/replay-trace",
     device: DeviceOpt = "cpu",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda, fp32 on cpu), fp32 or bf16.")] = "auto",
+    program: ProgramOpt = None,
 ) -> int:
     """Execute the twin's program op by op with random tensors (GEMMs and collectives) and trace it."""
     from backend.launch import launch
     from backend.replay import ReplayConfig, validate
 
-    cfg = ReplayConfig(model=model, grid=grid, steps=steps, batch=batch, micro_batches=micro_batches,
+    cfg = ReplayConfig(model=model, steps=steps, batch=batch, micro_batches=micro_batches,
                        oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
-                       out=out, device=device, dtype=dtype)
-    g = Grid.parse(grid)
+                       out=out, device=device, dtype=dtype, program_file=program,
+                       grid=program_grid(program, grid))
+    g = Grid.parse(cfg.grid)
     check_launcher_world(g)
     validate(cfg)
     return launch("replay", asdict(cfg), g.size)

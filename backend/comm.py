@@ -1,17 +1,15 @@
-"""Collectives over one axis of the grid, recorded under the program's op names.
+"""Collectives of the program on their axis's process group, asynchronous, timed to completion.
 
-    comm = Comm(ctx, recorder)
-    comm.all_reduce(t, "x", "L0.qkv.fwd.ar_x")                     # in place, synchronous
-    p = comm.all_gather(shard, "z", "L0.qkv.fwd.ag_z", async_op=True)
-    full = p.wait()                                                 # the gathered tensor
+    p = comm.issue(op, tensor)      # op: a collective of the program (kind, axis, role, bytes)
+    result = p.wait()               # all-reduce: the tensor, reduced in place; all-gather: the
+                                    # gathered 1-D tensor (axis order); reduce-scatter: this rank's chunk
 
-Every call returns a `Pending` (already completed when synchronous); wait() returns the result.
-A collective over an axis of size 1 is left out (not issued, not recorded), as in the program.
+Every collective is issued with async_op=True. Its record (backend/recorder.py) starts at the issue
+and ends when the collective *completes*: a callback on the work's future stamps the end (on GPU a
+CUDA event on the stream the collective ran on), not the moment someone waits for it.
 
-Bytes recorded follow the program's convention, not the dtype that happens to travel: weights in
-flight, activations and their gradients count ACT_BYTES (bf16) per element, statistics STAT_BYTES and
-data-axis gradient shards GRAD_AR_BYTES (fp32). On GPU (bf16) these are the real bytes; on CPU (fp32)
-the activation payloads travel at twice that. The real size goes into the record's args.
+Bytes recorded are the program's (op.bytes: bf16 activations, fp32 statistics and data-axis
+gradients); the size that travelled and its dtype go into the record's args.
 
 gloo has no reduce-scatter: on CPU it is an all-reduce followed by taking this rank's chunk (twice
 the traffic, same result); NCCL (and the fake test backend) use the native one.
@@ -19,107 +17,92 @@ the traffic, same result); NCCL (and the fake test backend) use the native one.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 from backend.dist import ParallelContext
-from backend.recorder import NULL_RECORDER, Record, Recorder
-from twin.program import ACT_BYTES
+from backend.recorder import NULL_RECORDER, Recorder
+from twin.program import Op
 
-SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+OPS = {"max": dist.ReduceOp.MAX}  # reduction of an all-reduce by its role; SUM otherwise
 # the single-tensor collectives (named *_single since torch 2.13, *_tensor before)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
-    """A collective in flight: wait() completes it, ends its record and returns the result."""
+    """A collective in flight: wait() blocks until it is complete and returns its result."""
 
-    def __init__(self, result: torch.Tensor, work=None, rec: Record | None = None,
-                 recorder: Recorder = NULL_RECORDER, finish: Callable[[], torch.Tensor] | None = None):
-        self.result, self._work, self._rec, self._recorder, self._finish = result, work, rec, recorder, finish
-        self.done = work is None and finish is None
+    __slots__ = ("op", "work", "result", "chunk", "done")
+
+    def __init__(self, op, work, result: torch.Tensor, chunk: slice | None = None):
+        self.op, self.work, self.result, self.chunk, self.done = op, work, result, chunk, False
 
     def wait(self) -> torch.Tensor:
         if not self.done:
-            if self._work is not None:
-                self._work.wait()
-            if self._finish is not None:
-                self.result = self._finish()
-            self._recorder.end(self._rec)
+            self.work.wait()
+            if self.chunk is not None:
+                self.result = self.result[self.chunk]
             self.done = True
         return self.result
 
 
 class Comm:
-    """The collectives of one rank, per axis, with recording."""
+    """Issues the program's collectives of one rank, recorded from issue to completion."""
 
     def __init__(self, ctx: ParallelContext, recorder: Recorder = NULL_RECORDER):
         self.ctx = ctx
         self.recorder = recorder
         self.native_reduce_scatter = str(ctx.backend) != "gloo"
 
-    def skip(self, axis: str) -> bool:
-        """True when the axis has one rank: the collective is left out."""
-        return self.ctx.size(axis) == 1
-
-    def _begin(self, name: str, kind: str, axis: str, t: torch.Tensor, width: int) -> Record | None:
-        return self.recorder.begin(name, kind, axis, axis=axis, bytes=t.numel() * width,
-                                   actual_bytes=t.numel() * t.element_size(), dtype=str(t.dtype).replace("torch.", ""))
-
-    def _out(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def _out(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu":  # zeros: the fake backend leaves outputs untouched
-            return torch.zeros(shape, dtype=like.dtype, device=like.device)
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+            return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
 
-    def all_reduce(self, t: torch.Tensor, axis: str, name: str, op=SUM, async_op: bool = False,
-                   width: int = ACT_BYTES) -> Pending:
-        """All-reduce `t` in place over `axis` (sum or max). Payload: the buffer."""
-        if self.skip(axis):
-            return Pending(t)
-        rec = self._begin(name, "all_reduce", axis, t, width)
-        work = dist.all_reduce(t, op=op, group=self.ctx.groups[axis], async_op=async_op)
-        p = Pending(t, work, rec, self.recorder) if async_op else Pending(t)
+    def issue(self, op, t: torch.Tensor) -> Pending:
+        """Start collective `op` on tensor `t` (an all-reduce reduces `t` in place)."""
+        group = self.ctx.groups[op.axis]
+        t = t.contiguous()
+        chunk = None
+        if op.kind == "all_reduce":
+            out, sent = t, t
+            issue = lambda: dist.all_reduce(t, op=OPS.get(op.role, dist.ReduceOp.SUM), group=group, async_op=True)  # noqa: E731
+        elif op.kind == "all_gather":
+            out, sent = self._out(t.numel() * self.ctx.size(op.axis), t), t
+            issue = lambda: _all_gather(out, t, group=group, async_op=True)  # noqa: E731
+        elif self.native_reduce_scatter:
+            out, sent = self._out(t.numel() // self.ctx.size(op.axis), t), t
+            issue = lambda: _reduce_scatter(out, t, group=group, async_op=True)  # noqa: E731
+        else:  # gloo: all-reduce a copy, keep my chunk
+            n, me = self.ctx.size(op.axis), self.ctx.coord(op.axis)
+            size = t.numel() // n
+            out = sent = t.clone()
+            chunk = slice(me * size, (me + 1) * size)
+            issue = lambda: dist.all_reduce(out, group=group, async_op=True)  # noqa: E731
+        rec = self.recorder.begin_op(op, actual_bytes=sent.numel() * sent.element_size(),
+                                     dtype=str(sent.dtype).removeprefix("torch."))
+        work = issue()
+        if rec is not None:
+            self.recorder.end_on_completion(rec, work)
+        return Pending(op, work, out, chunk)
+
+    # -- one collective outside a program (microbenchmarks), through the same path ------------------
+    def _call(self, kind: str, t: torch.Tensor, axis: str, name: str, async_op: bool, role: str = "") -> Pending:
+        nbytes = t.numel() * t.element_size() * (self.ctx.size(axis) if kind == "all_gather" else 1)
+        p = self.issue(Op(-1, name, kind, axis, bytes=nbytes, axis=axis, role=role), t)
         if not async_op:
-            self.recorder.end(rec)
+            p.wait()
         return p
 
-    def all_gather(self, t: torch.Tensor, axis: str, name: str, async_op: bool = False,
-                   width: int = ACT_BYTES) -> Pending:
-        """Gather the 1-D shards of the axis group into one 1-D tensor (axis order). Payload: the output."""
-        if self.skip(axis):
-            return Pending(t)
-        out = self._out((t.numel() * self.ctx.size(axis),), t)
-        rec = self._begin(name, "all_gather", axis, out, width)
-        work = _all_gather(out, t.contiguous(), group=self.ctx.groups[axis], async_op=async_op)
-        if async_op:
-            return Pending(out, work, rec, self.recorder)
-        self.recorder.end(rec)
-        return Pending(out)
+    def all_reduce(self, t: torch.Tensor, axis: str, name: str, async_op: bool = False, role: str = "") -> Pending:
+        """All-reduce `t` in place over `axis` (role "max": the maximum; else the sum)."""
+        return self._call("all_reduce", t, axis, name, async_op, role)
 
-    def reduce_scatter(self, t: torch.Tensor, axis: str, name: str, async_op: bool = False,
-                       width: int = ACT_BYTES) -> Pending:
-        """Sum the 1-D tensors of the axis group and keep this rank's chunk (axis order). Payload: the input."""
-        if self.skip(axis):
-            return Pending(t)
-        n, me = self.ctx.size(axis), self.ctx.coord(axis)
-        chunk = t.numel() // n
-        rec = self._begin(name, "reduce_scatter", axis, t, width)
-        group = self.ctx.groups[axis]
-        if self.native_reduce_scatter:
-            out = self._out((chunk,), t)
-            work = _reduce_scatter(out, t.contiguous(), group=group, async_op=async_op)
-            finish = None
-        else:  # gloo: all-reduce a copy, keep my chunk
-            buf = t.contiguous().clone()
-            work = dist.all_reduce(buf, group=group, async_op=async_op)
-            out = buf[me * chunk:(me + 1) * chunk]
+    def all_gather(self, t: torch.Tensor, axis: str, name: str, async_op: bool = False) -> Pending:
+        """Gather the 1-D shards of the axis group into one 1-D tensor (axis order)."""
+        return self._call("all_gather", t, axis, name, async_op)
 
-            def finish() -> torch.Tensor:
-                return buf[me * chunk:(me + 1) * chunk]
-        if async_op:
-            return Pending(out, work, rec, self.recorder, finish)
-        self.recorder.end(rec)
-        return Pending(out)
+    def reduce_scatter(self, t: torch.Tensor, axis: str, name: str, async_op: bool = False) -> Pending:
+        """Sum the 1-D tensors of the axis group and keep this rank's chunk (axis order)."""
+        return self._call("reduce_scatter", t, axis, name, async_op)

@@ -70,5 +70,4 @@ def held_out_loss(model: GPT, batches: list) -> float:
                 total += float(model(tokens, targets))
     finally:
         model.recorder = saved
-        model.sched.end_step()
     return total / max(len(batches), 1)

@@ -1,341 +1,228 @@
-"""The 3D-parallel layers: linear (normal and transposed), x-split layer norm, vocab-parallel embedding,
-tied head and cross-entropy, and per-block activation recomputation.
+"""The kernels of the program's compute ops, and the payloads of its reductions: what each op *computes*.
 
-Shapes are per rank: m tokens (this rank's sequences x sequence length, split over z and data),
-features split over x (residual stream, replicated over y) or over y (attention and MLP inside,
-replicated over x). A linear layer's W (k x n) is split k/G_in by n/G_out; the block is flattened
-and sharded again over z: the parameter is the flat fp32 z-shard. Weights and activations travel in
-the compute dtype (bf16 on GPU, fp32 on CPU); layer-norm and softmax statistics in fp32.
+The executor (backend/executor.py) looks an op up here by its `role` (a GEMM by its kind) and calls
+`kernel(run, op, *inputs) -> outputs`, with the inputs the op `reads` and the outputs it `writes`
+(twin/program.py). Nothing here knows when an op runs, on which axis, or under which name: the
+program says that. `run` gives a kernel its rank's context: the model's parameters (`run.model`),
+the GEMM layout tuner, the compute dtype, and the step's scalars (loss scale, clipping norm, optimizer).
+
+Precision: activations and their gradients in the compute dtype (bf16 on GPU, fp32 on CPU);
+layer-norm and softmax statistics, the loss and parameter gradients in fp32.
+A kernel's "ctx" output is what its backward needs (normalized input, or the autograd graph of a
+local function whose backward is computed by a vector-Jacobian product).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.autograd import Function
-
-from backend.comm import MAX
-from backend.schedule import Schedule
-from twin.program import STAT_BYTES
 
 IGNORE = -100  # a target left out of the loss (any negative target is)
 
 
-# -- linear -------------------------------------------------------------------------------------------
-class _LinearFn(Function):
-    """y = all_reduce_in(x @ W); backward: dgrad + all_reduce_out, wgrad + reduce-scatter over z."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, layer: "ParallelLinear") -> torch.Tensor:
-        s = layer.sched
-        w = s.weight(layer.name)
-        y = s.gemm(s.name(layer.name, "gemm"), x, w, "NN")
-        s.comm.all_reduce(y, layer.in_axis, s.name(layer.name, f"ar_{layer.in_axis}"))
-        ctx.layer = layer
-        # the recomputed forward's gather (and a cached weight) is reused by the backward
-        ctx.w = w if (s.phase == "rec" or layer.name in s.cache) else None
-        ctx.save_for_backward(x)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        layer: ParallelLinear = ctx.layer
-        s, (x,) = layer.sched, ctx.saved_tensors
-        w = ctx.w if ctx.w is not None else s.weight(layer.name)
-        ctx.w = None
-        dy = dy.contiguous()
-        dx = s.gemm(s.name(layer.name, "dgrad", "bwd"), dy, w.t(), "NT")
-        ar = s.comm.all_reduce(dx, layer.out_axis, s.name(layer.name, f"ar_{layer.out_axis}", "bwd"),
-                               async_op=s.options.oar)
-        dw = s.gemm(s.name(layer.name, "wgrad", "bwd"), x.t(), dy, "TN")
-        s.reduce_grad(s.name(layer.name, "rs_z", "bwd"), dw.reshape(s.ctx.size("z"), -1), [layer.weight])
-        return ar.wait(), None, None
+# -- GEMM ------------------------------------------------------------------------------------------
+def gemm(run, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """C[m,n] = op(A) op(B): layout NN, NT (B transposed) or TN (A transposed), as the program says."""
+    a = a.t() if op.layout[0] == "T" else a
+    b = b.t() if op.layout[1] == "T" else b
+    out, used = run.tuner.matmul(a, b)
+    if used and run.record is not None:
+        run.record.args["impl"] = used
+    return out
 
 
-class ParallelLinear(nn.Module):
-    """A bias-free linear layer W (k x n) of the 4D algorithm.
-
-    normal: input features split over x, output over y (all-reduce over x in forward, over y in
-    backward); transposed: the reverse. name: the program's layer name, e.g. 'L3.qkv'.
-    """
-
-    def __init__(self, sched: Schedule, name: str, k: int, n: int, transposed: bool):
-        super().__init__()
-        ctx = sched.ctx
-        self.sched, self.name, self.k, self.n, self.transposed = sched, name, k, n, transposed
-        self.in_axis, self.out_axis = ("y", "x") if transposed else ("x", "y")
-        self.k_local, self.n_local = k // ctx.size(self.in_axis), n // ctx.size(self.out_axis)
-        numel = self.k_local * self.n_local
-        self.weight = nn.Parameter(torch.zeros(numel // ctx.size("z"), device=ctx.device))
-        kl, nl = self.k_local, self.n_local
-        sched.register(name, [self.weight], lambda flat: flat.reshape(kl, nl))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self)
+# -- layer norm over x-split features --------------------------------------------------------------
+def ln_stats(run, op, x: torch.Tensor) -> torch.Tensor:
+    """Per-token [sum, sum of squares] of this rank's features (fp32), summed over x by the reduction."""
+    xf = x.float()
+    return torch.stack([xf.sum(-1), (xf * xf).sum(-1)], -1)
 
 
-# -- layer norm over x-split features ---------------------------------------------------------------
-class _LayerNormFn(Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer: "ParallelLayerNorm"):
-        s = layer.sched
-        xf = x.float()
-        stats = torch.stack([xf.sum(-1), (xf * xf).sum(-1)], -1)  # per-token sum and sum of squares
-        s.comm.all_reduce(stats, "x", s.name(layer.name, "ar_x"), width=STAT_BYTES)
-        with s.compute(s.name(layer.name, ""), "elementwise"):
-            mean = stats[:, 0] / layer.hidden
-            var = (stats[:, 1] / layer.hidden - mean * mean).clamp_min(0.0)
-            rstd = torch.rsqrt(var + layer.eps)
-            xhat = (xf - mean[:, None]) * rstd[:, None]
-            y = (xhat * weight + bias).to(x.dtype)
-        ctx.layer = layer
-        ctx.save_for_backward(xhat, rstd, weight)
-        return y
+def layer_norm(run, op, x: torch.Tensor, stats: torch.Tensor | None = None):
+    """Normalize with the features' statistics (given: summed over x; absent: all features are here,
+    torch's fused layer norm). Returns the output and the ctx of the backward."""
+    weight, bias = run.model.norm_params(op.weight)
+    hidden, eps = run.model.spec.hidden, run.model.eps
+    if stats is None:
+        with torch.enable_grad():
+            xi = x.detach().float().requires_grad_(True)
+            y = F.layer_norm(xi, (hidden,), weight, bias, eps)
+        return y.detach().to(x.dtype), ("graph", xi, y)
+    xf = x.float()
+    mean = stats[:, 0] / hidden
+    var = (stats[:, 1] / hidden - mean * mean).clamp_min(0.0)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (xf - mean[:, None]) * rstd[:, None]
+    return (xhat * weight + bias).to(x.dtype), ("stats", xhat, rstd)
 
-    @staticmethod
-    def backward(ctx, dy):
-        layer: ParallelLayerNorm = ctx.layer
-        s, (xhat, rstd, weight) = layer.sched, ctx.saved_tensors
+
+def ln_grad_stats(run, op, dy: torch.Tensor, ctx) -> torch.Tensor:
+    """Per-token [sum g, sum g*xhat] with g = dy * weight, summed over x by the reduction."""
+    weight, _ = run.model.norm_params(op.weight)
+    g = dy.float() * weight
+    return torch.stack([g.sum(-1), (g * ctx[1]).sum(-1)], -1)
+
+
+def layer_norm_bwd(run, op, dy: torch.Tensor, ctx, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """Input gradient of a layer norm; its weight and bias gradients are accumulated here."""
+    weight, bias = run.model.norm_params(op.weight)
+    if ctx[0] == "graph":
+        _, xi, y = ctx
+        dx, dw, db = torch.autograd.grad(y, (xi, weight, bias), dy.float())
+    else:
+        _, xhat, rstd = ctx
         dyf = dy.float()
         g = dyf * weight
-        sums = torch.stack([g.sum(-1), (g * xhat).sum(-1)], -1)
-        s.comm.all_reduce(sums, "x", s.name(layer.name, "ar_x", "bwd"), width=STAT_BYTES)
-        with s.compute(s.name(layer.name, "", "bwd"), "elementwise"):
-            h = layer.hidden
-            dx = rstd[:, None] * (g - sums[:, 0:1] / h - xhat * sums[:, 1:2] / h)
-            dw, db = (dyf * xhat).sum(0), dyf.sum(0)
-        return dx.to(dy.dtype), dw, db, None
+        if sums is None:
+            sums = torch.stack([g.sum(-1), (g * xhat).sum(-1)], -1)
+        h = run.model.spec.hidden
+        dx = rstd[:, None] * (g - sums[:, 0:1] / h - xhat * sums[:, 1:2] / h)
+        dw, db = (dyf * xhat).sum(0), dyf.sum(0)
+    run.model.accumulate_params([weight, bias], [dw, db])
+    return dx.to(dy.dtype)
 
 
-class ParallelLayerNorm(nn.Module):
-    """Layer norm of the residual stream, whose features are split over x (params too).
-
-    With G_x = 1 the features are all here and there is nothing to all-reduce: torch's fused layer
-    norm (in fp32) replaces the statistics built by hand, under the same op names.
-    """
-
-    def __init__(self, sched: Schedule, name: str, hidden: int, eps: float = 1e-5):
-        super().__init__()
-        self.sched, self.name, self.hidden, self.eps = sched, name, hidden, eps
-        local = hidden // sched.ctx.size("x")
-        self.weight = nn.Parameter(torch.ones(local, device=sched.ctx.device))
-        self.bias = nn.Parameter(torch.zeros(local, device=sched.ctx.device))
-
-    def _whole(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), (self.hidden,), self.weight, self.bias, self.eps).to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sched.ctx.size("x") == 1:
-            return recorded(x, self._whole, self.sched, self.name, "elementwise")
-        return _LayerNormFn.apply(x, self.weight, self.bias, self)
+# -- attention and GELU (backward: a vector-Jacobian product of the saved local graph) --------------
+def _local(fn, x: torch.Tensor):
+    with torch.enable_grad():
+        xi = x.detach().requires_grad_(True)
+        y = fn(xi)
+    return y.detach(), (xi, y)
 
 
-# -- recorded elementwise/attention ops -----------------------------------------------------------
-class _RecordedFn(Function):
-    """Run fn(x) recorded as `<layer>.<phase>` and its backward as `<layer>.bwd`. Parameters that fn
-    uses (a layer norm's) get their gradients accumulated by that backward."""
-
-    @staticmethod
-    def forward(ctx, x, fn, sched: Schedule, layer: str, kind: str):
-        with torch.enable_grad():
-            xi = x.detach().requires_grad_(True)
-            with sched.compute(sched.name(layer, ""), kind):
-                y = fn(xi)
-        ctx.sched, ctx.layer, ctx.kind, ctx.xi, ctx.y = sched, layer, kind, xi, y
-        return y.detach()
-
-    @staticmethod
-    def backward(ctx, dy):
-        s = ctx.sched
-        with s.compute(s.name(ctx.layer, "", "bwd"), ctx.kind):
-            torch.autograd.backward(ctx.y, dy)
-        dx = ctx.xi.grad
-        ctx.xi = ctx.y = None
-        return dx, None, None, None, None
+def _vjp(dy: torch.Tensor, ctx) -> torch.Tensor:
+    xi, y = ctx
+    (dx,) = torch.autograd.grad(y, xi, dy)
+    return dx
 
 
-def recorded(x: torch.Tensor, fn, sched: Schedule, layer: str, kind: str) -> torch.Tensor:
-    """fn(x) with its forward and backward recorded under the program's names."""
-    if not torch.is_grad_enabled():
-        with sched.compute(sched.name(layer, ""), kind):
-            return fn(x)
-    return _RecordedFn.apply(x, fn, sched, layer, kind)
+def attention(run, op, qkv: torch.Tensor):
+    """Causal attention of this rank's heads: qkv [m, 3*heads*d] laid out [q | k | v] -> [m, heads*d].
+    The op's sizes say the shape: m = sequences x heads, n = sequence length, k = head dim."""
+    s, d = op.n, op.k
+    seqs = qkv.shape[0] // s
+    heads = op.m // seqs
+
+    def fn(t):
+        q, k, v = t.view(seqs, s, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o.transpose(1, 2).reshape(seqs * s, heads * d)
+
+    return _local(fn, qkv)
 
 
-def causal_attention(qkv: torch.Tensor, sequences: int, seq_len: int, heads: int) -> torch.Tensor:
-    """Attention of this rank's heads: qkv [m, 3*heads*d] laid out [q | k | v] -> [m, heads*d]."""
-    d = qkv.shape[1] // (3 * heads)
-    q, k, v = qkv.view(sequences, seq_len, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return o.transpose(1, 2).reshape(sequences * seq_len, heads * d)
+def gelu(run, op, x: torch.Tensor):
+    return _local(F.gelu, x)
 
 
-# -- activation recomputation ---------------------------------------------------------------------
-class _RecomputeFn(Function):
-    """Run a block without keeping activations; in backward, recompute it (phase `rec`) and backprop."""
-
-    @staticmethod
-    def forward(ctx, x, block):
-        ctx.block = block
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return block.body(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        s: Schedule = ctx.block.sched
-        x = x.detach().requires_grad_(True)
-        s.phase = "rec"
-        with torch.enable_grad():
-            y = ctx.block.body(x)
-        s.phase = "bwd"
-        torch.autograd.backward(y, dy)
-        return x.grad, None
+def local_bwd(run, op, dy: torch.Tensor, ctx) -> torch.Tensor:
+    """Backward of attention or GELU: the vector-Jacobian product of the forward's local graph."""
+    return _vjp(dy, ctx)
 
 
-def recompute(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """block.body(x), recomputed in the backward pass (full activation recomputation)."""
-    if not torch.is_grad_enabled():
-        return block.body(x)
-    return _RecomputeFn.apply(x, block)
+# -- embedding ------------------------------------------------------------------------------------
+def _positions(run, tokens: torch.Tensor, wte_rows: int, wpe_rows: int):
+    """Token and position ids relative to this rank's rows of wte and wpe, and which are here."""
+    seqs, seq_len = tokens.shape
+    vstart, pstart = run.model.embedding_offsets()
+    ids = tokens.reshape(-1) - vstart
+    pos = torch.arange(seq_len, device=tokens.device).repeat(seqs) - pstart
+    return ids, (ids >= 0) & (ids < wte_rows), pos, (pos >= 0) & (pos < wpe_rows)
 
 
-# -- embedding, tied head, loss -------------------------------------------------------------------
-class _EmbeddingFn(Function):
-    """Token + position embedding, vocab- and position-parallel over y: lookup, all-reduce over y."""
-
-    @staticmethod
-    def forward(ctx, tokens, wte, wpe, emb: "ParallelEmbedding"):
-        s = emb.sched
-        te_w, pe_w = s.weight("emb")
-        seqs, seq_len = tokens.shape
-        ids = tokens.reshape(-1) - emb.vocab_start
-        pos = torch.arange(seq_len, device=tokens.device).repeat(seqs) - emb.pos_start
-        id_ok = (ids >= 0) & (ids < te_w.shape[0])
-        pos_ok = (pos >= 0) & (pos < pe_w.shape[0])
-        with s.compute(s.name("emb", ""), "embedding"):
-            out = te_w[ids.clamp(0, te_w.shape[0] - 1)] * id_ok[:, None]
-            out += pe_w[pos.clamp(0, pe_w.shape[0] - 1)] * pos_ok[:, None]
-        s.comm.all_reduce(out, "y", s.name("emb", "ar_y"))
-        ctx.emb = emb
-        ctx.save_for_backward(ids, id_ok, pos, pos_ok)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        emb: ParallelEmbedding = ctx.emb
-        s, (ids, id_ok, pos, pos_ok) = emb.sched, ctx.saved_tensors
-        with s.compute(s.name("emb", "", "bwd"), "embedding"):
-            # sums over many tokens: accumulate in fp32, send in the compute dtype (as the program)
-            d = dout.float()
-            dte = torch.zeros(emb.wte_shape, dtype=torch.float32, device=d.device)
-            dte.index_add_(0, ids[id_ok], d[id_ok])
-            dpe = torch.zeros(emb.wpe_shape, dtype=torch.float32, device=d.device)
-            dpe.index_add_(0, pos[pos_ok], d[pos_ok])
-        gz = s.ctx.size("z")
-        full = torch.cat([dte.reshape(gz, -1), dpe.reshape(gz, -1)], 1).to(dout.dtype)
-        s.reduce_grad(s.name("emb", "rs_z", "bwd"), full, [emb.wte, emb.wpe])
-        s.finish_grads()  # the last op of the micro-batch's backward
-        return None, None, None, None
+def embedding(run, op, tokens: torch.Tensor, weights) -> torch.Tensor:
+    """Token + position embedding of this rank's rows (summed over the rows' axis by the reduction)."""
+    te, pe = weights
+    ids, id_ok, pos, pos_ok = _positions(run, tokens, te.shape[0], pe.shape[0])
+    out = te[ids.clamp(0, te.shape[0] - 1)] * id_ok[:, None]
+    out += pe[pos.clamp(0, pe.shape[0] - 1)] * pos_ok[:, None]
+    return out
 
 
-class ParallelEmbedding(nn.Module):
-    """wte [V, h] split [V/G_y, h/G_x], wpe [s, h] split [s/G_y, h/G_x], both flat z-shards.
-
-    Gathered together (`emb` key) for the lookup; wte alone (`head` key) for the tied head.
-    """
-
-    def __init__(self, sched: Schedule, vocab: int, seq_len: int, hidden: int):
-        super().__init__()
-        ctx = sched.ctx
-        self.sched = sched
-        gx, gy, gz = ctx.size("x"), ctx.size("y"), ctx.size("z")
-        self.wte_shape = (vocab // gy, hidden // gx)
-        self.wpe_shape = (seq_len // gy, hidden // gx)
-        self.vocab_start = ctx.coord("y") * self.wte_shape[0]
-        self.pos_start = ctx.coord("y") * self.wpe_shape[0]
-        a, b = self.wte_shape[0] * self.wte_shape[1], self.wpe_shape[0] * self.wpe_shape[1]
-        self.wte = nn.Parameter(torch.zeros(a // gz, device=ctx.device))
-        self.wpe = nn.Parameter(torch.zeros(b // gz, device=ctx.device))
-        te, pe = self.wte_shape, self.wpe_shape
-        sched.register("emb", [self.wte, self.wpe],
-                       lambda flat: (flat[:, :a // gz].reshape(te), flat[:, a // gz:].reshape(pe)))
-        sched.register("head", [self.wte], lambda flat: flat.reshape(te))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingFn.apply(tokens, self.wte, self.wpe, self)
+def embedding_bwd(run, op, dout: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Gradients of this rank's wte and wpe rows, flattened as their z-shards are: [G_z, shard sizes]."""
+    te_shape, pe_shape = run.model.embedding_shapes()
+    ids, id_ok, pos, pos_ok = _positions(run, tokens, te_shape[0], pe_shape[0])
+    d = dout.float()  # sums over many tokens: accumulate in fp32, send in the compute dtype
+    dte = torch.zeros(te_shape, dtype=torch.float32, device=d.device)
+    dte.index_add_(0, ids[id_ok], d[id_ok])
+    dpe = torch.zeros(pe_shape, dtype=torch.float32, device=d.device)
+    dpe.index_add_(0, pos[pos_ok], d[pos_ok])
+    gz = run.model.ctx.size("z")
+    return torch.cat([dte.reshape(gz, -1), dpe.reshape(gz, -1)], 1).to(dout.dtype)
 
 
-class _HeadFn(Function):
-    """logits = all_reduce_x(x @ wte^T): the tied head, a normal layer with W = wte^T."""
-
-    @staticmethod
-    def forward(ctx, x, wte, emb: ParallelEmbedding):
-        s = emb.sched
-        w = s.weight("head")
-        logits = s.gemm(s.name("head", "gemm"), x, w.t(), "NT")
-        s.comm.all_reduce(logits, "x", s.name("head", "ar_x"))
-        ctx.emb = emb
-        ctx.save_for_backward(x)
-        return logits
-
-    @staticmethod
-    def backward(ctx, dlogits):
-        emb: ParallelEmbedding = ctx.emb
-        s, (x,) = emb.sched, ctx.saved_tensors
-        w = s.weight("head")
-        dlogits = dlogits.contiguous()
-        dx = s.gemm(s.name("head", "dgrad", "bwd"), dlogits, w, "NN")
-        ar = s.comm.all_reduce(dx, "y", s.name("head", "ar_y", "bwd"), async_op=s.options.oar)
-        dw = s.gemm(s.name("head", "wgrad", "bwd"), dlogits.t(), x, "TN")
-        s.reduce_grad(s.name("head", "rs_z", "bwd"), dw.reshape(s.ctx.size("z"), -1), [emb.wte])
-        return ar.wait(), None, None
+# -- vocabulary-parallel cross-entropy -------------------------------------------------------------
+def loss(run, op, logits: torch.Tensor, targets: torch.Tensor):
+    """Per-token maximum logit of this rank's vocabulary shard (and, when the shard is the whole
+    vocabulary, the sums too)."""
+    lmax = logits.float().max(-1).values
+    if len(op.writes) == 1:
+        return lmax
+    return lmax, loss_sums(run, op, logits, lmax, targets)
 
 
-def tied_head(x: torch.Tensor, emb: ParallelEmbedding) -> torch.Tensor:
-    """Logits of this rank's vocabulary shard [m, V/G_y] (replicated over x)."""
-    return _HeadFn.apply(x, emb.wte, emb)
+def _targets(run, logits: torch.Tensor, targets: torch.Tensor):
+    valid = targets.reshape(-1) >= 0
+    tgt = targets.reshape(-1) - run.model.embedding_offsets()[0]
+    ok = valid & (tgt >= 0) & (tgt < logits.shape[1])
+    return valid, tgt, ok
 
 
-class _CrossEntropyFn(Function):
-    """Sum over this rank's tokens of the vocab-parallel cross-entropy, times `scale`; tokens whose
-    target is negative (IGNORE) count zero."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, emb: ParallelEmbedding, scale: float):
-        s = emb.sched
-        with s.compute(s.name("loss", ""), "loss"):
-            lf = logits.float()
-            lmax = lf.max(-1).values
-        s.comm.all_reduce(lmax, "y", s.name("loss", "ar_y_max"), op=MAX, width=STAT_BYTES)
-        e = torch.exp(lf - lmax[:, None])
-        valid = targets.reshape(-1) >= 0
-        tgt = targets.reshape(-1) - emb.vocab_start
-        ok = valid & (tgt >= 0) & (tgt < lf.shape[1])
-        tlogit = lf.gather(1, tgt.clamp(0, lf.shape[1] - 1)[:, None])[:, 0] * ok
-        sums = torch.stack([e.sum(-1), tlogit], -1)
-        s.comm.all_reduce(sums, "y", s.name("loss", "ar_y_sum"), width=STAT_BYTES)
-        loss = ((torch.log(sums[:, 0]) + lmax - sums[:, 1]) * valid).sum() * scale
-        ctx.emb, ctx.scale, ctx.dtype = emb, scale, logits.dtype
-        ctx.save_for_backward(e / sums[:, 0:1] * valid[:, None], tgt, ok)
-        return loss
-
-    @staticmethod
-    def backward(ctx, dloss):
-        s = ctx.emb.sched
-        s.begin_backward()
-        probs, tgt, ok = ctx.saved_tensors
-        with s.compute(s.name("loss", "", "bwd"), "loss"):
-            grad = probs.clone()
-            rows = torch.nonzero(ok)[:, 0]
-            grad[rows, tgt[rows]] -= 1.0
-            grad = (grad * (dloss * ctx.scale)).to(ctx.dtype)
-        return grad, None, None, None
+def loss_sums(run, op, logits: torch.Tensor, lmax: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token [sum of exp(logit - max), target logit] over this rank's shard (fp32)."""
+    lf = logits.float()
+    _, tgt, ok = _targets(run, logits, targets)
+    tlogit = lf.gather(1, tgt.clamp(0, lf.shape[1] - 1)[:, None])[:, 0] * ok
+    return torch.stack([torch.exp(lf - lmax[:, None]).sum(-1), tlogit], -1)
 
 
-def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, emb: ParallelEmbedding,
-                        scale: float) -> torch.Tensor:
-    """scale * sum of the token losses of this rank (identical over x and y)."""
-    return _CrossEntropyFn.apply(logits, targets, emb, scale)
+def loss_value(run, logits, targets, lmax, sums) -> torch.Tensor:
+    """scale * the sum of this rank's token losses (IGNORE targets count zero), fp32 scalar."""
+    valid, _, _ = _targets(run, logits, targets)
+    return ((torch.log(sums[:, 0]) + lmax - sums[:, 1]) * valid).sum() * run.scale
+
+
+def loss_bwd(run, op, logits, targets, lmax, sums) -> torch.Tensor:
+    """d(loss)/d(logits) of this rank's shard, times the loss's scale and the incoming gradient."""
+    valid, tgt, ok = _targets(run, logits, targets)
+    grad = torch.exp(logits.float() - lmax[:, None]) / sums[:, 0:1] * valid[:, None]
+    rows = torch.nonzero(ok)[:, 0]
+    grad[rows, tgt[rows]] -= 1.0
+    return (grad * (run.dloss * run.scale)).to(logits.dtype)
+
+
+def goldfish_mask(run, op, targets: torch.Tensor) -> None:
+    """The goldfish mask: the data loader (backend.goldfish) has already set the dropped targets to
+    IGNORE, which the loss leaves out; the op stands for that work in the program (no flops here)."""
+
+
+# -- optimizer ------------------------------------------------------------------------------------
+def grad_norm(run, op) -> torch.Tensor:
+    """Sum of squares of this rank's unique gradients (summed over x, y, z by the reductions)."""
+    sq = torch.zeros(1, dtype=torch.float32, device=run.model.ctx.device)
+    for p in run.model.unique_parameters():
+        if p.grad is not None:
+            sq += p.grad.float().pow(2).sum()
+    return sq
+
+
+def adamw(run, op, sq: torch.Tensor | None = None) -> None:
+    """Clip by the global norm (when the program computes it), then the optimizer's step."""
+    if sq is not None:
+        norm = float(sq.sqrt())
+        run.grad_norm = norm
+        coef = run.max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in run.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    if run.optimizer is not None:
+        run.optimizer.step()
+
+
+COMPUTE = {"": gemm, "layer_norm": layer_norm, "layer_norm_bwd": layer_norm_bwd, "attention": attention,
+           "attention_bwd": local_bwd, "gelu": gelu, "gelu_bwd": local_bwd, "embedding": embedding,
+           "embedding_bwd": embedding_bwd, "loss": loss, "loss_bwd": loss_bwd, "goldfish_mask": goldfish_mask, "grad_norm": grad_norm,
+           "adamw": adamw}
+PAYLOADS = {"ln_stats": ln_stats, "ln_grad_stats": ln_grad_stats, "loss_sums": loss_sums}

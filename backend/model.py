@@ -1,10 +1,12 @@
-"""The GPT of the 4D algorithm, a plain single-process ReferenceGPT with the same math, and the maps
-between the two (weights in, gradients out).
+"""The GPT of the 4D algorithm on one rank (its parameter shards, run by the program's executor), a
+plain single-process ReferenceGPT with the same math, and the maps between the two (weights in,
+gradients out).
 
 GPT: learned token and position embeddings, `layers` pre-norm blocks (layer norm, causal attention,
 layer norm, GELU MLP of width ffn), a final layer norm and a head tied to the token embedding; linear
 layers without bias, layer norms with. The loss is the mean cross-entropy over all tokens of the
-global batch.
+global batch. What runs, in which order and where, is the program's (twin/program.py); the weight
+keys below are the ones its ops name (`weight`, `accumulate`).
 """
 
 from __future__ import annotations
@@ -17,39 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.dist import ParallelContext
-from backend.layers import (IGNORE, ParallelEmbedding, ParallelLayerNorm, ParallelLinear, causal_attention,
-                            recompute, recorded, tied_head, vocab_parallel_loss)
+from backend.executor import Executor
+from backend.layers import IGNORE
 from backend.recorder import NULL_RECORDER, Recorder
-from backend.schedule import LINEARS, Schedule
+from twin.grid import AXES
 from twin.model import ModelSpec
-from twin.program import Options
+from twin.program import (EMBEDDING_AXES, NORM_AXIS, Options, Program, build_program, embedding_dims,
+                          linear_dims, weight_buffer)
 
 
-class Block(nn.Module):
-    """One transformer block on this rank's shards: x [m, h/G_x] -> [m, h/G_x]."""
-
-    def __init__(self, sched: Schedule, spec: ModelSpec, i: int):
-        super().__init__()
-        self.sched, self.name = sched, f"L{i}"
-        self.local_heads = spec.heads // sched.ctx.size("y")
-        h = spec.hidden
-        self.ln1 = ParallelLayerNorm(sched, f"L{i}.ln1", h)
-        self.ln2 = ParallelLayerNorm(sched, f"L{i}.ln2", h)
-        for name, k, n, transposed in spec.linear_shapes():
-            setattr(self, name, ParallelLinear(sched, f"L{i}.{name}", k, n, transposed))
-
-    def _attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        return causal_attention(qkv, *self.sched.shape, self.local_heads)
-
-    def body(self, x: torch.Tensor) -> torch.Tensor:
-        s, L = self.sched, self.name
-        a = recorded(self.qkv(self.ln1(x)), self._attention, s, f"{L}.attn", "attention")
-        x = x + self.attn_out(a)
-        u = recorded(self.mlp_up(self.ln2(x)), F.gelu, s, f"{L}.gelu", "elementwise")
-        return x + self.mlp_down(u)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recompute(self, x) if self.sched.options.recompute else self.body(x)
+class _Params(nn.Module):
+    """A plain holder of parameters (the names of the checkpoints' state dicts)."""
 
 
 class GPT(nn.Module):
@@ -57,40 +37,103 @@ class GPT(nn.Module):
 
     vocab: padded vocabulary (default spec.padded_vocab(G_y)). Initialization: N(0, 0.02) shards
     (load_from_reference for exact copies of a ReferenceGPT). tune_gemms: time the GEMM layouts
-    once per shape and keep the fastest (default: on GPU only). The position table has spec.seq_len
-    rows: build the program with the same seq_len (or a spec replaced with the run's seq_len).
+    once per shape and keep the fastest (default: on GPU only). program: the program to run (default:
+    built from spec, grid and options for the batch of the first call). The position table has
+    spec.seq_len rows: run a program of the same seq_len.
     """
+
+    eps = 1e-5
 
     def __init__(self, spec: ModelSpec, ctx: ParallelContext, options: Options | None = None,
                  recorder: Recorder = NULL_RECORDER, vocab: int | None = None, seed: int = 0,
-                 tune_gemms: bool | None = None):
+                 tune_gemms: bool | None = None, program: Program | None = None):
         super().__init__()
-        self.spec, self.ctx, self.options = spec, ctx, options or Options()
+        self.spec, self.ctx = spec, ctx
+        self.options = program.options if program is not None else options or Options()
         self.vocab = vocab or spec.padded_vocab(ctx.size("y"))
-        self.sched = Schedule(ctx, self.options, spec.layers, recorder, tune_gemms)
-        self.emb = ParallelEmbedding(self.sched, self.vocab, spec.seq_len, spec.hidden)
-        self.blocks = nn.ModuleList(Block(self.sched, spec, i) for i in range(spec.layers))
-        self.lnf = ParallelLayerNorm(self.sched, "lnf", spec.hidden)
+        grid, dev, gz, h = ctx.grid, ctx.device, ctx.size("z"), spec.hidden
+        self.wte_shape = embedding_dims(grid, self.vocab, h)
+        self.wpe_shape = embedding_dims(grid, spec.seq_len, h)
+        self.emb = _Params()
+        self.emb.wte = nn.Parameter(torch.zeros(math.prod(self.wte_shape) // gz, device=dev))
+        self.emb.wpe = nn.Parameter(torch.zeros(math.prod(self.wpe_shape) // gz, device=dev))
+        features = h // ctx.size(NORM_AXIS)
+        self.blocks = nn.ModuleList()
+        self.shapes: dict[str, tuple[int, int]] = {}  # linear weight key -> local (k, n) before the z-shard
+        for i in range(spec.layers):
+            blk = _Params()
+            for ln in ("ln1", "ln2"):
+                setattr(blk, ln, _norm(features, dev))
+            for name, k, n, transposed in spec.linear_shapes():
+                kl, nl, _, _ = linear_dims(grid, k, n, transposed)
+                self.shapes[f"L{i}.{name}"] = (kl, nl)
+                lin = _Params()
+                lin.weight = nn.Parameter(torch.zeros(kl * nl // gz, device=dev))
+                setattr(blk, name, lin)
+            self.blocks.append(blk)
+        self.lnf = _norm(features, dev)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx.rank % ctx.grid.tensor_size)
         with torch.no_grad():
             for p in self.sharded_parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        # weight keys of the program -> parameters
+        self.keys: dict[str, list[nn.Parameter]] = {"emb": [self.emb.wte, self.emb.wpe], "head": [self.emb.wte],
+                                                    "norms": self.norm_parameters(), "lnf": [self.lnf.weight, self.lnf.bias]}
+        for i, blk in enumerate(self.blocks):
+            for name, *_ in spec.linear_shapes():
+                self.keys[f"L{i}.{name}"] = [getattr(blk, name).weight]
+            for ln in ("ln1", "ln2"):
+                norm = getattr(blk, ln)
+                self.keys[f"L{i}.{ln}"] = [norm.weight, norm.bias]
+        self.buffers_of = {weight_buffer(k): k for k in self.keys}
+        self._recorder, self._tune, self.program = recorder, tune_gemms, None
+        self.executor: Executor | None = None
+        self._others: dict[tuple[int, int], Executor] = {}  # executors of other batch shapes (one kept)
+        if program is not None:
+            self.use_program(program)
+
+    # -- the program -------------------------------------------------------------------------------
+    def use_program(self, program: Program) -> None:
+        """Run `program` from now on (its model and grid must be this model's)."""
+        if program.grid != self.ctx.grid or program.model.layers != self.spec.layers \
+                or program.model.hidden != self.spec.hidden or program.vocab != self.vocab:
+            raise ValueError(f"program of {program.model.name} on {program.grid} does not fit this model")
+        self.program, self.options = program, program.options
+        self.executor = Executor(program, self, self._recorder, self._tune)
+
+    def _executor_for(self, sequences: int, seq_len: int) -> Executor:
+        """The executor of the program for micro-batches of `sequences` x `seq_len` on this rank: the
+        model's program when it fits, else (e.g. a held-out batch) one built for that batch."""
+        batch = sequences * self.ctx.batch_shards * self.options.micro_batches
+        if self.program is None:
+            self.use_program(build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len))
+        if (self.program.batch, self.program.seq_len) == (batch, seq_len):
+            return self.executor
+        key = (batch, seq_len)
+        if key not in self._others:
+            prog = build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len)
+            self._others = {key: Executor(prog, self, self._recorder, self._tune)}
+        return self._others[key]
 
     @property
     def recorder(self) -> Recorder:
-        return self.sched.recorder
+        return self._recorder
 
     @recorder.setter
     def recorder(self, rec: Recorder) -> None:
-        self.sched.recorder = rec
+        self._recorder = rec
+        for exe in [self.executor, *self._others.values()]:
+            if exe is not None:
+                exe.recorder = rec
 
-    def linears(self) -> list[ParallelLinear]:
-        """The linear layers in the program's order (L0.qkv, L0.attn_out, ..., L1.qkv, ...)."""
-        return [getattr(b, ln) for b in self.blocks for ln in LINEARS]
+    # -- parameters by the program's weight keys -----------------------------------------------------
+    def linears(self) -> list[nn.Parameter]:
+        """The linear layers' weights in the model's order (L0.qkv, L0.attn_out, ..., L1.qkv, ...)."""
+        return [getattr(b, ln).weight for b in self.blocks for ln, *_ in self.spec.linear_shapes()]
 
     def sharded_parameters(self) -> list[nn.Parameter]:
         """Parameters split over x, y and z (one copy per tensor-parallel rank): linears, wte, wpe."""
-        return [lin.weight for lin in self.linears()] + [self.emb.wte, self.emb.wpe]
+        return self.linears() + [self.emb.wte, self.emb.wpe]
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """Layer-norm parameters (split over x, replicated over y and z) in the program's order."""
@@ -99,9 +142,79 @@ class GPT(nn.Module):
             out += [b.ln1.weight, b.ln1.bias, b.ln2.weight, b.ln2.bias]
         return out + [self.lnf.weight, self.lnf.bias]
 
+    def unique_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this rank counts once in the global norm: its shards, and
+        the layer norms on the ranks whose other coordinates of the norms' replicas are 0."""
+        replica = [a for a in AXES if a not in (NORM_AXIS, "data")]
+        first = all(self.ctx.coord(a) == 0 for a in replica)
+        return self.sharded_parameters() + (self.norm_parameters() if first else [])
+
+    def norm_params(self, key: str) -> list[nn.Parameter]:
+        return self.keys[key]
+
+    def flat_shard(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """The z-shards of weight `key`, concatenated, in `dtype` (what its all-gather sends)."""
+        params = self.keys[key]
+        if len(params) == 1:
+            return params[0].detach().reshape(-1).to(dtype)
+        return torch.cat([p.detach().reshape(-1) for p in params]).to(dtype)
+
+    def unpack(self, key: str, flat: torch.Tensor):
+        """The local weight(s) of `key` from its gathered flat tensor [G_z * sum of shard sizes]."""
+        rows = flat.view(self.ctx.size("z"), -1)
+        if key in self.shapes:
+            return rows.reshape(self.shapes[key])
+        te = math.prod(self.wte_shape) // self.ctx.size("z")
+        if key == "head":
+            return rows.reshape(self.wte_shape)
+        return rows[:, :te].reshape(self.wte_shape), rows[:, te:].reshape(self.wpe_shape)
+
+    def local_weight(self, buffer: str):
+        """Weight buffer `buffer` from this rank's own shard, when it is the whole block (G_z = 1)."""
+        key = self.buffers_of.get(buffer)
+        if key is None or self.ctx.size("z") != 1:
+            return None
+        return self.unpack(key, self.flat_shard(key, self.ctx.compute_dtype))
+
+    def embedding_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return self.wte_shape, self.wpe_shape
+
+    def embedding_offsets(self) -> tuple[int, int]:
+        """First vocabulary row and first position of this rank's blocks of wte and wpe."""
+        c = self.ctx.coord(EMBEDDING_AXES[0])
+        return c * self.wte_shape[0], c * self.wpe_shape[0]
+
+    def accumulate(self, key: str, flat: torch.Tensor) -> None:
+        """Add a gradient of `key`'s shards (their concatenation, any shape) to the parameters' grads."""
+        flat, off = flat.reshape(-1), 0
+        for p in self.keys[key]:
+            _add_grad(p, flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    @staticmethod
+    def accumulate_params(params, grads) -> None:
+        for p, g in zip(params, grads):
+            _add_grad(p, g)
+
+    def flat_grads(self, key: str) -> torch.Tensor:
+        """The gradients of `key`'s parameters, concatenated (zeros where none yet)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.keys[key]])
+
+    def set_grads(self, key: str, flat: torch.Tensor) -> None:
+        off = 0
+        for p in self.keys[key]:
+            g = flat[off:off + p.numel()].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            off += p.numel()
+
+    # -- running -----------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, micro_batch: int = 0,
                 total_tokens: int | None = None, reduce_loss: bool = True) -> torch.Tensor:
-        """Loss of this rank's sequences: tokens, targets [seqs, s] -> scalar.
+        """Loss of this rank's sequences: tokens, targets [seqs, s] -> scalar; its backward() runs the
+        program's backward ops of this micro-batch.
 
         Targets equal to IGNORE (-100; any negative) are left out of the loss (goldfish loss).
         The value is (sum of this rank's token losses) / total_tokens, so that gradients are those
@@ -117,15 +230,41 @@ class GPT(nn.Module):
         if total_tokens is None:
             counted = (targets >= 0).sum().to(torch.float32)
             total_tokens = int(sum_over_batch_shards(counted, self.ctx).item())
-        self.sched.begin_forward(micro_batch, seqs, seq_len)
-        x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
-        logits = tied_head(self.lnf(x), self.emb)
-        loss = vocab_parallel_loss(logits, targets, self.emb, 1.0 / max(total_tokens, 1))
+        exe = self._executor_for(seqs, seq_len)
+        loss = _ProgramLoss.apply(self.lnf.bias, exe, micro_batch, tokens, targets, 1.0 / max(total_tokens, 1))
         if reduce_loss:
             loss = loss + (sum_over_batch_shards(loss.detach(), self.ctx) - loss.detach())
         return loss
+
+
+class _ProgramLoss(torch.autograd.Function):
+    """The forward ops of a micro-batch as one autograd node whose backward runs the backward ops.
+    (`anchor`, a parameter, only makes the loss require a gradient.)"""
+
+    @staticmethod
+    def forward(ctx, anchor, exe: Executor, micro_batch: int, tokens, targets, scale: float):
+        ctx.exe, ctx.micro_batch = exe, micro_batch
+        return exe.forward(micro_batch, tokens, targets, scale)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        ctx.exe.backward(ctx.micro_batch, float(dloss))
+        return None, None, None, None, None, None
+
+
+def _norm(features: int, device) -> nn.Module:
+    norm = _Params()
+    norm.weight = nn.Parameter(torch.ones(features, device=device))
+    norm.bias = nn.Parameter(torch.zeros(features, device=device))
+    return norm
+
+
+def _add_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.add_(g)
 
 
 def sum_over_batch_shards(value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -200,27 +339,29 @@ def shard_map(model: GPT) -> list[tuple[str, nn.Parameter, callable]]:
     h = model.spec.hidden
     out = []
 
-    def emb(t, c):  # wte / wpe: rows (vocabulary or positions) over y, features over x
-        x, y, z, _ = c
-        return _block_shard(t, (y, g.y), (x, g.x), (z, g.z))
+    def split(c, axis: str) -> tuple[int, int]:
+        return c[AXES.index(axis)], g.axis_size(axis)
+
+    def emb(t, c):  # wte / wpe: rows (vocabulary or positions) and features as EMBEDDING_AXES say
+        return _block_shard(t, split(c, EMBEDDING_AXES[0]), split(c, EMBEDDING_AXES[1]), split(c, "z"))
 
     out.append(("wte", model.emb.wte, emb))
     out.append(("wpe", model.emb.wpe, emb))
-    perm = _qkv_perm(h, g.y)
+    perm = _qkv_perm(h, g.y)  # heads split over y: the qkv layer's outputs, a normal layer's
     for i, b in enumerate(model.blocks):
-        for name, _, _, transposed in model.spec.linear_shapes():
-            def fn(t, c, name=name, transposed=transposed):
-                x, y, z, _ = c
+        for name, k, n, transposed in model.spec.linear_shapes():
+            _, _, in_axis, out_axis = linear_dims(g, k, n, transposed)
+
+            def fn(t, c, name=name, in_axis=in_axis, out_axis=out_axis):
                 if name == "qkv":
                     t = t[:, perm]
-                rows, cols = ((y, g.y), (x, g.x)) if transposed else ((x, g.x), (y, g.y))
-                return _block_shard(t, rows, cols, (z, g.z))
+                return _block_shard(t, split(c, in_axis), split(c, out_axis), split(c, "z"))
             out.append((f"blocks.{i}.{name}", getattr(b, name).weight, fn))
     norms = [(f"blocks.{i}.{ln}.{w}", getattr(getattr(b, ln), w))
              for i, b in enumerate(model.blocks) for ln in ("ln1", "ln2") for w in ("weight", "bias")]
     norms += [("lnf.weight", model.lnf.weight), ("lnf.bias", model.lnf.bias)]
     for ref_name, p in norms:
-        out.append((ref_name, p, lambda t, c: t[c[0] * (h // g.x):(c[0] + 1) * (h // g.x)]))
+        out.append((ref_name, p, lambda t, c: t.view(g.axis_size(NORM_AXIS), -1)[c[AXES.index(NORM_AXIS)]]))
     return out
 
 
@@ -230,12 +371,6 @@ def load_from_reference(model: GPT, ref_state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p, fn in shard_map(model):
             p.copy_(fn(ref_state[name].detach().to(p.device, torch.float32), coords))
-
-
-def reference_shards(model: GPT, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's shard of each full tensor (e.g. the reference's gradients), keyed by reference name."""
-    coords = model.ctx.coords
-    return {name: fn(full[name].detach().to(p.device, torch.float32), coords) for name, p, fn in shard_map(model)}
 
 
 def full_shapes(model: GPT) -> dict[str, tuple[int, ...]]:

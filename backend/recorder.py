@@ -2,8 +2,11 @@
 
 Every op is recorded under the program's name (twin/program.py) with the program's kind, stream,
 axis, bytes and GEMM sizes, and its start and duration. Timing: CUDA events on the current stream on
-GPU (resolved lazily, when spans are read), time.perf_counter on CPU. An asynchronous collective is
-timed from its issue to the completion of its wait().
+GPU (resolved lazily, when spans are read), time.perf_counter on CPU. A compute op is timed around
+its kernel; an asynchronous collective from its issue to its completion, stamped by a callback on
+its work's future (on GPU an event on the stream it ran on), not when it is waited for. A collective
+issued while the previous one of its stream is still running starts when that one ends: the spans
+of one stream never overlap.
 
     rec = Recorder(enabled=True, device=torch.device("cpu"))
     with rec.op("L0.qkv.fwd.gemm", "gemm", "compute", m=64, n=96, k=32, layout="NN"):
@@ -77,9 +80,31 @@ class Recorder:
         self.records.append(rec)
         return rec
 
+    def begin_op(self, op, **args) -> Record | None:
+        """Start recording program op `op` (its name, kind, stream, axis, bytes, GEMM sizes, index)."""
+        if not self.enabled:
+            return None
+        rec = Record(op.name, op.kind, op.stream, op.axis, op.bytes, op.m, op.n, op.k, op.layout,
+                     {"index": op.index, **args}, self._now())
+        self.records.append(rec)
+        return rec
+
     def end(self, rec: Record | None) -> None:
         if rec is not None:
             rec._end = self._now()
+
+    def end_on_completion(self, rec: Record, work) -> None:
+        """End `rec` when the collective `work` completes (a callback on its future)."""
+        try:
+            fut = work.get_future()
+        except (AttributeError, RuntimeError):  # a backend without futures: end when issued
+            self.end(rec)
+            return
+
+        def done(_):
+            self.end(rec)
+
+        fut.then(done)
 
     @contextmanager
     def op(self, name: str, kind: str, stream: str = "compute", **sizes) -> Iterator[Record | None]:
@@ -105,20 +130,15 @@ class Recorder:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         out = []
+        stream_end: dict[str, float] = {}
         for i, r in enumerate(self.records):
-            start = self._seconds(r._start)
-            end = self._seconds(r._end) if r._end is not None else start
+            start = max(self._seconds(r._start), stream_end.get(r.stream, 0.0))
+            end = max(self._seconds(r._end) if r._end is not None else start, start)
+            stream_end[r.stream] = end
             args = {**span_args(r.kind, r.stream, index.get(r.name, i), r.axis, r.bytes, r.m, r.n, r.k, r.layout),
                     **r.args}
-            out.append(Span(rank, r.name, r.kind, r.stream, start, max(end - start, 0.0), args))
+            out.append(Span(rank, r.name, r.kind, r.stream, start, end - start, args))
         return out
-
-    def totals(self) -> dict[str, float]:
-        """Seconds recorded per kind (a quick breakdown)."""
-        acc: dict[str, float] = {}
-        for s in self.spans(0):
-            acc[s.kind] = acc.get(s.kind, 0.0) + s.duration_s
-        return acc
 
 
 NULL_RECORDER = Recorder(enabled=False)

@@ -65,6 +65,7 @@ class TrainConfig:
     eval_data: str | None = None      # held-out data (same forms as `data`); its loss is logged
     eval_every: int = 0               # steps between held-out evaluations (0: at the last step only)
     eval_batches: int = 4             # global batches of held-out data per evaluation
+    program_file: str | None = None   # run this program file (twin program --json): it fixes model, grid, batch, switches
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -72,8 +73,11 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def program(self) -> Program:
-        """The run resolved once: model spec, grid, switches and batch, as the program it runs
-        (raises TwinError when the grid cannot run the model)."""
+        """The run resolved once: model spec, grid, switches and batch, as the program it runs (the
+        program file's, validated, when given; raises TwinError when the grid cannot run the model)."""
+        if self.program_file:
+            from twin.programfile import load_program
+            return load_program(self.program_file)
         return build_program(load_model(self.model), Grid.parse(self.grid), self.options(), batch=self.batch)
 
     def options(self) -> Options:
@@ -274,7 +278,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if warn and env_rank()[1] == 0:
             print(warn, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.seed)
-        model = GPT(spec, ctx, options, seed=cfg.seed).to(ctx.device)
+        model = GPT(spec, ctx, seed=cfg.seed, program=program).to(ctx.device)
         optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         loader = ShardedLoader(source, program.batch, program.seq_len, ctx.batch_shard, ctx.batch_shards,
                                cfg.micro_batches, cfg.seed, cfg.goldfish_k, cfg.goldfish_h)

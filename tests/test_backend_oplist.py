@@ -119,7 +119,7 @@ def test_slurm_first_host() -> None:
 
 
 def test_gemm_layout_tuning_keeps_results() -> None:
-    from backend.schedule import GemmTuner
+    from backend.gemm import GemmTuner
 
     tuner = GemmTuner(enabled=True, repeats=1)
     a, b = torch.randn(64, 32), torch.randn(48, 32)

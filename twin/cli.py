@@ -18,6 +18,7 @@ from twin.model import list_models, load_model
 from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OneLineErrors, OrsOpt,
                          RecomputeOpt, SeqOpt, options_from_flags, output_file, output_folder)
 from twin.program import build_program
+from twin.programfile import load_program, save_program
 
 app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
@@ -85,7 +86,7 @@ def program_cmd(
         check_fits(mem, hbm_gib * GIB, f"{spec.name} on grid {g} ")
     prog = build_program(spec, g, opts, batch, seq)
     if json_out is not None:
-        write_atomic(json_out, prog.to_json())
+        save_program(prog, json_out)
     s = prog.summary()
     console.print(f"[bold]{spec.name}[/] on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
                   f"{s['seq_len']} tokens, padded vocabulary {s['padded_vocab']}")
@@ -166,6 +167,7 @@ def simulate_cmd(
     slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
 ) -> None:
@@ -175,9 +177,14 @@ def simulate_cmd(
     opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
     if simulate_top < 1:
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    prog = None
+    if program is not None:
+        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
+            raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
+        prog = load_program(program)
     r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
                  slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
-                 record=bool(trace or html), simulate_top=simulate_top)
+                 record=bool(trace or html), simulate_top=simulate_top, program=prog)
     if trace is not None:
         from twin.trace import write_trace
         write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)

@@ -16,14 +16,25 @@ sharded again over z. A normal layer has input features split over x and output 
 layer the reverse. Tokens are split over z and data by whole sequences. Attention and the
 elementwise ops on y-split activations are computed identically by the G_x ranks of an x-group
 (`replicas`), so model flops are sum(flops / replicas) over ops, times the number of ranks.
+
+Dataflow (what the backend's executor runs; the twin uses only kinds, streams, deps and sizes): each
+op names the buffers it `reads` and `writes` (activations such as `x:L3` the input of block 3,
+`L3.qkv.out`; `d:<buffer>` its gradient; `w:<weight>` a weight gathered over z; `g:<weight>` a weight
+gradient before its reduce-scatter; `tokens`, `targets` the micro-batch), the parameters it uses
+(`weight`, a key such as `L3.qkv`, `emb`, `head`, `L3.ln1`, `norms`), its `role` (the kernel of a
+compute op, e.g. `layer_norm`, `attention_bwd`, `adamw`; what an all-reduce reduces: `ln_stats`,
+`loss_sums`, `max`, `grad`, or its buffer in place), a buffer to `add` to its output (a residual) and
+the weight whose gradients its output `accumulate`s into. `phase` (`fwd`, `rec`, `bwd`, `grad`, `opt`)
+and `micro_batch` (-1 for the end of the step) say which part of the step it belongs to.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from twin.common import TwinError, finite_json
+from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.model import ModelSpec
 
@@ -62,6 +73,7 @@ class Op:
     m, n, k, layout: GEMM sizes (C[m,n] = A[m,k] B[k,n]; layout says which operand is transposed,
         NN, NT or TN). Attention ops use m = sequences x local heads, n = sequence length, k = head dim.
     replicas: how many ranks compute this very op on the same data (G_x for ops on y-split tensors).
+    phase, micro_batch, role, weight, reads, writes, add, accumulate: the dataflow (module docstring).
     """
 
     index: int
@@ -77,6 +89,15 @@ class Op:
     k: int = 0
     layout: str = ""
     replicas: int = 1
+    # the dataflow the backend executes (see the module docstring)
+    phase: str = ""
+    micro_batch: int = -1
+    role: str = ""
+    weight: str = ""
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    add: str = ""
+    accumulate: str = ""
 
     @property
     def is_collective(self) -> bool:
@@ -149,10 +170,6 @@ class Program:
             "wire_bytes_per_axis": self.comm_bytes(),
         }
 
-    def to_json(self) -> str:
-        """The whole program as JSON: the summary plus every op."""
-        return finite_json({"summary": self.summary(), "ops": [asdict(op) for op in self.ops]}, indent=1)
-
 
 class _Builder:
     """Appends ops in issue order and keeps the state of the overlap switches."""
@@ -167,6 +184,7 @@ class _Builder:
         self.ready: int | None = None   # the op whose completion makes the current activation usable
         self.blocking: list[int] = []   # ops the next compute op must wait for (synchronous collectives)
         self.prefix = ""
+        self.phase, self.mb = "fwd", -1  # pass and micro-batch of the ops being added
         self.gathers: list[tuple[str, str, int]] = []  # this pass's gather order: (key, name, bytes)
         self.issued_gathers: dict[str, int | None] = {}
         self.last_main: int | None = None  # main GEMM of the previous gather visit (prefetch depth one)
@@ -176,7 +194,8 @@ class _Builder:
     def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
         idx = len(self.ops)
         deps = tuple(sorted({d for d in deps if d is not None}))
-        self.ops.append(Op(idx, self.prefix + name, kind, stream, deps, **kw))
+        self.ops.append(Op(idx, self.prefix + name, kind, stream, deps, phase=self.phase,
+                           micro_batch=self.mb, **kw))
         return idx
 
     def compute(self, name: str, kind: str, deps=(), **kw) -> int:
@@ -186,26 +205,37 @@ class _Builder:
         self.ready = idx
         return idx
 
-    def collective(self, name: str, kind: str, axis: str, nbytes: int, deps=()) -> int | None:
+    def collective(self, name: str, kind: str, axis: str, nbytes: int, deps=(), **kw) -> int | None:
         if self.grid.axis_size(axis) == 1:
             return None
-        return self._add(name, kind, axis, deps, bytes=int(nbytes), axis=axis)
+        return self._add(name, kind, axis, deps, bytes=int(nbytes), axis=axis, **kw)
 
-    def gemm(self, name: str, m: int, n: int, k: int, layout: str, deps=()) -> int:
+    def gemm(self, name: str, m: int, n: int, k: int, layout: str, a: str, b: str, out: str, deps=(),
+             weight: str = "") -> int:
+        """C[m,n] = op(A) op(B) (layout: which operand is transposed); reads buffers a, b, writes out."""
         nbytes = ACT_BYTES * (m * k + k * n + m * n)
-        return self.compute(name, "gemm", deps, flops=2.0 * m * n * k, bytes=nbytes,
-                            m=m, n=n, k=k, layout=layout)
+        return self.compute(name, "gemm", deps, flops=2.0 * m * n * k, bytes=nbytes, m=m, n=n, k=k,
+                            layout=layout, weight=weight, reads=(a, b), writes=(out,))
 
     def elementwise(self, name: str, elements: int, flops_per_element: float, tensors: int,
-                    replicas: int = 1, kind: str = "elementwise") -> int:
+                    replicas: int = 1, kind: str = "elementwise", **kw) -> int:
         return self.compute(name, kind, flops=flops_per_element * elements,
-                            bytes=ACT_BYTES * tensors * elements, replicas=replicas)
+                            bytes=ACT_BYTES * tensors * elements, replicas=replicas, **kw)
 
-    def allreduce_ready(self, name: str, axis: str, nbytes: int) -> None:
-        """All-reduce the current activation over `axis`; the result becomes the current activation."""
-        ar = self.collective(name, "all_reduce", axis, nbytes, deps=[self.ready])
+    def allreduce_ready(self, name: str, axis: str, nbytes: int, buf: str, out: str | None = None,
+                        add: str = "", role: str = "") -> None:
+        """All-reduce buffer `buf` (the current activation) over `axis` into `out` (default: in
+        place), then add buffer `add`; the result becomes the current activation. Without the
+        collective (axis of size 1) its producer writes `out` and adds `add` itself."""
+        out = out or buf
+        ar = self.collective(name, "all_reduce", axis, nbytes, deps=[self.ready], reads=(buf,), writes=(out,),
+                             add=add, role=role)
         if ar is not None:
             self.ready = ar
+        elif out != buf or add:
+            prod = self.ops[self.ready]
+            writes = tuple(out if w == buf else w for w in prod.writes)
+            self.ops[self.ready] = replace(prod, writes=writes, add=add)
 
     # -- weight gathers with prefetch and caching -------------------------------------------------
     def start_pass(self, order: list[tuple[str, str, int]]) -> None:
@@ -216,7 +246,8 @@ class _Builder:
 
     def _issue_gather(self, i: int, deps) -> None:
         key, name, nbytes = self.gathers[i]
-        self.issued_gathers[key] = self.collective(name, "all_gather", "z", nbytes, deps=deps)
+        self.issued_gathers[key] = self.collective(name, "all_gather", "z", nbytes, deps=deps, weight=key,
+                                                   writes=(weight_buffer(key),))
 
     def gather(self, key: str) -> int | None:
         """The all-gather that makes weight `key` available (issuing it, and the prefetch, now)."""
@@ -238,14 +269,31 @@ class _Builder:
         return idx
 
     def reduce_scatter(self, key: str, name: str, nbytes: int, wgrad: int) -> None:
-        rs = self.collective(name, "reduce_scatter", "z", nbytes, deps=[wgrad])
+        """Reduce-scatter the weight gradient that op `wgrad` wrote over z into `key`'s gradients
+        (without z, `wgrad` accumulates them itself)."""
+        grad = self.ops[wgrad].writes[0]
+        rs = self.collective(name, "reduce_scatter", "z", nbytes, deps=[wgrad], weight=key, reads=(grad,),
+                             accumulate=key)
+        if rs is None:
+            self.ops[wgrad] = replace(self.ops[wgrad], accumulate=key)
         self.last_rs[key] = wgrad if rs is None else rs
         if rs is not None and not self.opt.ors:
             self.blocking.append(rs)
 
 
-def _linear_dims(grid: Grid, k: int, n: int, transposed: bool) -> tuple[int, int, str, str]:
-    """(k_local, n_local, in_axis, out_axis) of a linear layer's shard."""
+def weight_buffer(key: str) -> str:
+    """The buffer that holds weight `key` gathered over z (a GEMM reads it)."""
+    return f"w:{key}"
+
+
+def grad_buffer(name: str) -> str:
+    """The buffer that holds the gradient of buffer `name`."""
+    return f"d:{name}"
+
+
+def linear_dims(grid: Grid, k: int, n: int, transposed: bool) -> tuple[int, int, str, str]:
+    """(k_local, n_local, in_axis, out_axis) of a linear layer's shard: a normal layer splits its
+    input features over x and its outputs over y, a transposed one the reverse."""
     in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
     return k // grid.axis_size(in_axis), n // grid.axis_size(out_axis), in_axis, out_axis
 
@@ -263,6 +311,15 @@ def check_program_size(model: ModelSpec, options: Options) -> None:
                         "builds: use fewer layers or micro-batches")
 
 
+EMBEDDING_AXES = ("y", "x")  # an embedding table's rows (vocabulary or positions) split over y, features over x
+NORM_AXIS = "x"              # layer norms act on the residual stream, whose features are split over x
+
+
+def embedding_dims(grid: Grid, rows: int, hidden: int) -> tuple[int, int]:
+    """Shape of this rank's block of an embedding table of `rows` x `hidden` (before the z-shard)."""
+    return rows // grid.axis_size(EMBEDDING_AXES[0]), hidden // grid.axis_size(EMBEDDING_AXES[1])
+
+
 def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
                   batch: int | None = None, seq_len: int | None = None) -> Program:
     """Build the program of one iteration for one rank (the same for every rank).
@@ -278,68 +335,98 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     b = _Builder(model, grid, options, batch, seq_len)
     h, gx, gy = model.hidden, grid.x, grid.y
     m, V, s = b.tokens, b.vocab, seq_len
-    emb_bytes = ACT_BYTES * (V // gy + s // gy) * (h // gx)
-    wte_bytes = ACT_BYTES * (V // gy) * (h // gx)
+    wte_bytes = ACT_BYTES * math.prod(embedding_dims(grid, V, h))
+    emb_bytes = wte_bytes + ACT_BYTES * math.prod(embedding_dims(grid, s, h))
     linears = model.linear_shapes()
+    W, D = weight_buffer, grad_buffer
 
     def wbytes(k, n, t):
-        kl, nl, _, _ = _linear_dims(grid, k, n, t)
+        kl, nl, _, _ = linear_dims(grid, k, n, t)
         return ACT_BYTES * kl * nl
 
     def cached(i: int, first_mb: bool) -> bool:
         return i < options.cache_layers and not first_mb
 
-    def layer_norm(name: str, phase: str) -> None:
-        b.allreduce_ready(f"{name}.{phase}.ar_x", "x", STAT_BYTES * 2 * m)
-        b.elementwise(f"{name}.{phase}", m * h // gx, 8 if phase != "bwd" else 12, 2 if phase != "bwd" else 4)
+    def layer_norm(name: str, inp: str, out: str) -> None:
+        """Layer norm of buffer `inp` (statistics all-reduced over x) into `out`."""
+        stats = b.collective(f"{name}.{b.phase}.ar_x", "all_reduce", "x", STAT_BYTES * 2 * m, deps=[b.ready],
+                             role="ln_stats", reads=(inp,), writes=(f"{name}.stats",))
+        b.ready = stats if stats is not None else b.ready
+        reads = (inp, f"{name}.stats") if stats is not None else (inp,)
+        b.elementwise(f"{name}.{b.phase}", m * h // gx, 8, 2, role="layer_norm", weight=name, reads=reads,
+                      writes=(out, f"{name}.ctx"))
 
-    def linear_fwd(lname: str, key: str, k: int, n: int, t: bool, phase: str) -> None:
-        kl, nl, in_axis, _ = _linear_dims(grid, k, n, t)
-        ag = b.gather(key)
-        b.main(b.gemm(f"{lname}.{phase}.gemm", m, nl, kl, "NN", deps=[ag]))
-        b.allreduce_ready(f"{lname}.{phase}.ar_{in_axis}", in_axis, ACT_BYTES * m * nl)
+    def layer_norm_bwd(name: str, dout: str, dinp: str, add: str = "") -> None:
+        """Input gradient `dinp` (+ buffer `add`) of a layer norm; its parameters' gradients."""
+        sums = b.collective(f"{name}.bwd.ar_x", "all_reduce", "x", STAT_BYTES * 2 * m, deps=[b.ready],
+                            role="ln_grad_stats", weight=name, reads=(dout, f"{name}.ctx"),
+                            writes=(f"{name}.grad_stats",))
+        b.ready = sums if sums is not None else b.ready
+        reads = (dout, f"{name}.ctx") + ((f"{name}.grad_stats",) if sums is not None else ())
+        b.elementwise(f"{name}.bwd", m * h // gx, 12, 4, role="layer_norm_bwd", weight=name, reads=reads,
+                      writes=(dinp,), add=add)
 
-    def linear_bwd(lname: str, key: str, k: int, n: int, t: bool, gathered: bool) -> None:
-        kl, nl, _, out_axis = _linear_dims(grid, k, n, t)
-        ag = None if gathered else b.gather(key)
-        dgrad = b.gemm(f"{lname}.bwd.dgrad", m, kl, nl, "NT", deps=[ag])
+    def linear_fwd(lname: str, k: int, n: int, t: bool, inp: str, out: str, add: str = "") -> None:
+        kl, nl, in_axis, _ = linear_dims(grid, k, n, t)
+        ag = b.gather(lname)
+        b.main(b.gemm(f"{lname}.{b.phase}.gemm", m, nl, kl, "NN", inp, W(lname), f"{lname}.out", deps=[ag],
+                      weight=lname))
+        b.allreduce_ready(f"{lname}.{b.phase}.ar_{in_axis}", in_axis, ACT_BYTES * m * nl, f"{lname}.out", out, add)
+
+    def linear_bwd(lname: str, k: int, n: int, t: bool, inp: str, dout: str, dinp: str, gathered: bool) -> None:
+        """dgrad (dinp = dout W^T, all-reduced), wgrad (inp^T dout), reduce-scatter of the latter."""
+        kl, nl, _, out_axis = linear_dims(grid, k, n, t)
+        ag = None if gathered else b.gather(lname)
+        dgrad = b.gemm(f"{lname}.bwd.dgrad", m, kl, nl, "NT", dout, W(lname), dinp, deps=[ag], weight=lname)
         if not gathered:
             b.main(dgrad)
         grad_ready = b.ready
         ar = b.collective(f"{lname}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * m * kl,
-                          deps=[dgrad])
-        wgrad = b.gemm(f"{lname}.bwd.wgrad", kl, nl, m, "TN", deps=[] if options.oar else [ar])
-        b.reduce_scatter(key, f"{lname}.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
+                          deps=[dgrad], reads=(dinp,), writes=(dinp,))
+        wgrad = b.gemm(f"{lname}.bwd.wgrad", kl, nl, m, "TN", inp, dout, f"g:{lname}",
+                       deps=[] if options.oar else [ar], weight=lname)
+        b.reduce_scatter(lname, f"{lname}.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
         b.ready = ar if ar is not None else grad_ready
 
-    def block_fwd(i: int, phase: str) -> None:
+    def block_io(i: int) -> dict[str, str]:
+        """Buffers of block i: its input, the residual after attention, the inputs of its linears."""
         L = f"L{i}"
+        return {"x": f"x:{L}", "mid": f"{L}.mid", "out": f"x:L{i + 1}", "qkv": f"{L}.ln1.out",
+                "attn_out": f"{L}.attn.out", "mlp_up": f"{L}.ln2.out", "mlp_down": f"{L}.gelu.out"}
+
+    def block_fwd(i: int) -> None:
+        L, io = f"L{i}", block_io(i)
         heads = model.heads // gy
-        layer_norm(f"{L}.ln1", phase)
-        linear_fwd(f"{L}.qkv", f"{L}.qkv", *linears[0][1:], phase)
-        b.compute(f"{L}.attn.{phase}", "attention", flops=4.0 * b.seqs * s * s * h / gy,
+        lin = {ln: (k, n, t) for ln, k, n, t in linears}
+        layer_norm(f"{L}.ln1", io["x"], io["qkv"])
+        linear_fwd(f"{L}.qkv", *lin["qkv"], io["qkv"], f"{L}.qkv.out")
+        b.compute(f"{L}.attn.{b.phase}", "attention", flops=4.0 * b.seqs * s * s * h / gy,
                   bytes=ACT_BYTES * 4 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
-                  replicas=gx)
-        linear_fwd(f"{L}.attn_out", f"{L}.attn_out", *linears[1][1:], phase)
-        layer_norm(f"{L}.ln2", phase)
-        linear_fwd(f"{L}.mlp_up", f"{L}.mlp_up", *linears[2][1:], phase)
-        b.elementwise(f"{L}.gelu.{phase}", m * model.ffn // gy, 8, 2, replicas=gx)
-        linear_fwd(f"{L}.mlp_down", f"{L}.mlp_down", *linears[3][1:], phase)
+                  replicas=gx, role="attention", reads=(f"{L}.qkv.out",), writes=(io["attn_out"], f"{L}.attn.ctx"))
+        linear_fwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
+        layer_norm(f"{L}.ln2", io["mid"], io["mlp_up"])
+        linear_fwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
+        b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
+                      reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
+        linear_fwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
 
     def block_bwd(i: int) -> None:
-        L = f"L{i}"
+        L, io = f"L{i}", block_io(i)
         heads = model.heads // gy
+        lin = {ln: (k, n, t) for ln, k, n, t in linears}
         gathered = options.recompute  # with recomputation the backward reuses the recompute's gather
-        linear_bwd(f"{L}.mlp_down", f"{L}.mlp_down", *linears[3][1:], gathered)
-        b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx)
-        linear_bwd(f"{L}.mlp_up", f"{L}.mlp_up", *linears[2][1:], gathered)
-        layer_norm(f"{L}.ln2", "bwd")
-        linear_bwd(f"{L}.attn_out", f"{L}.attn_out", *linears[1][1:], gathered)
+        linear_bwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
+        b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
+                      reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+        linear_bwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
+        layer_norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
+        linear_bwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
         b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * h / gy,
                   bytes=ACT_BYTES * 8 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
-                  replicas=gx)
-        linear_bwd(f"{L}.qkv", f"{L}.qkv", *linears[0][1:], gathered)
-        layer_norm(f"{L}.ln1", "bwd")
+                  replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
+                  writes=(D(f"{L}.qkv.out"),))
+        linear_bwd(f"{L}.qkv", *lin["qkv"], io["qkv"], D(f"{L}.qkv.out"), D(io["qkv"]), gathered)
+        layer_norm_bwd(f"{L}.ln1", D(io["qkv"]), D(io["x"]), add=D(io["mid"]))
 
     def fwd_order(first_mb: bool) -> list[tuple[str, str, int]]:
         order = [("emb", "emb.fwd.ag_z", emb_bytes)]
@@ -357,49 +444,65 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
             order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", wbytes(k, n, t)) for ln, k, n, t in lin]
         return order
 
+    x0, xl = "x:L0", f"x:L{model.layers}"
     for mb in range(options.micro_batches):
         b.prefix = f"mb{mb}." if options.micro_batches > 1 else ""
-        b.ready = None
+        b.ready, b.mb, b.phase = None, mb, "fwd"
         # forward
         b.start_pass(fwd_order(mb == 0))
         ag = b.gather("emb")
         b.main(b.compute("emb.fwd", "embedding", deps=[ag], flops=float(m * h // gx),
-                         bytes=ACT_BYTES * 3 * m * h // gx))
-        b.allreduce_ready("emb.fwd.ar_y", "y", ACT_BYTES * m * h // gx)
+                         bytes=ACT_BYTES * 3 * m * h // gx, role="embedding", weight="emb",
+                         reads=("tokens", W("emb")), writes=("emb.out",)))
+        b.allreduce_ready("emb.fwd.ar_y", "y", ACT_BYTES * m * h // gx, "emb.out", x0)
         for i in range(model.layers):
-            block_fwd(i, "fwd")
-        layer_norm("lnf", "fwd")
+            block_fwd(i)
+        layer_norm("lnf", xl, "lnf.out")
         ag = b.gather("head")
-        b.main(b.gemm("head.fwd.gemm", m, V // gy, h // gx, "NT", deps=[ag]))
-        b.allreduce_ready("head.fwd.ar_x", "x", ACT_BYTES * m * V // gy)
-        if options.goldfish_h:  # the goldfish mask: integer hashing of h ids per target, no flops;
-            # the loss still runs over every token (backend.goldfish)
-            b.compute("loss.fwd.mask", "elementwise", flops=0.0, bytes=8 * 2 * m, replicas=gx * gy)
-        b.compute("loss.fwd", "loss", flops=5.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx)
-        b.allreduce_ready("loss.fwd.ar_y_max", "y", STAT_BYTES * m)
-        b.allreduce_ready("loss.fwd.ar_y_sum", "y", STAT_BYTES * 2 * m)
+        b.main(b.gemm("head.fwd.gemm", m, V // gy, h // gx, "NT", "lnf.out", W("head"), "head.out", deps=[ag],
+                      weight="head"))
+        b.allreduce_ready("head.fwd.ar_x", "x", ACT_BYTES * m * V // gy, "head.out", "logits")
+        if options.goldfish_h:  # the goldfish mask: integer hashing of h ids per target, no flops; the
+            # data loader applies it to the targets (backend.goldfish), the loss still runs over every token
+            b.compute("loss.fwd.mask", "elementwise", flops=0.0, bytes=8 * 2 * m, replicas=gx * gy,
+                      role="goldfish_mask", reads=("targets",))
+        local_sums = grid.y == 1  # nothing to reduce over y: the loss's sums are this rank's own
+        b.compute("loss.fwd", "loss", flops=5.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx, role="loss",
+                  reads=("logits", "targets"), writes=("loss.max",) + (("loss.sums",) if local_sums else ()))
+        b.allreduce_ready("loss.fwd.ar_y_max", "y", STAT_BYTES * m, "loss.max", role="max")
+        ar = b.collective("loss.fwd.ar_y_sum", "all_reduce", "y", STAT_BYTES * 2 * m, deps=[b.ready],
+                          role="loss_sums", reads=("logits", "loss.max", "targets"), writes=("loss.sums",))
+        b.ready = ar if ar is not None else b.ready
         # backward
+        b.phase = "bwd"
         b.start_pass(bwd_order())
-        b.compute("loss.bwd", "loss", flops=3.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx)
+        b.compute("loss.bwd", "loss", flops=3.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx, role="loss_bwd",
+                  reads=("logits", "targets", "loss.max", "loss.sums"), writes=(D("logits"),))
         # the head is a normal layer whose weight is wte^T: dgrad is NN, wgrad produces wte's layout
         kl, nl = h // gx, V // gy
         ag = b.gather("head")
-        dgrad = b.main(b.gemm("head.bwd.dgrad", m, kl, nl, "NN", deps=[ag]))
-        ar = b.collective("head.bwd.ar_y", "all_reduce", "y", ACT_BYTES * m * kl, deps=[dgrad])
-        wgrad = b.gemm("head.bwd.wgrad", nl, kl, m, "TN", deps=[] if options.oar else [ar])
+        dgrad = b.main(b.gemm("head.bwd.dgrad", m, kl, nl, "NN", D("logits"), W("head"), D("lnf.out"), deps=[ag],
+                              weight="head"))
+        ar = b.collective("head.bwd.ar_y", "all_reduce", "y", ACT_BYTES * m * kl, deps=[dgrad],
+                          reads=(D("lnf.out"),), writes=(D("lnf.out"),))
+        wgrad = b.gemm("head.bwd.wgrad", nl, kl, m, "TN", D("logits"), "lnf.out", "g:head",
+                       deps=[] if options.oar else [ar], weight="head")
         b.reduce_scatter("head", "head.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
         b.ready = ar if ar is not None else dgrad
-        layer_norm("lnf", "bwd")
+        layer_norm_bwd("lnf", D("lnf.out"), D(xl))
         for i in reversed(range(model.layers)):
             if options.recompute:
-                block_fwd(i, "rec")
+                b.phase = "rec"
+                block_fwd(i)
+                b.phase = "bwd"
             block_bwd(i)
-        b.compute("emb.bwd", "embedding", flops=float(m * h // gx), bytes=ACT_BYTES * 3 * m * h // gx)
+        b.compute("emb.bwd", "embedding", flops=float(m * h // gx), bytes=ACT_BYTES * 3 * m * h // gx,
+                  role="embedding_bwd", weight="emb", reads=(D(x0), "tokens"), writes=("g:emb",))
         b.reduce_scatter("emb", "emb.bwd.rs_z", emb_bytes, b.ready)
 
     # end of step: after the backward pass, each gradient shard is all-reduced over data once its
     # reduce-scatter is done (in layer order), then the optimizer runs
-    b.prefix = ""
+    b.prefix, b.mb, b.phase = "", -1, "grad"
     grad_ar = []
     P = grid.tensor_size
     end_of_backward = b.ready
@@ -407,22 +510,28 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         for ln, k, n, _ in linears:
             key = f"L{i}.{ln}"
             grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
-                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key], end_of_backward]))
+                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key], end_of_backward],
+                                        role="grad", weight=key))
     grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
                                 GRAD_AR_BYTES * (V + s) * h // P,
-                                deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward]))
+                                deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward], role="grad",
+                                weight="emb"))
     norm_params = (4 * model.layers + 2) * h // gx
-    nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready])
+    nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready],
+                      role="grad", weight="norms")
     grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
-                                deps=[nz if nz is not None else b.ready]))
+                                deps=[nz if nz is not None else b.ready], role="grad", weight="norms"))
     n_local = _local_params(model, grid)
+    b.phase = "opt"
+    clip = ()
     if options.grad_clip:
-        b.compute("opt.norm", "elementwise", deps=grad_ar, flops=2.0 * n_local, bytes=GRAD_AR_BYTES * n_local)
+        b.compute("opt.norm", "elementwise", deps=grad_ar, flops=2.0 * n_local, bytes=GRAD_AR_BYTES * n_local,
+                  role="grad_norm", writes=("opt.norm",))
         for axis in ("x", "y", "z"):
-            b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES)
-        grad_ar = []
+            b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES, "opt.norm")
+        grad_ar, clip = [], ("opt.norm",)
     b.compute("opt.step", "optimizer", deps=grad_ar, flops=float(ADAMW_FLOPS_PER_PARAM * n_local),
-              bytes=ADAMW_BYTES_PER_PARAM * n_local)
+              bytes=ADAMW_BYTES_PER_PARAM * n_local, role="adamw", reads=clip)
     return Program(model, grid, options, batch, seq_len, b.vocab, b.ops)
 
 

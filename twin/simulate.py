@@ -61,14 +61,16 @@ _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # 
 
 
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
-                  record: bool = False, collectives=None, grid_choice: str = "given") -> SimulationResult:
+                  record: bool = False, collectives=None, grid_choice: str = "given",
+                  program: Program | None = None) -> SimulationResult:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
     collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds).
     A symmetric run (no full mode, slowdown, record or stand-in model) already made in this process
     for an equal study and grid is returned again (a copy), as search, --grid auto, scaling and
-    sensitivity sweeps ask for the same grids."""
+    sensitivity sweeps ask for the same grids.
+    `program`: simulate this program (e.g. an edited program file) instead of the built one."""
     t0 = time.perf_counter()
-    plain = not (full or slowdown or record) and collectives is None
+    plain = not (full or slowdown or record) and collectives is None and program is None
     if plain:
         key = (study_key(study), str(grid))
         hit = _SIMULATED.get(key)
@@ -79,7 +81,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
             result.wall_time_s = time.perf_counter() - t0
             return result
     result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                            grid_choice=grid_choice)
+                            grid_choice=grid_choice, program=program)
     if plain:
         _SIMULATED[key] = copy.deepcopy(result)
         if len(_SIMULATED) > 256:
@@ -89,7 +91,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
 
 
 def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, float] | None,
-                   record: bool, collectives, grid_choice: str) -> SimulationResult:
+                   record: bool, collectives, grid_choice: str, program: Program | None) -> SimulationResult:
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
@@ -100,7 +102,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                 raise TwinError(f"--slowdown: rank {r} is not a rank of grid {grid} (0..{grid.size - 1})")
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
-    prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    prog = program or build_program(study.model, grid, study.options, study.batch, study.seq_len)
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
@@ -168,13 +170,18 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
              grid: str | Grid | None = "auto", batch: int | None = None, seq_len: int | None = None,
              options: Options | None = None, placement: str = "contiguous", full: bool = False,
              slowdown: dict[int, float] | None = None, gemm_tuning: bool = True, profile: str | None = None,
-             record: bool = False, simulate_top: int = 2, collectives=None) -> SimulationResult:
+             record: bool = False, simulate_top: int = 2, collectives=None,
+             program: Program | None = None) -> SimulationResult:
     """Simulate one training iteration; see the module docstring. Defaults: the system's default
     study (model and GPU count), grid auto (analytical ranking, the best `simulate_top` simulated).
-    With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span)."""
+    With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span).
+    program: simulate this program (twin.programfile); it fixes the model, grid, batch and switches."""
     t0 = time.perf_counter()
     if slowdown and not full:
         raise TwinError("--slowdown needs --full: stragglers are simulated only when every rank is")
+    if program is not None:
+        model, gpus, grid, options = program.model, program.grid.size, program.grid, program.options
+        batch, seq_len = program.batch, program.seq_len
     study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
     result = None
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
@@ -187,6 +194,6 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
         g, how = (Grid.parse(grid) if isinstance(grid, str) else grid), "given"
     if result is None:
         result = simulate_grid(study, g, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                               grid_choice=how)
+                               grid_choice=how, program=program)
     result.wall_time_s = time.perf_counter() - t0
     return result
