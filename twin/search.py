@@ -38,7 +38,7 @@ from topologies.memo import digest
 from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
-from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES
+from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, linear_dims
 from twin.study import Study, check_grid, collective_model
 
 
@@ -146,8 +146,7 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
             count[key] = count.get(key, 0) + times
 
     for _, k, n, transposed in model.linear_shapes():
-        in_axis, out_axis = ("y", "x") if transposed else ("x", "y")
-        kl, nl = k // grid.axis_size(in_axis), n // grid.axis_size(out_axis)
+        kl, nl, in_axis, out_axis = linear_dims(grid, k, n, transposed)
         w = km.gemm_time(kl, nl, m, "TN")
         wgrad += w
         compute += fwd_passes * km.gemm_time(m, nl, kl, "NN") + km.gemm_time(m, kl, nl, "NT") + w
