@@ -60,7 +60,8 @@ def test_search_simulates_the_best_and_auto_picks_the_fastest():
     # the next SCAN grids of the ranking that it did not simulate cannot beat the fastest
     shown = {str(c.grid) for c in cands}
     scanned = rank_grids(study, keep=3 + sim_mod.SCAN)[3:3 + sim_mod.SCAN]
-    assert scanned and all(lower_bound(study, c.grid) >= fastest for c in scanned if str(c.grid) not in shown)
+    assert scanned and all(sim_mod.BOUND_SLACK * lower_bound(study, c.grid) >= fastest
+                           for c in scanned if str(c.grid) not in shown)
     best, how = choose_grid(study, simulate_top=3)
     assert best.simulated_s == fastest
     assert how.startswith("auto") and str(best.grid) in how

@@ -55,8 +55,12 @@ def check_trace_size(ops_per_rank: int, ranks: int) -> None:
 # After the analytical top `simulate_top`, the search checks the lower bound of the next SCAN grids of
 # the ranking and simulates those whose bound is below the fastest simulated time. The exhaustive check
 # (benchmarks/search_exhaustive.py, every valid grid simulated) found the fastest grid at analytical
-# rank 1 to 9 (counting from 0) in its studies; SCAN leaves room beyond that.
+# rank 0 to 12 (counting from 0) in its studies; SCAN leaves room beyond that. The bound held for every
+# grid of three of its four studies (simulated / bound >= 1.001) but not on Alps' x=8 grids (down to
+# 0.928: groups that cross 4-GPU nodes ran faster in the full grid than alone in their probe), so a
+# grid is ruled out only when BOUND_SLACK x its bound reaches the fastest time.
 SCAN = 16
+BOUND_SLACK = 0.9
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
 
 
@@ -145,7 +149,7 @@ def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None)
         if i >= simulate_top:
             c.bound_s = lower_bound(study, c.grid)
             last = i + 1
-            if c.bound_s >= best:
+            if BOUND_SLACK * c.bound_s >= best:
                 continue  # cannot beat the fastest simulated grid
         r = simulate_grid(study, c.grid, collectives=collectives)
         c.result, c.simulated_s = r, r.iteration_time_s
