@@ -182,6 +182,10 @@ def bench_cmd(
         sizes = [float(s) for s in sizes_mib.split(",") if s.strip()]
     except ValueError:
         raise TwinError("--squares takes integers and --sizes-mib numbers, comma-separated") from None
+    if not all(0 < n <= 65536 for n in sq) or not all(0 < m <= 65536 for m in sizes):  # also refuses nan, inf
+        raise TwinError("--squares must be sizes in 1..65536 and --sizes-mib payloads in (0, 65536] MiB")
+    if not min_time < 3600:
+        raise TwinError(f"--min-time must be under an hour per entry, got {min_time}")
     check_launcher_world(g)
     if model:
         g.validate(load_model(model), batch=batch)

@@ -77,6 +77,8 @@ def open_source(spec: str, vocab: int, seed: int = 0) -> TokenSource:
                 n = int(spec.split(":", 1)[1])
             except ValueError:
                 raise DataError(f"data source {spec!r}: expected synthetic:<number of tokens>") from None
+            if not 1 <= n <= 1 << 27:
+                raise DataError(f"data source {spec!r}: the number of tokens must be in 1..{1 << 27}")
         return TokenSource(synthetic_corpus(n, vocab, seed), f"synthetic({n} tokens, seed {seed})")
     path = Path(spec)
     if not path.is_file():

@@ -118,6 +118,26 @@ def check_run_flags(steps: int, batch: int | None, device: str, ranks: int = 1) 
                             f"several nodes with torchrun or srun")
 
 
+def check_numbers(cfg: TrainConfig) -> None:
+    """Every number of a run in its range (raises TwinError with one line): finite rates, no negative
+    steps or seeds, a trace step within the run, an output folder that is a folder."""
+    import math
+    for flag, v, lo in (("--lr", cfg.lr, 0.0), ("--min-lr", cfg.min_lr, 0.0), ("--weight-decay", cfg.weight_decay, 0.0),
+                        ("--grad-clip", cfg.grad_clip, 0.0)):
+        if not (math.isfinite(v) and v >= lo) or (flag == "--lr" and v <= 0):
+            raise TwinError(f"{flag} must be a finite number {'> 0' if flag == '--lr' else '>= 0'}, got {v}")
+    if cfg.min_lr > cfg.lr:
+        raise TwinError(f"--min-lr {cfg.min_lr} must not exceed --lr {cfg.lr}")
+    if cfg.warmup < 0 or not 0 <= cfg.seed < 2 ** 32:
+        raise TwinError(f"--warmup must be >= 0 and --seed in 0..2^32-1, got {cfg.warmup} and {cfg.seed}")
+    if cfg.trace_step is not None and not 1 <= cfg.trace_step <= cfg.steps:
+        raise TwinError(f"--trace-step must be a step of this run (1..{cfg.steps}), got {cfg.trace_step}")
+    from twin.common import check_output
+    check_output(cfg.out, "--out", folder=True)
+    if cfg.ckpt_dir is not None:
+        check_output(cfg.ckpt_dir, "--ckpt-dir", folder=True)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check a config before any rank starts (raises TwinError with one clear line)."""
     from backend import checkpoint
@@ -128,6 +148,7 @@ def validate(cfg: TrainConfig) -> None:
         raise TwinError("--cache-layers and --ckpt-every must be >= 0, --log-every >= 1")
     if cfg.ckpt_every and not cfg.ckpt_dir:
         raise TwinError("--ckpt-every needs --ckpt-dir")
+    check_numbers(cfg)
     if cfg.goldfish_k:
         from backend.goldfish import check
         check(cfg.goldfish_k, cfg.goldfish_h)
