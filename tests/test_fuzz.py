@@ -125,10 +125,12 @@ def twin_argv(draw):
 
 @FUZZ
 @given(argv=twin_argv())
-def test_twin_command_line(argv, tmp_path_factory):
+def test_twin_command_line(argv, tmp_path_factory, monkeypatch):
     from twin.cli import app
 
-    argv = materialize(argv, tmp_path_factory.mktemp("twin"))
+    tmp = tmp_path_factory.mktemp("twin")
+    monkeypatch.chdir(tmp)  # a relative output path lands in a temporary folder, never in the checkout
+    argv = materialize(argv, tmp)
     with no_hang(argv):
         result = runner.invoke(app, argv)
     check_outcome(result, argv)
@@ -169,7 +171,9 @@ def test_backend_command_line(argv, tmp_path_factory, monkeypatch):
     from backend.cli import app
 
     monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: 0)
-    argv = materialize(argv, tmp_path_factory.mktemp("backend"))
+    tmp = tmp_path_factory.mktemp("backend")
+    monkeypatch.chdir(tmp)
+    argv = materialize(argv, tmp)
     with no_hang(argv):
         result = runner.invoke(app, argv)
     check_outcome(result, argv)
