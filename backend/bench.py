@@ -11,7 +11,10 @@ One JSON measurement file (the input of `twin calibrate`) holds:
 - `attention` rows {m, n, k, fwd_flops, bwd_flops, fwd_s, bwd_s}: causal attention of the program's
   shapes (m = sequences x local heads, n = tokens, k = head size), forward and backward;
 - `ops` rows {op, numel, bytes, seconds}: a small elementwise op at several sizes (per-op overhead
-  plus memory bandwidth) and one forward+backward of a tiny autograd op (eager per-op overhead);
+  plus memory bandwidth), one forward+backward of a tiny autograd op (eager per-op overhead), and
+  `host` {op: "host", model, ops, mean_s, seconds}: the executor's host time per compute op, the median
+  gap between consecutive compute ops of a few training steps of the model on the grid (what the
+  rank's Python spends between kernels: dispatch, buffer bookkeeping, issuing collectives);
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
   through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;
@@ -137,6 +140,41 @@ def bench_ops(dtype: torch.dtype, device: torch.device, min_time_s: float = 0.2)
     s = _mean_over_ranks(time_fn(fwd_bwd, device, min_time_s, 2000, group=_world()))
     rows.append({"op": "autograd", "numel": 64, "bytes": 0, "ops": 4, "seconds": s / 4})
     return rows
+
+
+def bench_host(model: str, ctx, batch: int | None = None, steps: int = 4, warmup: int = 1) -> dict | None:
+    """The executor's host time per compute op: `steps` training steps of `model` on the grid of `ctx`
+    (every rank at once, as in `backend run`), recorded; the gaps between consecutive compute ops of
+    each step's compute stream, median over steps and ranks (a gap that holds a wait for a collective
+    is rare and falls outside the median; the twin charges those waits to communication). mean_s: the
+    mean gap, waits included. None when the backend has no program executor."""
+    try:
+        import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
+        from backend.model import GPT
+        from backend.optim import make_optimizer, train_step
+        from backend.recorder import NULL_RECORDER, Recorder
+    except ImportError:
+        return None
+    spec = load_model(model)
+    program = build_program(spec, ctx.grid, Options(), batch=batch)
+    net = GPT(spec, ctx, program=program).to(ctx.device)
+    opt = make_optimizer(net)
+    seqs = program.batch // ctx.batch_shards
+    gen = torch.Generator().manual_seed(ctx.rank)
+    gaps: list[float] = []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
+        rec = Recorder(device=ctx.device) if step >= warmup else NULL_RECORDER
+        train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
+        spans = sorted((sp for sp in rec.spans(ctx.rank) if sp.stream == "compute"), key=lambda sp: sp.start_s)
+        gaps += [max(0.0, b.start_s - (a.start_s + a.duration_s)) for a, b in zip(spans, spans[1:])]
+    net.recorder = NULL_RECORDER
+    if not gaps:
+        return None
+    gaps.sort()
+    median, mean = gaps[len(gaps) // 2], sum(gaps) / len(gaps)
+    return {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(gaps),
+            "seconds": _mean_over_ranks(median), "mean_s": _mean_over_ranks(mean)}
 
 
 def bench_attention(m: int, n: int, k: int, fwd_flops: float, bwd_flops: float, dtype: torch.dtype,
@@ -347,6 +385,12 @@ def main(config: dict) -> None:
             result["ops"] = bench_ops(dtype, device, min_t)
             for row in result["ops"]:
                 _say(rank, f"op {row['op']} ({row['numel']} elements): {row['seconds'] * 1e6:.1f} us")
+            if config.get("model") and config.get("host", True):
+                row = bench_host(config["model"], ctx, config.get("batch"))
+                if row is not None:
+                    result["ops"].append(row)
+                    _say(rank, f"executor host time per compute op ({row['model']}): median {row['seconds'] * 1e6:.1f} us, "
+                               f"mean {row['mean_s'] * 1e6:.1f} us over {row['ops']} gaps per rank")
         comm = Comm(ctx)
         axes = [a for a in AXES if grid.axis_size(a) > 1]
         if config.get("comm", True):

@@ -6,7 +6,8 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
 - `[[node_share]]`: per-op overhead `launch_s` = eager forward+backward cost per op of a tiny autograd
   op; per-rank memory bandwidth from the elementwise-add sizes (seconds = dispatch + bytes / bandwidth,
   least squares on relative error); `overlap_slowdown` = median GEMM slowdown while an all-reduce runs
-  (at least 1).
+  (at least 1); `host_op_s` = the executor's host time per compute op (median gap between consecutive
+  compute ops of a few training steps of the model on the grid), where bench measured it.
 - `[[collective_table]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth over
   the measured payloads (least squares on relative error, both terms kept >= 0).
 Scalars the measurements do not reach (peak, tiles, attention efficiency, layout penalties) are
@@ -167,6 +168,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
         # per-op overhead and memory bandwidth
         adds = [row for r in group for row in r["ops"] if row["op"] == "add"]
         grads = [row for r in group for row in r["ops"] if row["op"] == "autograd"]
+        hosts = [row for r in group for row in r["ops"] if row["op"] == "host"]
         launch = statistics.median(row["seconds"] for row in grads) if grads else None
         bw = None
         if len(adds) >= 2:
@@ -185,6 +187,9 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                                                       f"({len(over)} axes, at least 1), {src}") if over
                                                else "no overlap measured with this many ranks: 1"),
                 "compute_scale = " + _compute_scale(square, ranks, most, src)]
+                + (["host_op_s = " + _entry(statistics.median(row["seconds"] for row in hosts),
+                                            f"measured: median gap between consecutive compute ops of the executor "
+                                            f"({hosts[0].get('model', 'the model')} training steps), {src}")] if hosts else [])
                 + _attention(group, ranks, base_data["peak_flops"]["value"], _scale_value(square, ranks, most), src)
                 + [""]))
         for r in group:
@@ -234,6 +239,8 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
     for key in ("layout_penalty", "layout_penalty_small"):
         e = base_data[key]
         out.append(f'{key} = {{ NN = {e["NN"]}, NT = {e["NT"]}, TN = {e["TN"]}, source = "{_quote("base profile " + base_path.name + ": " + e.get("source", ""))}" }}')
+    if first is not None:  # measured on CPU only: absent (0) elsewhere
+        out += [ln for ln in first.splitlines() if ln.startswith("host_op_s =")]
     out.append("")
     fit.toml = "\n".join(out + shares + gemms + colls)
     return fit

@@ -6,7 +6,11 @@ measured memory peak per rank), simulates the same run (model, grid, batch, swit
 program's layout as the backend runs them) on a system with a kernel profile, and compares:
 - iteration: predicted time against the median measured step time (steps after the first two);
 - per op: for each op name, predicted duration against the median over ranks of the measured span;
-  error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|;
+  error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|.
+  A compute op's predicted span holds the host time before it (the profile's host_op_s), the measured
+  span only the kernel: the host time is taken off before comparing. A collective's measured span runs
+  from its issue (or the end of the previous collective of its stream) to its completion, as the
+  twin's does;
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
 iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
@@ -112,8 +116,10 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
         measured.setdefault(s.name, []).append(s.duration_s)
         kinds[s.name] = s.kind
     predicted: dict[str, list[float]] = {}
+    host = study.kernels.profile.host_op_s
     for s in res.spans:
-        predicted.setdefault(s.name, []).append(s.duration_s)
+        host_s = 0.0 if s.kind in ("all_gather", "reduce_scatter", "all_reduce") else host
+        predicted.setdefault(s.name, []).append(max(s.duration_s - host_s, 0.0))
     ops = []
     for name, times in measured.items():
         if name not in predicted:
@@ -142,7 +148,8 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                       # time of the traced step outside every recorded op (host work between ops),
                       # median over ranks, and the twin's idle time
                       "outside_ops_measured_s": statistics.median(idle) if idle else None,
-                      "idle_predicted_s": res.breakdown_s["idle"]},
+                      "idle_predicted_s": res.breakdown_s["idle"],
+                      "host_per_op_predicted_s": host},
         "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,

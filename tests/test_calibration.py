@@ -70,6 +70,28 @@ def test_fitted_profile_drives_the_twin(tmp_path):
     assert r.iteration_time_s > 0 and r.breakdown_s["exposed_comm"]["x"] > 0
 
 
+def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
+    from twin.kernels import KernelModel
+    from twin.program import Op
+    data = copy.deepcopy(MEASUREMENT)
+    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
+                        "seconds": 2e-4, "mean_s": 3e-4})
+    prof_path = tmp_path / "cpu-host.toml"
+    prof_path.write_text(fit_profile([write(tmp_path, data)], "cpu-host").toml)
+    prof = load_profile(str(prof_path))
+    assert prof.host_op_s == pytest.approx(2e-4) and prof.for_ranks(2).host_op_s == pytest.approx(2e-4)
+    assert "median gap between consecutive compute ops" in prof.sources["host_op_s"]
+    ew = Op(0, "ew", "elementwise", "compute", flops=0, bytes=4e6)
+    km = KernelModel(prof.for_ranks(2))
+    assert km.op_time(ew) == pytest.approx(km.kernel_time(ew) + 2e-4)
+    # without a host row (every GPU profile): no host time, kernel time unchanged
+    plain = tmp_path / "cpu-plain.toml"
+    plain.write_text(fit_profile([write(tmp_path, MEASUREMENT, "p.json")], "cpu-plain").toml)
+    assert load_profile(str(plain)).host_op_s == 0
+    for name in ("h200", "a100", "mi250x-gcd", "gh200"):
+        assert load_profile(name).host_op_s == 0
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d["machine"].pop("date"), "machine stamp lacks date"),
     (lambda d: d.update(ranks=4), "has 2 ranks but `ranks` is 4"),

@@ -9,7 +9,9 @@
   stored transposed), as AxoNN does on MI250X where rocBLAS runs TN up to ~8x slower.
 - Attention (flash-style): max(flops / (peak x attention efficiency), bytes / HBM bandwidth).
 - Elementwise, embedding, loss, optimizer: max(flops / reached GEMM rate, bytes / HBM bandwidth).
-Every op also pays a fixed launch cost. `Profile.overlap_slowdown` (compute slower while a collective
+Every op also pays a fixed launch cost, and, where the profile measured it (CPU), the host time
+the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping,
+issuing collectives), which the rank's compute stream cannot hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
 overlaps it) is applied by the engine, which knows when communication is in flight.
 """
 
@@ -92,7 +94,12 @@ class KernelModel:
         return max(op.flops / p.gemm_flops, op.bytes / p.hbm_bandwidth) + p.launch_s
 
     def op_time(self, op: Op) -> float:
-        """Seconds a compute op takes alone on the GPU (no overlapping communication)."""
+        """Seconds a compute op takes alone on the GPU (no overlapping communication), with the
+        host time before it (`Profile.host_op_s`, 0 unless measured)."""
+        return self.kernel_time(op) + self.profile.host_op_s
+
+    def kernel_time(self, op: Op) -> float:
+        """Seconds of the op's kernel alone, without the host time between ops."""
         if op.kind == "gemm":
             return self.gemm_time(op.m, op.n, op.k, op.layout)
         if op.kind == "attention":

@@ -46,6 +46,7 @@ class NodeShare:
     compute_scale: float = 1.0  # a rank's GEMM rate relative to the profile's own (peak_flops, gemm_flops)
     attention_fwd_efficiency: float = 0.0  # measured, of the scaled peak (0: the profile's own)
     attention_bwd_efficiency: float = 0.0
+    host_op_s: float = 0.0  # measured host time per compute op of the executor (0: the profile's own)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ class Profile:
     activation_bytes: int = 2       # bytes per activation element the device computes in (4: fp32 CPU)
     node_share: tuple[NodeShare, ...] = ()           # per count of ranks sharing a node (measured)
     collective_table: tuple[CollectivePoint, ...] = ()  # measured collectives (replace the flow model)
+    # host time per compute op between kernels (s): the executor's Python dispatch, bookkeeping and
+    # collective issues, measured by `backend bench`; 0 where not measured (GPU profiles: hidden
+    # behind the asynchronous kernel queue)
+    host_op_s: float = 0.0
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -128,6 +133,8 @@ class Profile:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale)
+            if share.host_op_s:
+                kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
                 kw.update(attention_fwd_efficiency=share.attention_fwd_efficiency,
                           attention_bwd_efficiency=share.attention_bwd_efficiency)
@@ -183,6 +190,8 @@ def load_profile(name_or_path: str) -> Profile:
     if missing:
         raise TwinError(f"profile {path}: missing keys {', '.join(missing)}")
     kw = {k: _value(path, k, data[k], sources) for k in _SCALARS}
+    if "host_op_s" in data:  # optional: measured on CPU only
+        kw["host_op_s"] = _value(path, "host_op_s", data["host_op_s"], sources)
     for k in _INTS:
         kw[k] = int(kw[k])
     for k in ("layout_penalty", "layout_penalty_small"):
@@ -204,7 +213,8 @@ def load_profile(name_or_path: str) -> Profile:
                                 _value(path, f"{where}.compute_scale", row.get("compute_scale",
                                        {"value": 1.0, "source": "not measured: 1"}), sources),
                                 *(_value(path, f"{where}.{key}", row[key], sources) if key in row else 0.0
-                                  for key in ("attention_fwd_efficiency", "attention_bwd_efficiency"))))
+                                  for key in ("attention_fwd_efficiency", "attention_bwd_efficiency",
+                                              "host_op_s"))))
     colls = []
     for i, row in enumerate(_rows(path, data, "collective_table")):
         where = f"collective_table[{i}]"

@@ -238,7 +238,8 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "hbm_bandwidth": Sourced(RATE), "overlap_slowdown": Sourced(Positive(1e6))},
                        optional={"compute_scale": Sourced(Positive(1e6)),
                                  "attention_fwd_efficiency": Sourced(Positive(1e6)),
-                                 "attention_bwd_efficiency": Sourced(Positive(1e6))})
+                                 "attention_bwd_efficiency": Sourced(Positive(1e6)),
+                                 "host_op_s": Sourced(Positive(1.0))})
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
@@ -255,4 +256,5 @@ PROFILE = Table(
     },
     optional={"name": Text(nonempty=True), "gpus": ListOf(Text(nonempty=True)), "description": Text(),
               "gemm_table": ListOf(GEMM_ROW), "node_share": ListOf(NODE_SHARE_ROW),
-              "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8)})
+              "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8),
+              "host_op_s": Sourced(Positive(1.0))})
