@@ -62,3 +62,20 @@ def test_check_fits_says_by_how_much():
     with pytest.raises(TwinError, match=r"over by \d+\.\d GiB"):
         check_fits(mem, 64 * GIB)
     check_fits(memory_per_gpu(m, Grid(8, 8, 4, 128)), 64 * GIB)
+
+
+def test_what_the_executor_holds_at_the_backward_peak():
+    """Term by term (twin/memory.py): the GELU-output gradient with the last block's stash; on G_z > 1
+    the block's gathered weights, the prefetch, mlp_down's full wgrad and gloo's copy of it."""
+    m = load_model("gpt-small")
+    tokens, ffn, h = 16 * 128, m.ffn, m.hidden
+    one = memory_per_gpu(m, Grid(1, 1, 1, 1), activation_bytes=4)
+    assert one.gathered_weights == 0
+    norec = memory_per_gpu(m, Grid(1, 1, 1, 1), Options(recompute=False), activation_bytes=4)
+    assert norec.activations > one.activations
+    z = memory_per_gpu(m, Grid(1, 1, 2, 1), activation_bytes=4)
+    nccl = memory_per_gpu(m, Grid(1, 1, 2, 1), activation_bytes=4, gloo=False)
+    assert z.gathered_weights - nccl.gathered_weights == 4 * ffn * h  # gloo's copy of mlp_down's wgrad
+    w = [k * n for _, k, n, _ in m.linear_shapes()]
+    assert nccl.gathered_weights == 4 * (sum(w[:-1]) + max(w) + w[-1])
+    assert z.activations >= 4 * (tokens // 2) * ffn  # the GELU-output gradient, tokens split over z

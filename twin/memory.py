@@ -6,7 +6,18 @@ Static state per parameter of the rank's shard, by precision (`activation_bytes`
   per parameter without sharding the optimizer state);
 - fp32 (4, the backend on CPU, backend/optim.py): fp32 parameter shards, fp32 gradients, AdamW's two
   fp32 moments: 16 bytes.
-Activations are counted at `activation_bytes` per element.
+Activations are counted at `activation_bytes` per element. The peak is where the backward pass starts
+on the last block (backend/executor.py, which drops each buffer after its last use): the rank then
+holds, term by term,
+- activations: what every block saved (or, recomputing, every block's input) and the last block's
+  stash, plus the backward working set: the gradient of the GELU output (tokens x ffn/G_y), alive
+  with the stash at the mlp_down backward GEMMs; without recomputation also the incoming gradient of
+  the block (tokens x h/G_x);
+- gathered_weights (G_z > 1): the block's z-gathered weights but mlp_down's (released after its
+  dgrad), the next layer's weight prefetched (oag; one more otherwise in flight), the cached layers,
+  the full-size weight gradient of mlp_down held until its deferred z reduce-scatter completes, and,
+  on gloo (CPU, fp32), the copy that the reduce-scatter built from an all-reduce reduces (comm.py);
+- logits: fp32 logits of the micro-batch.
 """
 
 from __future__ import annotations
@@ -46,9 +57,11 @@ class Memory:
 
 def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
                    batch: int | None = None, seq_len: int | None = None,
-                   activation_bytes: int = ACT_BYTES) -> Memory:
+                   activation_bytes: int = ACT_BYTES, gloo: bool | None = None) -> Memory:
     """Peak memory of one rank during an iteration (bytes); the grid must already be valid.
-    activation_bytes: bytes per activation element (the profile's; 4 on CPU, fp32)."""
+    activation_bytes: bytes per activation element (the profile's; 4 on CPU, fp32).
+    gloo: collectives run on gloo (its reduce-scatter reduces a full-size copy); default: on fp32 (CPU)."""
+    gloo = activation_bytes >= 4 if gloo is None else gloo
     options = options or Options()
     batch = model.global_batch if batch is None else batch
     s = model.seq_len if seq_len is None else seq_len
@@ -61,13 +74,15 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     per_block = activation_bytes * m * (4 * h // gx + (3 * h + h + 2 * model.ffn) // gy) \
         + 4 * (m // s) * (model.heads // gy) * s
     block_input = activation_bytes * m * h // gx
+    working = activation_bytes * m * model.ffn // gy  # d(GELU output) at the mlp_down backward
     if options.recompute:
-        activations = model.layers * block_input + per_block
+        activations = model.layers * block_input + per_block + working
     else:
-        activations = model.layers * per_block
+        activations = model.layers * per_block + working + block_input
 
     block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
-    in_flight = (2 if options.oag else 1) * max(block_weights) + max(block_weights)  # + one full wgrad
+    wgrad = block_weights[-1] * (2 if gloo else 1)  # mlp_down's full wgrad (and gloo's copy) before its reduce-scatter
+    in_flight = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
     gathered = activation_bytes * (in_flight + cached) if grid.z > 1 else 0
 
