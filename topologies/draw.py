@@ -1,4 +1,10 @@
-"""Pictures of a system with plotly: the dragonfly (groups and their global links) and one node's fabric."""
+"""Pictures of a system with plotly: the dragonfly groups and a job's place on them, one node's fabric
+(with the rings a job lays on it), and the traffic a job sends between dragonfly groups.
+
+Every pair of dragonfly groups is joined by global links, so drawing them all paints a solid disk
+(Frontier: 2,701 pairs); the group picture draws only the links among the job's groups, and the
+traffic between groups is a heat map (`group_traffic_figure`), not lines.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,10 @@ from plotly.subplots import make_subplots
 
 from topologies.network import Network
 from topologies.placement import Placement
+from topologies.system import SystemSpec
+
+AXIS_COLOURS = {"x": "#e41a1c", "y": "#ff7f00", "z": "#a65628", "data": "#f781bf"}
+MAX_DRAWN_PAIRS = 600  # global-link pairs drawn among the job's groups, at most
 
 
 def _segments(x0, y0, x1, y1) -> tuple[list, list]:
@@ -19,63 +29,144 @@ def _segments(x0, y0, x1, y1) -> tuple[list, list]:
     return xs, ys
 
 
-def topology_figure(net: Network, placement: Placement | None = None) -> go.Figure:
-    """Left: the dragonfly groups on a circle, one line per pair of groups joined by global links
-    (hover: cable count and bandwidth); groups holding the job are highlighted. Right: one node's
-    GPUs and NICs with every link's bandwidth (GB/s per direction)."""
-    s = net.system
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4],
-                        subplot_titles=(f"{s.name}: {net.groups} dragonfly groups, "
-                                        f"{net.L} global links per pair" if s.dragonfly else f"{s.name}: one node, no network",
-                                        f"one node: {s.gpus_per_node} x {s.gpu.name}, {s.nics_per_node} NICs"))
-    # dragonfly
-    G = net.groups
-    ang = 2 * np.pi * np.arange(G) / G
-    gx, gy = np.cos(ang), np.sin(ang)
-    if G > 1 and net.L:
-        lo, hi = np.triu_indices(G, 1)
-        xs, ys = _segments(gx[lo], gy[lo], gx[hi], gy[hi])
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(width=0.3, color="rgba(90,90,160,0.35)"),
-                                 hoverinfo="skip", name=f"global links ({net.L} x {s.dragonfly.link_bandwidth / 1e9:.0f} GB/s per pair)"),
-                      row=1, col=1)
-    used = set(placement.groups_used().tolist()) if placement is not None else set()
-    npg = s.nodes_per_group
-    nodes_in = [min(npg, s.nodes - g * npg) for g in range(G)]
-    text = [f"group {g}: {nodes_in[g]} nodes, {net.S} switches" + (" (job)" if g in used else "") for g in range(G)]
-    fig.add_trace(go.Scatter(x=gx, y=gy, mode="markers", text=text, hoverinfo="text", name="groups",
-                             marker=dict(size=9, color=["crimson" if g in used else "steelblue" for g in range(G)])),
-                  row=1, col=1)
-    # node fabric: GPUs on an inner circle, NICs outside
+def _node_layout(s: SystemSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """GPU positions on a circle and NIC positions outside it."""
     g = s.gpus_per_node
     a = 2 * np.pi * np.arange(g) / g
-    px, py = np.cos(a), np.sin(a)
+    k = max(s.nics_per_node, 1)
+    na = 2 * np.pi * (np.arange(k) + 0.5) / k
+    return np.cos(a), np.sin(a), 1.6 * np.cos(na), 1.6 * np.sin(na)
+
+
+def _add_node_fabric(fig: go.Figure, s: SystemSpec, row: int, col: int) -> None:
+    """One node's GPUs, NICs and links (GB/s per direction) into a subplot."""
+    px, py, nx_, ny_ = _node_layout(s)
+    g = s.gpus_per_node
     la, lb = np.triu_indices(g, 1)
     bw = s.node_links[la, lb] / 1e9
+    top = bw.max() if len(bw) and bw.max() > 0 else 1.0
     for value in np.unique(bw):
+        if value <= 0:
+            continue
         sel = bw == value
         xs, ys = _segments(px[la[sel]], py[la[sel]], px[lb[sel]], py[lb[sel]])
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"GPU-GPU {value:.0f} GB/s",
-                                 line=dict(width=0.5 + 3 * value / bw.max())), row=1, col=2)
-    mx, my = (px[la] + px[lb]) / 2, (py[la] + py[lb]) / 2
-    fig.add_trace(go.Scatter(x=mx, y=my, mode="markers", marker=dict(size=4, color="gray"), hoverinfo="text",
-                             text=[f"GPU {i} - GPU {j}: {v:.0f} GB/s" for i, j, v in zip(la, lb, bw)],
-                             showlegend=False), row=1, col=2)
-    fig.add_trace(go.Scatter(x=px, y=py, mode="markers+text", text=[f"GPU {i}" for i in range(g)],
-                             textposition="middle center", marker=dict(size=28, color="orange"), name="GPUs"),
-                  row=1, col=2)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"GPU-GPU {value:.0f} GB/s", hoverinfo="skip",
+                                 line=dict(width=0.5 + 3 * value / top, color="rgba(120,120,120,0.6)")),
+                      row=row, col=col)
     if s.nics_per_node:
-        k = s.nics_per_node
-        na = 2 * np.pi * (np.arange(k) + 0.5) / k
-        nx_, ny_ = 1.6 * np.cos(na), 1.6 * np.sin(na)
         nic = np.asarray(s.gpu_nic)
         xs, ys = _segments(px, py, nx_[nic], ny_[nic])
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(dash="dot", color="green"),
-                                 name=f"GPU-NIC {s.gpu_nic_bandwidth / 1e9:.0f} GB/s"), row=1, col=2)
-        fig.add_trace(go.Scatter(x=nx_, y=ny_, mode="markers+text", text=[f"NIC {i}" for i in range(k)],
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(dash="dot", color="green"), hoverinfo="skip",
+                                 name=f"GPU-NIC {s.gpu_nic_bandwidth / 1e9:.0f} GB/s"), row=row, col=col)
+        fig.add_trace(go.Scatter(x=nx_, y=ny_, mode="markers+text", text=[f"NIC {i}" for i in range(len(nx_))],
                                  textposition="top center", marker=dict(size=16, color="green", symbol="square"),
-                                 name=f"NICs {s.nic_bandwidth / 1e9:.0f} GB/s to a switch"), row=1, col=2)
+                                 name=f"NICs {s.nic_bandwidth / 1e9:.0f} GB/s to a switch"), row=row, col=col)
+    fig.add_trace(go.Scatter(x=px, y=py, mode="markers+text", text=[f"GPU {i}" for i in range(g)],
+                             textposition="middle center", marker=dict(size=30, color="orange"), name="GPUs",
+                             hovertext=[f"GPU {i}: {s.gpu.name}" for i in range(g)], hoverinfo="text"),
+                  row=row, col=col)
+
+
+def topology_figure(net: Network, placement: Placement | None = None) -> go.Figure:
+    """Left: the dragonfly groups on a circle, the job's groups in red with the global links among
+    them (every pair of groups has `L` links; the others are not drawn). Right: one node's GPUs and
+    NICs with every link's bandwidth (GB/s per direction)."""
+    s = net.system
+    G = net.groups
+    used = sorted(set(placement.groups_used().tolist())) if placement is not None else []
+    left = (f"{s.name}: {G} dragonfly groups, {net.L} global links between every pair"
+            if s.dragonfly else f"{s.name}: one node, no network")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45],
+                        subplot_titles=(left, f"one node: {s.gpus_per_node} x {s.gpu.name}, {s.nics_per_node} NICs"))
+    ang = 2 * np.pi * np.arange(G) / G
+    gx, gy = np.cos(ang), np.sin(ang)
+    if len(used) > 1 and net.L:
+        u = np.asarray(used)
+        lo, hi = np.triu_indices(len(u), 1)
+        if len(lo) > MAX_DRAWN_PAIRS:
+            keep = np.linspace(0, len(lo) - 1, MAX_DRAWN_PAIRS).astype(int)
+            lo, hi = lo[keep], hi[keep]
+        xs, ys = _segments(gx[u[lo]], gy[u[lo]], gx[u[hi]], gy[u[hi]])
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(width=0.6, color="rgba(200,30,30,0.35)"),
+                                 hoverinfo="skip", name=f"global links among the job's groups "
+                                 f"({net.L} x {s.dragonfly.link_bandwidth / 1e9:.0f} GB/s per pair)"), row=1, col=1)
+    npg = s.nodes_per_group
+    nodes_in = [min(npg, s.nodes - g * npg) for g in range(G)]
+    job_nodes = {}
+    if placement is not None:
+        gs, counts = np.unique(s.group_of_node(placement.nodes), return_counts=True)
+        job_nodes = dict(zip(gs.tolist(), counts.tolist()))
+    text = [f"group {g}: {nodes_in[g]} nodes, {net.S} switches"
+            + (f"; the job uses {job_nodes[g]} nodes" if g in job_nodes else "") for g in range(G)]
+    fig.add_trace(go.Scatter(x=gx, y=gy, mode="markers", text=text, hoverinfo="text",
+                             name=f"groups ({len(used)} hold the job, in red)" if placement is not None else "groups",
+                             marker=dict(size=9 if G > 64 else 14,
+                                         color=["crimson" if g in job_nodes else "steelblue" for g in range(G)])),
+                  row=1, col=1)
+    _add_node_fabric(fig, s, 1, 2)
     for c in (1, 2):
         fig.update_xaxes(visible=False, scaleanchor=f"y{'' if c == 1 else c}", row=1, col=c)
         fig.update_yaxes(visible=False, row=1, col=c)
-    fig.update_layout(title=s.description, height=700, width=1400, template="plotly_white")
+    fig.update_layout(title=s.description, height=640, template="plotly_white",
+                      legend=dict(orientation="h", y=-0.05))
+    return fig
+
+
+def node_rings_figure(s: SystemSpec, hops: dict[str, list[tuple[int, int | None]]],
+                      bandwidth: dict[str, float] | None = None) -> go.Figure:
+    """One node's fabric with the job's rings on it: for each axis, its ring hops from a GPU of this
+    node to the next member (`(gpu, gpu)` inside the node, `(gpu, None)` when the hop leaves the node
+    through the GPU's NIC). `bandwidth[axis]`: the bus bandwidth the axis gets (bytes/s), for the legend."""
+    fig = make_subplots(rows=1, cols=1)
+    _add_node_fabric(fig, s, 1, 1)
+    px, py, nx_, ny_ = _node_layout(s)
+    nic = np.asarray(s.gpu_nic) if s.nics_per_node else None
+    for i, (axis, hs) in enumerate(hops.items()):
+        if not hs:
+            continue
+        shift = 0.05 * (i - 1.5)
+        xs, ys = [], []
+        for a, b in hs:
+            if b is None:
+                if nic is None:
+                    continue
+                xs += [px[a] + shift, nx_[nic[a]] + shift, None]
+                ys += [py[a] + shift, ny_[nic[a]] + shift, None]
+            elif a != b:
+                xs += [px[a] + shift, px[b] + shift, None]
+                ys += [py[a] + shift, py[b] + shift, None]
+        bw = f", {bandwidth[axis] / 1e9:.1f} GB/s bus bandwidth" if bandwidth and axis in bandwidth else ""
+        leaves = sum(1 for _, b in hs if b is None)
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=f"{axis} rings{bw}"
+                                 + (f" ({leaves} of {len(hs)} hops leave the node)" if leaves else ""),
+                                 line=dict(color=AXIS_COLOURS.get(axis, "black"), width=3),
+                                 marker=dict(symbol="arrow", angleref="previous", size=12), hoverinfo="name"))
+    fig.update_xaxes(visible=False, scaleanchor="y")
+    fig.update_yaxes(visible=False)
+    fig.update_layout(title=f"the job's rings on one node ({s.gpus_per_node} x {s.gpu.name})", height=560,
+                      template="plotly_white", legend=dict(orientation="v", x=1.02, y=1))
+    return fig
+
+
+def group_traffic_figure(load: dict[str, np.ndarray], groups: list[int], note: str = "") -> go.Figure:
+    """Heat maps of the traffic between the job's dragonfly groups, one per axis that crosses groups
+    (a dropdown picks the axis): `load[axis][i, j]` is the mean load of the global links from group
+    groups[i] to group groups[j] over one iteration, in % of their capacity."""
+    axes = [a for a, m in load.items() if np.nansum(m) > 0]
+    fig = go.Figure()
+    labels = [f"g{g}" for g in groups]
+    for i, a in enumerate(axes):
+        m = load[a]
+        fig.add_trace(go.Heatmap(z=m, x=labels, y=labels, colorscale="Reds", zmin=0,
+                                 zmax=max(float(np.nanmax(m)), 1e-9), visible=i == 0, name=a,
+                                 colorbar=dict(title="% of the<br>global links"),
+                                 hovertemplate="group %{y} -> %{x}: %{z:.2f} % of the links' capacity<extra>" + a + "</extra>"))
+    if len(axes) > 1:
+        fig.update_layout(updatemenus=[dict(type="buttons", direction="right", x=0, y=1.12, xanchor="left", buttons=[
+            dict(label=f"axis {a}", method="update",
+                 args=[{"visible": [j == i for j in range(len(axes))]}]) for i, a in enumerate(axes)])])
+    fig.update_layout(title=dict(text="traffic between dragonfly groups" + (f"<br><sup>{note}</sup>" if note else ""),
+                                 y=0.97), xaxis_title="to group", yaxis_title="from group",
+                      yaxis=dict(autorange="reversed", scaleanchor="x"), height=560, template="plotly_white",
+                      margin=dict(t=120))
     return fig

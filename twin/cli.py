@@ -10,8 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from twin.common import write_atomic
-from twin.common import TwinError, finite_json
+from twin.common import TwinError, finite_json, write_atomic
 from twin.grid import Grid
 from twin.memory import GIB, check_fits, memory_per_gpu
 from twin.model import list_models, load_model
@@ -199,6 +198,64 @@ def simulate_cmd(
     for what, path in (("trace", trace), ("timeline", html)):
         if path is not None:
             console.print(f"wrote {what} {path}")
+
+
+@app.command("report")
+@handles_errors
+def report_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")] = "auto",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    oar: OarOpt = True,
+    ors: OrsOpt = True,
+    oag: OagOpt = True,
+    cache_layers: CacheOpt = 0,
+    recompute: RecomputeOpt = True,
+    micro_batches: MicroOpt = 1,
+    profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
+    slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
+    top: Annotated[int, typer.Option(help="Grids to rank for the search section (0 with a given grid: skip it).")] = 8,
+    simulate_top: Annotated[int, typer.Option(help="How many of the ranked grids to simulate.")] = 2,
+    run: Annotated[Optional[list[Path]], typer.Option(help="A `backend run --out` folder to validate the twin against (repeatable).")] = None,
+    scaling: Annotated[Optional[Path], typer.Option(help="A JSON list of scaling points {gpus, flops_per_s, ...} to draw.")] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="The HTML page to write.", callback=output_file)] = "report.html",
+) -> None:
+    """One self-contained page: where an iteration's time goes and why (breakdown, timeline with
+    exposed communication and the critical path, traffic between dragonfly groups, the job's rings,
+    the grid search, scaling and validation when given)."""
+    import json
+
+    from twin.report import build_report, write_report
+
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    if top < 0 or simulate_top < 0:
+        raise TwinError("--top and --simulate-top must be at least 0")
+    points = None
+    if scaling is not None:
+        try:
+            points = json.loads(scaling.read_text())
+        except json.JSONDecodeError as e:
+            raise TwinError(f"--scaling {scaling}: not JSON ({e})") from None
+        if isinstance(points, dict):
+            points = points.get("points", [])
+        if not isinstance(points, list) or any(not isinstance(p, dict) or "gpus" not in p or "flops_per_s" not in p
+                                               for p in points):
+            raise TwinError(f"--scaling {scaling}: expected a list of {{\"gpus\": N, \"flops_per_s\": F}} objects")
+    for r in run or []:
+        if not r.is_dir():
+            raise TwinError(f"--run {r}: not a folder (give the --out folder of `backend run`)")
+    rep = build_report(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                       slowdown=_parse_slowdown(slowdown), profile=profile, top=top, simulate_top=simulate_top,
+                       runs=run, scaling=points, progress=lambda stage: console.print(f"[dim]{stage}...[/]"))
+    write_report(out, rep)
+    for line in rep.summary:
+        console.print(line)
+    console.print(f"wrote {out}")
 
 
 @app.command("search")

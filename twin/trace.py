@@ -27,6 +27,7 @@ in `args.queued_us`.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass, field
@@ -203,39 +204,64 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def compute_gaps(spans: list[Span]) -> list[tuple[float, float, str | None]]:
+    """The stretches of one rank's iteration when its compute stream runs nothing: (start, end, axis)
+    in seconds, axis the communication stream it waits on (a stretch where several axes run goes to
+    the one whose collective ends last, the one compute most likely waits for) or None when nothing
+    runs at all (idle)."""
+    if not spans:
+        return []
+    begin = min(s.start_s for s in spans)
+    end = max(s.start_s + s.duration_s for s in spans)
+    busy = _union([(s.start_s, s.start_s + s.duration_s) for s in spans if s.stream == "compute"])
+    comm = sorted((s.start_s, s.start_s + s.duration_s, s.stream) for s in spans if s.stream != "compute")
+    gaps, t = [], begin
+    for a, b in busy:
+        if a > t:
+            gaps.append((t, a))
+        t = max(t, b)
+    if end > t:
+        gaps.append((t, end))
+    starts = [c[0] for c in comm]
+    longest = max((b - a for a, b, _ in comm), default=0.0)
+    out: list[tuple[float, float, str | None]] = []
+    for ga, gb in gaps:
+        lo = bisect.bisect_left(starts, ga - longest)
+        hi = bisect.bisect_right(starts, gb)
+        near = [c for c in comm[lo:hi] if c[1] > ga and c[0] < gb and c[1] > c[0]]
+        cuts = sorted({ga, gb, *(x for a, b, _ in near for x in (a, b) if ga < x < gb)})
+        for a, b in zip(cuts, cuts[1:]):
+            running = [(e, axis) for s0, e, axis in near if s0 <= a and e >= b]
+            axis = max(running)[1] if running else None
+            if out and out[-1][1] == a and out[-1][2] == axis:
+                out[-1] = (out[-1][0], b, axis)
+            else:
+                out.append((a, b, axis))
+    return out
+
+
 def trace_breakdown(spans: list[Span]) -> dict:
     """Where one iteration's time goes, measured on a trace (seconds, mean over its ranks), in the
     simulator's terms: `compute` (the compute stream runs an op), `exposed_comm[axis]` (the compute
-    stream is idle while a collective runs; a stretch where several axes run goes to the one whose
-    collective ends last, the one compute most likely waits for), `idle` (nothing runs), and
-    `iteration` (first start to last end). These are HTA's temporal breakdown (compute, non-compute,
-    idle) with non-compute split by axis."""
-    ranks = sorted({s.rank for s in spans})
+    stream is idle while a collective of that axis runs, see `compute_gaps`), `idle` (nothing runs),
+    and `iteration` (first start to last end). These are HTA's temporal breakdown (compute,
+    non-compute, idle) with non-compute split by axis."""
+    by_rank: dict[int, list[Span]] = {}
+    for s in spans:
+        by_rank.setdefault(s.rank, []).append(s)
     total = {"compute": 0.0, "exposed_comm": {a: 0.0 for a in STREAMS[1:]}, "idle": 0.0, "iteration": 0.0}
-    for rank in ranks:
-        mine = [s for s in spans if s.rank == rank]
+    for mine in by_rank.values():
         begin = min(s.start_s for s in mine)
         end = max(s.start_s + s.duration_s for s in mine)
-        busy = _union([(s.start_s, s.start_s + s.duration_s) for s in mine if s.stream == "compute"])
-        comm = [(s.start_s, s.start_s + s.duration_s, s.stream) for s in mine if s.stream != "compute"]
-        gaps, t = [], begin
-        for a, b in busy:
-            if a > t:
-                gaps.append((t, a))
-            t = max(t, b)
-        if end > t:
-            gaps.append((t, end))
-        total["compute"] += sum(b - a for a, b in busy)
+        total["compute"] += sum(b - a for a, b in _union([(s.start_s, s.start_s + s.duration_s)
+                                                          for s in mine if s.stream == "compute"]))
         total["iteration"] += end - begin
-        for ga, gb in gaps:
-            cuts = sorted({ga, gb, *(x for a, b, _ in comm for x in (a, b) if ga < x < gb)})
-            for a, b in zip(cuts, cuts[1:]):
-                running = [(e, axis) for s0, e, axis in comm if s0 <= a and e >= b and e > s0]
-                if running:
-                    total["exposed_comm"][max(running)[1]] += b - a
-                else:
-                    total["idle"] += b - a
-    n = max(len(ranks), 1)
+        for a, b, axis in compute_gaps(mine):
+            if axis is None:
+                total["idle"] += b - a
+            else:
+                total["exposed_comm"][axis] += b - a
+    n = max(len(by_rank), 1)
     return {"compute": total["compute"] / n, "exposed_comm": {a: v / n for a, v in total["exposed_comm"].items()},
             "idle": total["idle"] / n, "iteration": total["iteration"] / n}
 

@@ -1,0 +1,77 @@
+"""Open a page the tools wrote in headless Chromium and say what it drew.
+
+`render_page(path, screenshot)` loads the page (Debian's chromium through playwright), records
+JavaScript errors and, for each plotly plot, how many traces and data points it holds and how many it
+drew (SVG traces, heat map images, WebGL canvases), then saves a full-page screenshot. Tests skip,
+saying why, where no browser can start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+SHOTS = Path(os.environ.get("SCREENSHOTS", "/tmp/twin-screenshots"))
+
+INSPECT = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd => {
+  const data = gd.data || [];
+  const points = data.reduce((n, t) => n + ((t.x && t.x.length) || (t.z && t.z.length) || (t.y && t.y.length) || 0), 0);
+  const drawn = gd.querySelectorAll('g.trace, g.hm, g.heatmaplayer image, .barlayer .point').length
+              + (gd._fullLayout && gd._fullLayout._glcanvas ? gd._fullLayout._glcanvas.size() : 0);
+  const rect = gd.getBoundingClientRect();
+  return {id: gd.id, traces: data.length, points: points, drawn: drawn, width: rect.width, height: rect.height,
+          title: (gd.layout && gd.layout.title && (gd.layout.title.text || gd.layout.title)) || ''};
+})"""
+
+
+def browser_or_skip():
+    """playwright's sync API, or skip the test with the reason."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM=/path/to/chrome)")
+    return sync_playwright
+
+
+def render_page(path: Path, screenshot: Path | None = None, width: int = 1400, timeout_ms: int = 60_000) -> dict:
+    """Load `path` in headless Chromium; returns {"errors": [...], "plots": [...]} (see INSPECT)."""
+    sync_playwright = browser_or_skip()
+    with sync_playwright() as p:
+        try:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--use-gl=swiftshader"])
+        except Exception as e:  # noqa: BLE001 - any launch failure means no browser here
+            pytest.skip(f"Chromium at {CHROMIUM} does not start: {str(e).splitlines()[0]}")
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(Path(path).resolve().as_uri(), wait_until="load", timeout=timeout_ms)
+            page.wait_for_timeout(500)
+            plots = page.evaluate(INSPECT)
+            if screenshot is not None:
+                screenshot.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(screenshot), full_page=True)
+        finally:
+            browser.close()
+    return {"errors": errors, "plots": plots}
+
+
+def assert_drew(result: dict, expect: set[str] | None = None) -> None:
+    """No JavaScript error; every plot holds data and drew it; `expect` plot ids are there."""
+    assert result["errors"] == [], result["errors"]
+    plots = result["plots"]
+    assert plots, "no plotly plot on the page"
+    for p in plots:
+        assert p["traces"] > 0 and p["points"] > 0, f"plot {p['id']} has no data: {p}"
+        assert p["drawn"] > 0, f"plot {p['id']} drew nothing: {p}"
+        assert p["width"] > 100 and p["height"] > 100, f"plot {p['id']} has no room: {p}"
+    if expect:
+        assert expect <= {p["id"] for p in plots}, (expect, [p["id"] for p in plots])
