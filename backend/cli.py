@@ -26,6 +26,45 @@ app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="Train for real with PyTorch, running the same schedule the twin simulates.")
 
 
+@app.callback()
+def _needs_torch() -> None:
+    """Every backend command needs PyTorch: say in one line how to install it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        typer.echo("error: the backend needs PyTorch, which is not installed: pip install torch "
+                   "(CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)", err=True)
+        raise typer.Exit(2) from None
+
+
+def summary_line(out: str) -> str | None:
+    """One line after `backend run`: where the outputs are, tokens/s, achieved flop/s and % of peak
+    (of the cpu profile's or the GPU's advertised peak, when known). None when the run wrote no summary."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    ranks = Grid.parse(s["grid"]).size
+    peak = None
+    try:
+        from twin.profile import load_profile
+        name = "cpu" if s.get("device", "cpu").startswith("cpu") else None
+        if name is None:
+            import torch
+            gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+            name = next((k for k in ("h200", "gh200", "a100", "mi250x") if k in gpu), None)
+            name = {"mi250x": "mi250x-gcd"}.get(name, name)
+        peak = load_profile(name).peak_flops * ranks if name else None
+    except Exception:  # noqa: BLE001 - the line is still useful without the peak
+        peak = None
+    pct = f" ({100 * s['flops_per_s'] / peak:.1f} % of peak)" if peak else ""
+    return (f"done: {s['steps']} steps, final loss {s['final_loss']:.4f}; {s['tokens_per_s']:,.0f} tokens/s, "
+            f"{s['flops_per_s'] / 1e12:.3g} TF/s{pct}; outputs in {out}/ (log.jsonl, summary.json, trace/)")
+
+
 def handles_errors(fn):
     """Turn bad input (TwinError, a missing file) into one line on stderr and exit code 2."""
 
@@ -111,7 +150,12 @@ def run_cmd(
     validate(cfg)
     if not 0 <= progress_timeout < 1e9:
         raise TwinError(f"--progress-timeout must be a number of seconds >= 0, got {progress_timeout}")
-    return launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)
+    code = launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)
+    from backend.launch import env_rank, under_launcher
+    line = None if code or (under_launcher() and env_rank()[0] != 0) else summary_line(out)
+    if line:
+        typer.echo(line)
+    return code
 
 
 @app.command("replay")

@@ -38,10 +38,16 @@ def handles_errors(fn):
     return wrapper
 
 
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar on stderr.")]
 SystemOpt = Annotated[str, typer.Option("--system", "-s", help="System name (see `twin systems`) or a system .toml file.")]
 StudyModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")]
 GpusOpt = Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")]
 PlacementOpt = Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")]
+
+
+def _count(n: float) -> str:
+    """A parameter count in B or M (gpt-tiny has 0.1 M, not "0.00 B")."""
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 @app.command("models")
@@ -52,7 +58,7 @@ def models_cmd() -> None:
     for name in list_models():
         m = load_model(name)
         table.add_row(name, str(m.layers), str(m.hidden), str(m.heads), str(m.vocab), str(m.seq_len),
-                      str(m.global_batch), f"{m.parameters() / 1e9:.2f} B")
+                      str(m.global_batch), _count(m.parameters()))
     console.print(table)
 
 
@@ -169,8 +175,10 @@ def simulate_cmd(
     program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Simulate one training iteration of a model on a system and say where the time goes."""
+    from twin.progress import Stages, quiet_default
     from twin.simulate import simulate
 
     opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
@@ -181,9 +189,12 @@ def simulate_cmd(
         if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
             raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
         prog = load_program(program)
-    r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
-                 slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
-                 record=bool(trace or html), simulate_top=simulate_top, program=prog)
+    with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
+        r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                     slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
+                     record=bool(trace or html), simulate_top=simulate_top, program=prog, progress=stage)
+        if trace is not None or html is not None:
+            stage("writing the trace and timeline")
     if trace is not None:
         from twin.trace import write_trace
         write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
@@ -195,6 +206,10 @@ def simulate_cmd(
         typer.echo(r.to_json())
         return
     _print_result(r)
+    if slowdown and r.mode == "full":
+        console.print("stragglers: " + ", ".join(f"rank {k} (compute x{v:g})" for k, v in _parse_slowdown(slowdown).items())
+                      + f"; every rank waits for them: {r.breakdown_s['idle'] + sum(r.breakdown_s['exposed_comm'].values()):.4f} s "
+                      "of the iteration is not compute on the average rank")
     for what, path in (("trace", trace), ("timeline", html)):
         if path is not None:
             console.print(f"wrote {what} {path}")
@@ -224,6 +239,7 @@ def report_cmd(
     run: Annotated[Optional[list[Path]], typer.Option(help="A `backend run --out` folder to validate the twin against (repeatable).")] = None,
     scaling: Annotated[Optional[Path], typer.Option(help="A JSON list of scaling points {gpus, flops_per_s, ...} to draw.")] = None,
     out: Annotated[str, typer.Option("--out", "-o", help="The HTML page to write.", callback=output_file)] = "report.html",
+    quiet: QuietOpt = False,
 ) -> None:
     """One self-contained page: where an iteration's time goes and why (breakdown, timeline with
     exposed communication and the critical path, traffic between dragonfly groups, the job's rings,
@@ -249,9 +265,13 @@ def report_cmd(
     for r in run or []:
         if not r.is_dir():
             raise TwinError(f"--run {r}: not a folder (give the --out folder of `backend run`)")
-    rep = build_report(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
-                       slowdown=_parse_slowdown(slowdown), profile=profile, top=top, simulate_top=simulate_top,
-                       runs=run, scaling=points, progress=lambda stage: console.print(f"[dim]{stage}...[/]"))
+    from twin.progress import Stages, quiet_default
+    plan = [("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full), ("tracing", 0.2), ("measuring", 0.5),
+            ("validating", 1.0), ("drawing", 0.3)]
+    with Stages(plan, quiet_default(False, quiet)) as stage:
+        rep = build_report(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                           slowdown=_parse_slowdown(slowdown), profile=profile, top=top, simulate_top=simulate_top,
+                           runs=run, scaling=points, progress=stage)
     write_report(out, rep)
     for line in rep.summary:
         console.print(line)
@@ -270,6 +290,7 @@ def search_cmd(
     seq: SeqOpt = None,
     placement: PlacementOpt = "contiguous",
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
     from twin.simulate import search
@@ -278,20 +299,31 @@ def search_cmd(
     if top < 1:
         raise TwinError(f"--top must be at least 1, got {top}")
     study = prepare(system, model, gpus, batch, seq, placement=placement)
-    cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
+    from twin.progress import Stages, quiet_default
+    with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:
+        stage("ranking and simulating grids")
+        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
     if json_out:
         typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
                                 "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
                                 "simulated_s": c.simulated_s} for c in cands], indent=1))
         return
-    t = Table("rank", "grid XxYxZxD", "analytical (s)", "compute (s)", "comm x / y / z / data (s)",
-              "simulated (s)", "memory (GiB)",
+    t = Table("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)",
+              "simulated (s)", "GiB",
               title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids")
+    t.columns[1].no_wrap = True
     for i, c in enumerate(cands, 1):
         t.add_row(str(i), str(c.grid), f"{c.analytical_s:.3f}", f"{c.compute_s:.3f}",
-                  " / ".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
+                  "/".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
                   "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", f"{c.memory_bytes / GIB:.1f}")
     console.print(t)
+    sims = [c for c in cands if c.simulated_s is not None]
+    if sims:
+        best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+        console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
+                      "the estimate ranks grids, the simulation (overlap, contention) decides")
+    if len(cands) < top:
+        console.print(f"only {len(cands)} grids divide the model and fit in memory on {study.gpus} GPUs")
 
 
 @app.command("systems")

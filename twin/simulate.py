@@ -175,7 +175,7 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
              options: Options | None = None, placement: str = "contiguous", full: bool = False,
              slowdown: dict[int, float] | None = None, gemm_tuning: bool = True, profile: str | None = None,
              record: bool = False, simulate_top: int = 2, collectives=None,
-             program: Program | None = None) -> SimulationResult:
+             program: Program | None = None, progress=None) -> SimulationResult:
     """Simulate one training iteration; see the module docstring. Defaults: the system's default
     study (model and GPU count), grid auto (analytical ranking, the best `simulate_top` simulated).
     With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span).
@@ -188,7 +188,9 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
         batch, seq_len = program.batch, program.seq_len
     study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
     result = None
+    say = progress or (lambda stage: None)  # progress(stage name), e.g. twin.progress.Stages
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
+        say("ranking grids")
         best, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
         g = best.grid
         if best.result is not None and not (full or slowdown or record):
@@ -197,6 +199,7 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
     else:
         g, how = (Grid.parse(grid) if isinstance(grid, str) else grid), "given"
     if result is None:
+        say(f"simulating grid {g}" + (" (every rank)" if full else ""))
         result = simulate_grid(study, g, full=full, slowdown=slowdown, record=record, collectives=collectives,
                                grid_choice=how, program=program)
     result.wall_time_s = time.perf_counter() - t0

@@ -1,0 +1,66 @@
+"""Progress of a long command on stderr: a rich bar through the command's stages, with the time spent
+and an estimate of the time left (from the stages' expected shares of the work and the pace so far).
+
+    with Stages([("ranking grids", 3), ("simulating", 1)], quiet=json_out) as stage:
+        stage("ranking grids")      # each call finishes the stage before it
+        ...
+        stage("simulating grid 8x8x4x128")   # matched to a planned stage by its first word(s)
+
+Quiet (`--quiet`, `--json`) or not on a terminal-like stderr: nothing is shown, and the calls cost nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Stages:
+    """A context manager; calling it with a stage's name moves the bar to that stage."""
+
+    def __init__(self, plan: list[tuple[str, float]], quiet: bool = False, console: Console | None = None):
+        self.plan = plan
+        self.weights = dict(plan)
+        self.quiet = quiet
+        self.console = console or Console(stderr=True)
+        self.progress: Progress | None = None
+        self.task = None
+        self.current: str | None = None
+        self.done = 0.0
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> Callable[[str], None]:
+        if not self.quiet:
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                     TimeElapsedColumn(), TextColumn("left ~"), TimeRemainingColumn(),
+                                     console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("starting", total=sum(self.weights.values()) or 1.0)
+        return self
+
+    def _weight(self, name: str) -> float:
+        for key, w in self.plan:
+            if name.startswith(key):
+                return w
+        return 0.0
+
+    def __call__(self, name: str) -> None:
+        if self.current is not None:
+            self.done += self._weight(self.current)
+        self.current = name
+        if self.progress is not None:
+            self.progress.update(self.task, description=name, completed=self.done)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=sum(self.weights.values()))
+            self.progress.stop()
+
+
+def quiet_default(json_out: bool, quiet: bool) -> bool:
+    """Progress is off under --quiet, under --json, and when stderr is not a terminal."""
+    return quiet or json_out or not sys.stderr.isatty()
