@@ -43,6 +43,10 @@ SystemOpt = Annotated[str, typer.Option("--system", "-s", help="System name (see
 StudyModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model name or .toml file (default: the system's default study).")]
 GpusOpt = Annotated[Optional[int], typer.Option(help="GPU count (default: the system's default study).")]
 PlacementOpt = Annotated[str, typer.Option(help="Rank placement: contiguous or scattered nodes.")]
+AutoGridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")]
+ProfileOpt = Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")]
+FullOpt = Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")]
+SlowdownOpt = Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")]
 
 
 def _count(n: float) -> str:
@@ -156,7 +160,7 @@ def simulate_cmd(
     system: SystemOpt,
     model: StudyModelOpt = None,
     gpus: GpusOpt = None,
-    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")] = "auto",
+    grid: AutoGridOpt = "auto",
     batch: BatchOpt = None,
     seq: SeqOpt = None,
     placement: PlacementOpt = "contiguous",
@@ -167,9 +171,9 @@ def simulate_cmd(
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
     gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
-    profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
-    full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
-    slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
+    profile: ProfileOpt = None,
+    full: FullOpt = False,
+    slowdown: SlowdownOpt = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
@@ -221,7 +225,7 @@ def report_cmd(
     system: SystemOpt,
     model: StudyModelOpt = None,
     gpus: GpusOpt = None,
-    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (analytical ranking, best few simulated).")] = "auto",
+    grid: AutoGridOpt = "auto",
     batch: BatchOpt = None,
     seq: SeqOpt = None,
     placement: PlacementOpt = "contiguous",
@@ -231,9 +235,9 @@ def report_cmd(
     cache_layers: CacheOpt = 0,
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
-    profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
-    full: Annotated[bool, typer.Option("--full", help="Simulate every rank (default: one representative).")] = False,
-    slowdown: Annotated[Optional[str], typer.Option(help="Stragglers for --full: RANK:FACTOR[,...] on compute times.")] = None,
+    profile: ProfileOpt = None,
+    full: FullOpt = False,
+    slowdown: SlowdownOpt = None,
     top: Annotated[int, typer.Option(help="Grids to rank for the search section (0 with a given grid: skip it).")] = 8,
     simulate_top: Annotated[int, typer.Option(help="How many of the ranked grids to simulate.")] = 2,
     run: Annotated[Optional[list[Path]], typer.Option(help="A `backend run --out` folder to validate the twin against (repeatable).")] = None,
@@ -420,7 +424,7 @@ def calibrate_cmd(
 def validate_cmd(
     run_dirs: Annotated[list[str], typer.Argument(help="Directories written by `backend run --out DIR`.")],
     system: SystemOpt = "cpu",
-    profile: Annotated[Optional[str], typer.Option(help="Kernel profile name or .toml (default: by the system's GPU).")] = None,
+    profile: ProfileOpt = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write a plotly scatter of predicted vs measured per op here.", callback=output_file)] = None,
 ) -> None:
