@@ -7,6 +7,7 @@ stamp, the grid and rank count, and rows of GEMM, small-op, collective and overl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from twin.common import TwinError
@@ -74,7 +75,7 @@ def load_measurement(path: str | Path) -> dict:
                 if k in ("layout", "op", "axis", "kind"):
                     continue
                 v = row[k]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k.endswith("s") and k != "bytes" and v <= 0):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (k.endswith("s") and k != "bytes" and v <= 0):
                     raise _bad(path, f"{table}[{i}].{k} must be a positive number, got {v!r}")
         if table == "collectives":
             for i, row in enumerate(rows):

@@ -99,6 +99,7 @@ def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
     (lambda d: d["collectives"][0].update(group_size=4), "does not match grid"),
     (lambda d: d["gemm"][0].update(seconds=-1), "gemm\\[0\\].seconds must be a positive number"),
     (lambda d: d.update(format="old"), "format is 'old'"),
+    (lambda d: d["gemm"][0].update(seconds=float("nan")), "gemm\\[0\\].seconds must be a positive number"),
 ])
 def test_bad_measurement_files_get_one_line(tmp_path, edit, message):
     data = copy.deepcopy(MEASUREMENT)
