@@ -66,6 +66,10 @@ class TrainConfig:
     eval_every: int = 0               # steps between held-out evaluations (0: at the last step only)
     eval_batches: int = 4             # global batches of held-out data per evaluation
     program_file: str | None = None   # run this program file (twin program --json): it fixes model, grid, batch, switches
+    init_from: str | None = None      # a Hugging Face Llama directory: the weights a fresh run starts from
+    spec: dict | None = None          # the model spec itself (e.g. from init_from's config.json); overrides `model`
+    hf_config: dict | None = None     # init_from's config.json, kept for `backend export`
+    eval_holdout: float = 0.0         # prompt/response data without eval_data: hold out this share of the examples
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -78,7 +82,12 @@ class TrainConfig:
         if self.program_file:
             from twin.programfile import load_program
             return load_program(self.program_file)
-        return build_program(load_model(self.model), Grid.parse(self.grid), self.options(), batch=self.batch)
+        return build_program(self.model_spec(), Grid.parse(self.grid), self.options(), batch=self.batch)
+
+    def model_spec(self):
+        """The model: `spec` when given (a Hugging Face import), else the spec named by `model`."""
+        from twin.model import ModelSpec
+        return ModelSpec(**self.spec) if self.spec else load_model(self.model)
 
     def options(self) -> Options:
         return options_from_flags(self.oar, self.ors, self.oag, self.cache_layers, self.recompute,
@@ -141,7 +150,6 @@ def check_numbers(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Check a config before any rank starts (raises TwinError with one clear line)."""
     from backend import checkpoint
-    from backend.data import open_source
 
     check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
@@ -154,13 +162,13 @@ def validate(cfg: TrainConfig) -> None:
         check(cfg.goldfish_k, cfg.goldfish_h)
     program = cfg.program()  # grid x model x batch checks
     spec, grid = program.model, program.grid
-    if cfg.eval_data:
-        from backend.evaluate import check_eval
-        check_eval(cfg.eval_data, cfg.eval_every, cfg.eval_batches, spec)
-    source = open_source(cfg.data, spec.vocab, cfg.seed)
-    if len(source) < spec.seq_len + 2:
-        raise TwinError(f"data source {source.name} has {len(source)} tokens, fewer than one sequence "
-                        f"of {spec.seq_len}+1 tokens of {spec.name}")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1:
+        raise TwinError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {cfg.eval_every} and {cfg.eval_batches}")
+    from backend.finetune import check_data
+    check_data(cfg, spec)
+    if cfg.init_from:
+        from backend.hf import HFCheckpoint
+        HFCheckpoint(cfg.init_from).check(spec)
     if cfg.ckpt_dir:
         path = checkpoint.latest(cfg.ckpt_dir)
         if path is not None:
@@ -279,7 +287,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from backend.data import ShardedLoader, open_source
     from backend.dist import ParallelContext, destroy
     from backend.launch import check_world_size, env_rank, fabric_warning, heartbeat
     from backend.model import GPT
@@ -289,7 +296,6 @@ def train(cfg: TrainConfig) -> list[dict]:
     program = cfg.program()
     spec, grid, options = program.model, program.grid, program.options
     check_world_size(grid.size, cfg.grid)
-    source = open_source(cfg.data, spec.vocab, cfg.seed)
     warn = fabric_warning(cfg.device)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TwinError("--device cuda but no CUDA device is visible to PyTorch")
@@ -301,20 +307,20 @@ def train(cfg: TrainConfig) -> list[dict]:
         torch.manual_seed(cfg.seed)
         model = GPT(spec, ctx, seed=cfg.seed, program=program).to(ctx.device)
         optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-        loader = ShardedLoader(source, program.batch, program.seq_len, ctx.batch_shard, ctx.batch_shards,
-                               cfg.micro_batches, cfg.seed, cfg.goldfish_k, cfg.goldfish_h)
-        held_out = None
-        if cfg.eval_data:
-            from backend.evaluate import HeldOut
-            held_out = HeldOut(cfg.eval_data, spec, program.batch, ctx, cfg.eval_batches, cfg.seed)
+        from backend.finetune import make_data
+        loader, held_out = make_data(cfg, spec, program.batch, ctx)  # prompt/response examples or windows
         start = _resume(cfg, model, optimizer, loader, ctx)
+        if cfg.init_from and not start:
+            from backend.hf import load_into
+            load_into(model, cfg.init_from)  # each rank reads only its slices
         out = Path(cfg.out)
         metrics = MetricsLog(out / "log.jsonl", cfg, program, enabled=rank0, resumed_after=start)
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
             print(f"backend run: {spec.name} ({spec.parameters(spec.padded_vocab(grid.y)) / 1e6:.1f} M parameters) "
                   f"on grid {grid} ({ctx.device}, {ctx.compute_dtype}), {metrics.tokens} tokens/step, "
-                  f"data {source.name}" + (f", resumed after step {start}" if start else ""), flush=True)
+                  f"data {cfg.data}" + (f", from {cfg.init_from}" if cfg.init_from and not start else "")
+                  + (f", resumed after step {start}" if start else ""), flush=True)
         trace_step = cfg.trace_step or cfg.steps
         crash_after = int(os.environ.get(CRASH_ENV, "0"))
         records, peaks = [], []
