@@ -68,8 +68,19 @@ def test_commands_print_and_refuse_bad_input():
 
 
 def test_default_study_batch_from_the_system_file():
+    """Every system whose default study is one of the large GPT models (documented batch 2,048) follows
+    the one rule its file states: 2,048 sequences, or the smallest multiple of the node count above it (so that x*y can stay in a node)."""
+    from topologies.system import list_systems, load_system
+    from twin.model import load_model
     from twin.study import prepare
-    assert prepare("alps").batch == 6144            # the file's assumed batch (a multiple of 3)
+    for name in list_systems():
+        s = load_system(name)
+        if load_model(s.default_model).global_batch != 2048:   # cpu, h200: small models, their own batch
+            continue
+        nodes = -(-s.default_gpus // s.gpus_per_node)
+        expect = 2048 if 2048 % nodes == 0 or nodes == 1 else -(-2048 // nodes) * nodes
+        assert prepare(name).batch == expect, name
+    assert prepare("alps").batch == 3072            # 1,536 nodes: 2,048 is not a multiple
     assert prepare("alps", "gpt-60b").batch == 2048  # an explicit model keeps its own batch
     assert prepare("perlmutter").batch == 2048       # no batch in the file: the model's
 
