@@ -124,6 +124,14 @@ def best_grids(system: str, model: str, gpus: int, batch: int) -> list[tuple[flo
     return sorted(out)
 
 
+def lower_bound(system: str, model: str, gpus: int, batch: int) -> tuple[float, str]:
+    """(seconds, grid): the smallest over every valid grid of max(busiest axis, compute at the
+    large-GEMM rate + forward all-reduces); see the module docstring."""
+    compute = flops(model, batch) / (gpus * GEMM[system])
+    return min((max(max(t.values()), compute + forward_time(system, model, *map(int, g.split("x")), batch)), g)
+               for _, g, t in best_grids(system, model, gpus, batch))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--top", type=int, default=3, help="best grids printed per run")
@@ -134,8 +142,7 @@ def main() -> None:
         published = f / (gpus * PEAK[system] * share)
         compute = f / (gpus * GEMM[system])
         grids = best_grids(system, model, gpus, a.batch)
-        bound, bound_grid = min((max(max(t.values()), compute + forward_time(
-            system, model, *map(int, g.split("x")), a.batch)), g) for _, g, t in grids)
+        bound, bound_grid = lower_bound(system, model, gpus, a.batch)
         verdict = ("above the published iteration: the table cannot describe this run"
                    if bound > published else "consistent")
         print(f"{system} {model} on {gpus:,}: published iteration {published:.2f} s ({source}); "
