@@ -63,9 +63,12 @@ class ReplayConfig:
 
 def validate(cfg: ReplayConfig) -> None:
     """Check a replay config before any rank starts (raises TwinError)."""
-    check_run_flags(cfg.steps, cfg.batch, cfg.device, cfg.program().grid.size)
+    program = cfg.program()
+    check_run_flags(cfg.steps, cfg.batch, cfg.device, program.grid.size)
     if cfg.dtype not in ("auto", *DTYPES):
         raise TwinError(f"--dtype must be auto, fp32 or bf16, got {cfg.dtype!r}")
+    from backend.launch import check_memory
+    check_memory(program, cfg.device, cfg.torch_dtype().itemsize)
 
 
 def main(config: dict) -> None:

@@ -162,6 +162,8 @@ def validate(cfg: TrainConfig) -> None:
         check(cfg.goldfish_k, cfg.goldfish_h)
     program = cfg.program()  # grid x model x batch checks
     spec, grid = program.model, program.grid
+    from backend.launch import check_memory
+    check_memory(program, cfg.device, 2 if cfg.device == "cuda" else 4)  # bf16 compute on GPU, fp32 on CPU
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise TwinError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {cfg.eval_every} and {cfg.eval_batches}")
     from backend.finetune import check_data

@@ -139,3 +139,34 @@ def test_backend_needs_no_simulator_packages():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('simpy', 'plotly', 'networkx')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
+
+
+def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, monkeypatch):
+    """The ranks' bytes (the twin's memory model + a rank's own overhead) against the memory available."""
+    from typer.testing import CliRunner
+
+    import backend.launch
+    from backend.cli import app
+    from backend.launch import RANK_OVERHEAD_BYTES, check_memory
+    from twin.program import build_program
+
+    big = tmp_path / "big.toml"
+    big.write_text('name = "big"\nlayers = 16\nhidden = 16384\nheads = 16\nvocab = 256\nseq_len = 32\n'
+                   'global_batch = 8\n')  # ~52 G parameters: ~770 GiB of fp32 state
+    monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    r = CliRunner().invoke(app, ["run", "--model", str(big), "--steps", "1", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    line, = r.stderr.strip().splitlines()
+    assert "big on grid 1x1x1x1 needs about" in line and "GiB of memory is available" in line, line
+    r = CliRunner().invoke(app, ["replay", "--model", str(big), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "needs about" in r.stderr, r.output
+    # 8 ranks of gpt-small fit in 1 GiB more than they need, not in 1 GiB less
+    program = build_program(load_model("gpt-small"), Grid.parse("2x2x2x1"))
+    from twin.memory import memory_per_gpu
+    need = 8 * (memory_per_gpu(program.model, program.grid, program.options, activation_bytes=4).total
+                + RANK_OVERHEAD_BYTES)
+    monkeypatch.setattr(backend.launch, "available_memory", lambda: need + 2**30)
+    check_memory(program, "cpu", 4)
+    monkeypatch.setattr(backend.launch, "available_memory", lambda: need - 2**30)
+    with pytest.raises(Exception, match="x 8 rank"):
+        check_memory(program, "cpu", 4)
