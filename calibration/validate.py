@@ -85,8 +85,12 @@ def read_run(run_dir: str | Path) -> dict:
     missing = [k for k in ("model", "grid", "options") if k not in meta]
     if missing:
         raise TwinError(f"{trace}: trace metadata lacks {', '.join(missing)} (write it with `backend run`)")
-    if not steps or any("step_time_s" not in s for s in steps):
+    if not steps:
         raise TwinError(f"{log}: no step times (each line needs step_time_s)")
+    from twin.schema import RUN_LOG_RECORD, RUN_SUMMARY, check
+    for i, record in enumerate(steps, 1):
+        check(record, RUN_LOG_RECORD, f"{log} line {i}", "run log")
+    check(summary, RUN_SUMMARY, d / "summary.json", "run summary")
     return {"dir": str(d), "meta": meta, "steps": steps, "summary": summary, "spans": read_trace(trace)}
 
 

@@ -93,13 +93,17 @@ def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d["machine"].pop("date"), "machine stamp lacks date"),
+    (lambda d: d["machine"].pop("date"), "machine.date is missing"),
     (lambda d: d.update(ranks=4), "has 2 ranks but `ranks` is 4"),
-    (lambda d: d["collectives"][0].pop("seconds"), "collectives\\[0\\] lacks seconds"),
+    (lambda d: d["collectives"][0].pop("seconds"), "collectives\\[0\\].seconds is missing"),
     (lambda d: d["collectives"][0].update(group_size=4), "does not match grid"),
-    (lambda d: d["gemm"][0].update(seconds=-1), "gemm\\[0\\].seconds must be a positive number"),
-    (lambda d: d.update(format="old"), "format is 'old'"),
-    (lambda d: d["gemm"][0].update(seconds=float("nan")), "gemm\\[0\\].seconds must be a positive number"),
+    (lambda d: d["gemm"][0].update(seconds=-1), "gemm\\[0\\].seconds must be a finite number in \\[1e-12, "),
+    (lambda d: d.update(format="old"), "format must be one of backend-bench/2, got 'old'"),
+    (lambda d: d["gemm"][0].update(seconds=float("nan")), "gemm\\[0\\].seconds must be a finite number"),
+    (lambda d: d["gemm"][0].update(m=True), "gemm\\[0\\].m must be an integer"),
+    (lambda d: d.update(ranks_per_node="2"), "ranks_per_node must be an integer"),
+    (lambda d: d["collectives"][0].update(kind="broadcast"), "collectives\\[0\\].kind must be one of"),
+    (lambda d: d.update(overlap={}), "overlap must be a list"),
 ])
 def test_bad_measurement_files_get_one_line(tmp_path, edit, message):
     data = copy.deepcopy(MEASUREMENT)
@@ -129,7 +133,7 @@ def test_calibrate_cli_one_line_errors(tmp_path):
     bad = write(tmp_path, {**MEASUREMENT, "machine": {}})
     r = subprocess.run([sys.executable, "-m", "twin.cli", "calibrate", str(bad), "--out", str(tmp_path / "p.toml")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "machine stamp" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "machine.host is missing" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "p.toml").exists()
     good = write(tmp_path, MEASUREMENT, "good.json")
     r = subprocess.run([sys.executable, "-m", "twin.cli", "calibrate", str(good), "--out", str(tmp_path / "p.toml")],

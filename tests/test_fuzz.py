@@ -9,6 +9,7 @@ benchmarks/fuzz_long.sh runs it and prints the count.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -236,9 +237,9 @@ def mutated(draw, base: dict):
             if action == "delete":
                 del parent[path[-1]]
             elif action == "add" and isinstance(parent, dict):
-                parent["surprise"] = draw(WEIRD)
+                parent["surprise"] = copy.deepcopy(draw(WEIRD))  # never mutate WEIRD's own lists
             else:
-                parent[path[-1]] = draw(WEIRD)
+                parent[path[-1]] = copy.deepcopy(draw(WEIRD))
         except (IndexError, KeyError, TypeError):
             pass
     return data
@@ -248,35 +249,57 @@ def load_base(path: str) -> dict:
     return tomllib.loads((ROOT / path).read_text())
 
 
+def small_measurement() -> dict:
+    """A real `backend bench` file of 2 ranks, cut to a few rows of each table (so that a mutation often
+    lands on a row), that still fits a whole profile."""
+    data = json.loads((ROOT / "calibration/measurements/cpu-2026-12-01/bench-2x1x1x1.json").read_text())
+    data["gemm"] = data["gemm"][:4]
+    data["collectives"] = data["collectives"][:6]
+    return data
+
+
 SPECS = {"system": load_base("topologies/systems/perlmutter.toml"), "model": load_base("twin/models/gpt-tiny.toml"),
-         "profile": load_base("calibration/profiles/a100.toml")}
+         "profile": load_base("calibration/profiles/a100.toml"), "measurement": small_measurement()}
 
 
-def exercise(kind: str, path: str) -> None:
-    """Load a spec and use it the way a command would (cheaply)."""
+def load(kind: str, path: str):
+    """Read a spec file the way a command does: a bad file is one line naming it."""
+    if kind == "measurement":
+        from calibration.measurements import load_measurement
+        return load_measurement(path)
+    if kind == "system":
+        from topologies.system import load_system
+        return load_system(path)
+    if kind == "model":
+        from twin.model import load_model
+        return load_model(path)
+    from twin.profile import load_profile
+    return load_profile(path)
+
+
+def use(kind: str, spec, path: str) -> None:
+    """Use a loaded spec the way a command would (cheaply): whatever it finds is one line."""
     from twin.grid import Grid
     from twin.memory import memory_per_gpu
     from twin.program import build_program
 
-    if kind == "system":
+    if kind == "measurement":
+        from calibration.fit import fit_profile
+        fit_profile([path], "fuzz")
+    elif kind == "system":
         from topologies.network import build_network
         from topologies.placement import place
-        from topologies.system import load_system
-        s = load_system(path)
-        place(s, min(s.total_gpus, 16), "scattered", 1)
-        if s.total_gpus <= 100_000:
-            build_network(s).summary()
+        place(spec, min(spec.total_gpus, 16), "scattered", 1)
+        if spec.total_gpus <= 100_000:
+            build_network(spec).summary()
     elif kind == "model":
-        from twin.model import load_model
-        m = load_model(path)
-        build_program(m, Grid(1, 1, 1, 1))
-        memory_per_gpu(m, Grid(1, 1, 1, 1))
-        m.parameters(), m.reference_flops()
+        build_program(spec, Grid(1, 1, 1, 1))
+        memory_per_gpu(spec, Grid(1, 1, 1, 1))
+        spec.parameters(), spec.reference_flops()
     else:
         from twin.kernels import KernelModel
         from twin.model import load_model
-        from twin.profile import load_profile
-        km = KernelModel(load_profile(path))
+        km = KernelModel(spec)
         for op in build_program(load_model("gpt-tiny"), Grid(1, 1, 1, 1)).ops:
             t = 0.0 if op.is_collective else km.op_time(op)
             assert math.isfinite(t) and t >= 0, (op.name, t)
@@ -286,14 +309,19 @@ def exercise(kind: str, path: str) -> None:
 @given(kind=st.sampled_from(sorted(SPECS)), data=st.data())
 def test_spec_files(kind, data, tmp_path_factory):
     spec = data.draw(mutated(SPECS[kind]))
-    path = tmp_path_factory.mktemp("spec") / f"fuzz-{kind}.toml"
-    text = toml_dump(spec)
+    path = tmp_path_factory.mktemp("spec") / f"fuzz-{kind}.{'json' if kind == 'measurement' else 'toml'}"
+    text = json.dumps(spec) if kind == "measurement" else toml_dump(spec)
     path.write_text(text)
     with no_hang(text):
         try:
-            exercise(kind, str(path))
+            spec = load(kind, str(path))
         except InputError as e:
             assert "\n" not in str(e) and str(path) in str(e), str(e)
+            return
+        try:
+            use(kind, spec, str(path))
+        except InputError as e:
+            assert "\n" not in str(e), str(e)
 
 
 @FUZZ

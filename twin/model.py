@@ -96,4 +96,7 @@ def load_model(name_or_path: str) -> ModelSpec:
     path, data = read_spec(name_or_path, MODELS_DIR, "model")
     check(data, MODEL, path, "model")
     data.setdefault("name", path.stem)
-    return ModelSpec(**data)
+    try:
+        return ModelSpec(**data)
+    except TwinError as e:  # what relates keys to each other (heads divide hidden): name the file too
+        raise TwinError(f"model file {path}: {e}") from None

@@ -6,6 +6,9 @@ file, the key and the rule, e.g.
 
     system file my.toml: gpu.hbm_gib must be a finite number in (0, 1e+06], got nan
 
+Measurement files (JSON of `backend bench`, calibration/measurements.py) and the files of a run that
+`twin validate` reads (log.jsonl records, summary.json; calibration/validate.py) are checked here too.
+
 Rules: Number (finite, optionally an integer, in a range; booleans are not numbers), Text (optionally
 one of a few choices), Flag (a boolean), ListOf (a list whose items all follow one rule, of a bounded
 length), Table (a dict with known keys, each required or optional; unknown keys are refused, since a
@@ -86,6 +89,21 @@ def Positive(hi: float) -> Number:
 
 
 @dataclass(frozen=True)
+class ZeroOr:
+    """0 (meaning "none"), or a number that follows `rule`."""
+
+    rule: Number
+
+    def check(self, value: Any, key: str) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return value
+        try:
+            return self.rule.check(value, key)
+        except Invalid:
+            raise Invalid(key, f"must be {self.rule.describe()}, or 0", value) from None
+
+
+@dataclass(frozen=True)
 class Text:
     """A string; with `choices`, one of them; with `nonempty`, not blank."""
 
@@ -132,10 +150,13 @@ class ListOf:
 
 @dataclass(frozen=True)
 class Table:
-    """A table (dict) of known keys: `required` maps a key to its rule, `optional` likewise."""
+    """A table (dict) of known keys: `required` maps a key to its rule, `optional` likewise. With
+    `extra`, keys it does not know are let through unread (files a program writes carry figures that
+    nothing reads back, such as a benchmark's derived flop/s)."""
 
     required: dict = field(default_factory=dict)
     optional: dict = field(default_factory=dict)
+    extra: bool = False
 
     def check(self, value: Any, key: str) -> Any:
         where = key or "the top level"
@@ -143,7 +164,7 @@ class Table:
             raise Invalid(key, "must be a table", value)
         known = {**self.required, **self.optional}
         unknown = sorted(set(value) - set(known))
-        if unknown:
+        if unknown and not self.extra:
             raise Invalid(_join(key, unknown[0]), f"is not a known key of {where} (known: {', '.join(sorted(known))})",
                           shown=False)
         for k, rule in known.items():
@@ -194,10 +215,12 @@ def check(data: Any, schema: Any, path: str | Path, what: str) -> Any:
 
 # ---- the spec files -------------------------------------------------------------------------------
 
-RATE = Positive(1e18)         # flop/s or bytes/s: above zero, below an exa-unit per device
-RATE0 = Number(0, 1e18)       # the same where 0 means "none" (no NICs, unknown)
+# Lower bounds keep a quotient finite: 1e-311 flop/s is positive, yet any time divided by it is infinite.
+RATE = Number(1, 1e18)        # flop/s or bytes/s: at least one per second, below an exa-unit per device
+RATE0 = ZeroOr(RATE)          # the same where 0 means "none" (no NICs, unknown)
+SCALE = Number(1e-6, 1e6)     # a dimensionless factor or efficiency (a divisor somewhere)
 LATENCY = Number(0, 1.0)      # seconds per hop or step
-FRACTION = Positive(1.0)      # (0, 1]
+FRACTION = Number(1e-6, 1.0)  # an efficiency: (0, 1], and not vanishingly small
 FACTOR = Number(1, 1e6)       # a slowdown factor >= 1
 COUNT = Int(1, 10_000_000)
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -235,10 +258,10 @@ GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(
                            "layout": Text(("NN", "NT", "TN")), "flops": Sourced(RATE)},
                  optional={"ranks": Int(0, 1 << 20)})
 NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(Positive(1.0)),
-                                 "hbm_bandwidth": Sourced(RATE), "overlap_slowdown": Sourced(Positive(1e6))},
-                       optional={"compute_scale": Sourced(Positive(1e6)),
-                                 "attention_fwd_efficiency": Sourced(Positive(1e6)),
-                                 "attention_bwd_efficiency": Sourced(Positive(1e6)),
+                                 "hbm_bandwidth": Sourced(RATE), "overlap_slowdown": Sourced(SCALE)},
+                       optional={"compute_scale": Sourced(SCALE),
+                                 "attention_fwd_efficiency": Sourced(SCALE),
+                                 "attention_bwd_efficiency": Sourced(SCALE),
                                  "host_op_s": Sourced(Positive(1.0))})
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
@@ -251,10 +274,47 @@ PROFILE = Table(
         "tile_m": Sourced(Int(1, 1 << 16)), "tile_n": Sourced(Int(1, 1 << 16)), "k_half": Sourced(Int(1, 1 << 30)),
         "hbm_bandwidth": Sourced(RATE), "launch_s": Sourced(Positive(1.0)),
         "attention_fwd_efficiency": Sourced(FRACTION), "attention_bwd_efficiency": Sourced(FRACTION),
-        "overlap_slowdown": Sourced(Positive(1e6)), "layout_large_flops": Sourced(Positive(1e30)),
+        "overlap_slowdown": Sourced(SCALE), "layout_large_flops": Sourced(Positive(1e30)),
         "layout_penalty": Penalties(), "layout_penalty_small": Penalties(),
     },
     optional={"name": Text(nonempty=True), "gpus": ListOf(Text(nonempty=True)), "description": Text(),
               "gemm_table": ListOf(GEMM_ROW), "node_share": ListOf(NODE_SHARE_ROW),
               "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8),
               "host_op_s": Sourced(Positive(1.0))})
+
+# ---- measurement files (`backend bench`, read by `twin calibrate`) and run files (read by `twin validate`)
+
+SECONDS = Number(1e-12, 1e6)  # a measured time: a picosecond to 11 days
+BYTES = Int(0, 1 << 50)
+DIM = Int(1, 1 << 30)         # a GEMM dimension
+AXES = ("x", "y", "z", "data")
+MEASUREMENT_FORMAT = "backend-bench/2"
+
+MEASUREMENT = Table(
+    required={
+        "format": Text((MEASUREMENT_FORMAT,)),
+        "machine": Table(required={k: Text(nonempty=True) for k in ("host", "date", "torch", "commit", "device")},
+                         extra=True),
+        "grid": Text(nonempty=True), "ranks": Int(1, 1 << 24), "ranks_per_node": Int(1, 1 << 16),
+        "dtype_bytes": Int(1, 8),
+        "gemm": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "layout": Text(("NN", "NT", "TN")),
+                                       "seconds": SECONDS}, extra=True)),
+        "ops": ListOf(Table(required={"op": Text(nonempty=True), "numel": BYTES, "bytes": BYTES, "seconds": SECONDS},
+                            extra=True)),
+        "collectives": ListOf(Table(required={"axis": Text(AXES), "kind": Text(COLLECTIVE_KINDS),
+                                              "group_size": Int(2, 1 << 24), "bytes": Int(1, 1 << 50),
+                                              "seconds": SECONDS},
+                                    optional={"stride": Int(0, 1 << 24)}, extra=True)),
+        "overlap": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "axis": Text(AXES), "alone_s": SECONDS,
+                                          "overlapped_s": SECONDS}, extra=True)),
+    },
+    optional={  # absent in files written before attention was measured
+        "attention": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "fwd_flops": Number(1, 1e30),
+                                            "bwd_flops": Number(1, 1e30), "fwd_s": SECONDS, "bwd_s": SECONDS},
+                                  extra=True)),
+    },
+    extra=True)
+
+RUN_LOG_RECORD = Table(required={"step": Int(1, 1 << 40), "step_time_s": SECONDS, "tokens_per_s": RATE},
+                       extra=True)
+RUN_SUMMARY = Table(optional={"memory_peak_bytes": ListOf(BYTES, min_len=1)}, extra=True)
