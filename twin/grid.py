@@ -105,6 +105,11 @@ class Grid:
         if model.heads % self.y:
             raise TwinError(f"{model.heads} heads of {name} are not divisible by G_y={self.y} "
                             "(attention heads are split over y)")
+        if model.n_kv_heads % self.y:
+            raise TwinError(f"{model.n_kv_heads} key/value heads of {name} are not divisible by G_y={self.y} "
+                            f"(q, k and v heads are split over y): use a G_y that divides {model.n_kv_heads}")
+        if model.ffn % self.y:
+            raise TwinError(f"MLP width {model.ffn} of {name} is not divisible by G_y={self.y}")
         s = model.seq_len if seq_len is None else seq_len
         if s % self.y:
             raise TwinError(f"sequence length {s} is not divisible by G_y={self.y}")
@@ -117,7 +122,8 @@ class Grid:
             raise TwinError(f"{b // shards} sequences per rank are not divisible into "
                             f"{micro_batches} micro-batches")
         vocab = model.padded_vocab(self.y)
-        extra = [("token embedding", vocab, h, False), ("position embedding", s, h, False)]
+        extra = [("token embedding", vocab, h, False)]
+        extra += [("output head", vocab, h, False)] if model.is_llama else [("position embedding", s, h, False)]
         for lname, k, n, _ in model.linear_shapes() + extra:
             if (k * n // self.x // self.y) % self.z:
                 raise TwinError(f"{lname} shard of {k}x{n}/(G_x*G_y) is not divisible by G_z={self.z}")

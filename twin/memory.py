@@ -10,7 +10,8 @@ Activations are counted at `activation_bytes` per element. The peak is where the
 on the last block (backend/executor.py, which drops each buffer after its last use): the rank then
 holds, term by term,
 - activations: what every block saved (or, recomputing, every block's input) and the last block's
-  stash, plus the backward working set: the gradient of the GELU output (tokens x ffn/G_y), alive
+  stash, plus the backward working set: the gradient of the GELU output (tokens x ffn/G_y; a Llama's:
+  the gradient of gate and up, tokens x 2 ffn/G_y), alive
   with the stash at the mlp_down backward GEMMs; without recomputation also the incoming gradient of
   the block (tokens x h/G_x);
 - gathered_weights (G_z > 1): the block's z-gathered weights but mlp_down's (released after its
@@ -75,6 +76,12 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
         + 4 * (m // s) * (model.heads // gy) * s
     block_input = activation_bytes * m * h // gx
     working = activation_bytes * m * model.ffn // gy  # d(GELU output) at the mlp_down backward
+    if model.is_llama:  # q, k, v and their rotated copy, the attention output, gate and up, SwiGLU's output;
+        # the working set: d(gate, up) at the mlp_up backward
+        q = model.qkv_width
+        per_block = activation_bytes * m * (4 * h // gx + (2 * q + h + 3 * model.ffn) // gy) \
+            + 4 * (m // s) * (model.heads // gy) * s
+        working = activation_bytes * m * 2 * model.ffn // gy
     if options.recompute:
         activations = model.layers * block_input + per_block + working
     else:

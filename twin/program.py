@@ -6,13 +6,19 @@ stream of an axis: `x`, `y`, `z`, `data`), the indices of the ops it waits for, 
 Ops on one stream run in program order; `deps` holds only the waits across streams.
 
 Naming: `[mb<j>.]<layer>.<pass>.<what>`; layers are `emb`, `L<i>.{ln1,qkv,attn,attn_out,ln2,mlp_up,
-gelu,mlp_down}`, `lnf`, `head`, `loss`; passes are `fwd`, `rec` (recomputed forward), `bwd`, `grad`
+gelu,mlp_down}`, `lnf`, `head`, `loss` (a Llama block: `L<i>.{ln1,qkv,rope,attn,attn_out,ln2,mlp_up,
+swiglu,mlp_down}`, its `ln*` RMSNorms); passes are `fwd`, `rec` (recomputed forward), `bwd`, `grad`
 (gradient all-reduces at the end of the step) and `opt`. Collectives end in `ag_z`, `rs_z`, `ar_<axis>`.
 The micro-batch prefix `mb<j>.` appears only with more than one micro-batch. A collective over an
 axis of size 1 is left out.
 
 Sharding (see DESIGN.md): a linear layer's W (k x n) is split k/G_in by n/G_out and the block is
-sharded again over z. A normal layer has input features split over x and output over y; a transposed
+sharded again over z. Attention heads split over y: with grouped-query attention (a Llama) each y-shard
+holds heads/G_y query heads and kv_heads/G_y key/value heads (so G_y divides kv_heads; the qkv layer's
+columns of y-shard j are [q | k | v] of its heads), and mlp_up is gate and up fused into one GEMM whose
+y-shard j holds [gate_j | up_j] (so G_y divides ffn); RoPE and SwiGLU are elementwise ops on y-split
+tensors. A Llama's head is its own weight (untied), laid out as the embedding: vocabulary over y.
+A normal layer has input features split over x and output over y; a transposed
 layer the reverse. Tokens are split over z and data by whole sequences. Attention and the
 elementwise ops on y-split activations are computed identically by the G_x ranks of an x-group
 (`replicas`), so model flops are sum(flops / replicas) over ops, times the number of ranks.
@@ -186,6 +192,7 @@ class _Builder:
         self.prefix = ""
         self.phase, self.mb = "fwd", -1  # pass and micro-batch of the ops being added
         self.gathers: list[tuple[str, str, int]] = []  # this pass's gather order: (key, name, bytes)
+        self.gather_pos: dict[str, int] = {}  # weight key -> its position in `gathers`
         self.issued_gathers: dict[str, int | None] = {}
         self.last_main: int | None = None  # main GEMM of the previous gather visit (prefetch depth one)
         self.last_rs: dict[str, int] = {}  # weight key -> its latest reduce-scatter (or wgrad)
@@ -241,6 +248,7 @@ class _Builder:
     def start_pass(self, order: list[tuple[str, str, int]]) -> None:
         """Declare the gather visits of a pass: (weight key, op name, bytes), in order."""
         self.gathers = [g for g in order if g[2] and self.grid.z > 1]
+        self.gather_pos = {g[0]: i for i, g in enumerate(self.gathers)}
         self.issued_gathers = {}
         self.last_main = None
 
@@ -251,7 +259,7 @@ class _Builder:
 
     def gather(self, key: str) -> int | None:
         """The all-gather that makes weight `key` available (issuing it, and the prefetch, now)."""
-        pos = next((i for i, g in enumerate(self.gathers) if g[0] == key), None)
+        pos = self.gather_pos.get(key)
         if pos is None:
             return None  # not gathered in this pass (G_z = 1 or a cached layer)
         if key not in self.issued_gathers:
@@ -335,10 +343,13 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     b = _Builder(model, grid, options, batch, seq_len)
     h, gx, gy = model.hidden, grid.x, grid.y
     m, V, s = b.tokens, b.vocab, seq_len
-    wte_bytes = ACT_BYTES * math.prod(embedding_dims(grid, V, h))
-    emb_bytes = wte_bytes + ACT_BYTES * math.prod(embedding_dims(grid, s, h))
+    llama = model.is_llama
+    wte_bytes = ACT_BYTES * math.prod(embedding_dims(grid, V, h))  # the head's bytes too (tied or not)
+    emb_bytes = wte_bytes + (0 if llama else ACT_BYTES * math.prod(embedding_dims(grid, s, h)))
+    qkv_local, f_local = model.qkv_width // gy, model.ffn // gy
     linears = model.linear_shapes()
     W, D = weight_buffer, grad_buffer
+    rope_width = (model.heads + model.n_kv_heads) * model.head_dim // gy  # the rotated q and k features
 
     def wbytes(k, n, t):
         kl, nl, _, _ = linear_dims(grid, k, n, t)
@@ -349,6 +360,8 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
 
     def layer_norm(name: str, inp: str, out: str) -> None:
         """Layer norm of buffer `inp` (statistics all-reduced over x) into `out`."""
+        if llama:
+            return rms_norm(name, inp, out)
         stats = b.collective(f"{name}.{b.phase}.ar_x", "all_reduce", "x", STAT_BYTES * 2 * m, deps=[b.ready],
                              role="ln_stats", reads=(inp,), writes=(f"{name}.stats",))
         b.ready = stats if stats is not None else b.ready
@@ -356,8 +369,28 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         b.elementwise(f"{name}.{b.phase}", m * h // gx, 8, 2, role="layer_norm", weight=name, reads=reads,
                       writes=(out, f"{name}.ctx"))
 
+    def rms_norm(name: str, inp: str, out: str) -> None:
+        """RMSNorm of buffer `inp` (per-token sum of squares all-reduced over x) into `out`."""
+        stats = b.collective(f"{name}.{b.phase}.ar_x", "all_reduce", "x", STAT_BYTES * m, deps=[b.ready],
+                             role="rms_stats", reads=(inp,), writes=(f"{name}.stats",))
+        b.ready = stats if stats is not None else b.ready
+        reads = (inp, f"{name}.stats") if stats is not None else (inp,)
+        b.elementwise(f"{name}.{b.phase}", m * h // gx, 4, 2, role="rms_norm", weight=name, reads=reads,
+                      writes=(out, f"{name}.ctx"))
+
+    def rms_norm_bwd(name: str, dout: str, dinp: str, add: str = "") -> None:
+        sums = b.collective(f"{name}.bwd.ar_x", "all_reduce", "x", STAT_BYTES * m, deps=[b.ready],
+                            role="rms_grad_stats", weight=name, reads=(dout, f"{name}.ctx"),
+                            writes=(f"{name}.grad_stats",))
+        b.ready = sums if sums is not None else b.ready
+        reads = (dout, f"{name}.ctx") + ((f"{name}.grad_stats",) if sums is not None else ())
+        b.elementwise(f"{name}.bwd", m * h // gx, 8, 4, role="rms_norm_bwd", weight=name, reads=reads,
+                      writes=(dinp,), add=add)
+
     def layer_norm_bwd(name: str, dout: str, dinp: str, add: str = "") -> None:
         """Input gradient `dinp` (+ buffer `add`) of a layer norm; its parameters' gradients."""
+        if llama:
+            return rms_norm_bwd(name, dout, dinp, add)
         sums = b.collective(f"{name}.bwd.ar_x", "all_reduce", "x", STAT_BYTES * 2 * m, deps=[b.ready],
                             role="ln_grad_stats", weight=name, reads=(dout, f"{name}.ctx"),
                             writes=(f"{name}.grad_stats",))
@@ -391,8 +424,10 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     def block_io(i: int) -> dict[str, str]:
         """Buffers of block i: its input, the residual after attention, the inputs of its linears."""
         L = f"L{i}"
+        act = "swiglu" if llama else "gelu"
         return {"x": f"x:{L}", "mid": f"{L}.mid", "out": f"x:L{i + 1}", "qkv": f"{L}.ln1.out",
-                "attn_out": f"{L}.attn.out", "mlp_up": f"{L}.ln2.out", "mlp_down": f"{L}.gelu.out"}
+                "attn_out": f"{L}.attn.out", "mlp_up": f"{L}.ln2.out", "mlp_down": f"{L}.{act}.out",
+                "attn_in": f"{L}.rope.out" if llama else f"{L}.qkv.out"}
 
     def block_fwd(i: int) -> None:
         L, io = f"L{i}", block_io(i)
@@ -400,14 +435,21 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         lin = {ln: (k, n, t) for ln, k, n, t in linears}
         layer_norm(f"{L}.ln1", io["x"], io["qkv"])
         linear_fwd(f"{L}.qkv", *lin["qkv"], io["qkv"], f"{L}.qkv.out")
+        if llama:  # rotary embeddings of q and k: 2 multiplies and an add per element
+            b.elementwise(f"{L}.rope.{b.phase}", m * rope_width, 3, 2, replicas=gx, role="rope",
+                          reads=(f"{L}.qkv.out",), writes=(io["attn_in"],))
         b.compute(f"{L}.attn.{b.phase}", "attention", flops=4.0 * b.seqs * s * s * h / gy,
-                  bytes=ACT_BYTES * 4 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
-                  replicas=gx, role="attention", reads=(f"{L}.qkv.out",), writes=(io["attn_out"], f"{L}.attn.ctx"))
+                  bytes=ACT_BYTES * m * (qkv_local + h // gy), m=b.seqs * heads, n=s, k=model.head_dim,
+                  replicas=gx, role="attention", reads=(io["attn_in"],), writes=(io["attn_out"], f"{L}.attn.ctx"))
         linear_fwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
         layer_norm(f"{L}.ln2", io["mid"], io["mlp_up"])
         linear_fwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
-        b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
-                      reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
+        if llama:  # silu(gate) * up: reads gate and up, writes the product
+            b.elementwise(f"{L}.swiglu.{b.phase}", m * f_local, 6, 3, replicas=gx, role="swiglu",
+                          reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.swiglu.ctx"))
+        else:
+            b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
+                          reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
         linear_fwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
 
     def block_bwd(i: int) -> None:
@@ -416,15 +458,22 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         lin = {ln: (k, n, t) for ln, k, n, t in linears}
         gathered = options.recompute  # with recomputation the backward reuses the recompute's gather
         linear_bwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
-        b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
-                      reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+        if llama:
+            b.elementwise(f"{L}.swiglu.bwd", m * f_local, 10, 5, replicas=gx, role="swiglu_bwd",
+                          reads=(D(io["mlp_down"]), f"{L}.swiglu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+        else:
+            b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
+                          reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
         linear_bwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
         layer_norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
         linear_bwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
         b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * h / gy,
-                  bytes=ACT_BYTES * 8 * m * h // gy, m=b.seqs * heads, n=s, k=model.head_dim,
+                  bytes=ACT_BYTES * 2 * m * (qkv_local + h // gy), m=b.seqs * heads, n=s, k=model.head_dim,
                   replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
-                  writes=(D(f"{L}.qkv.out"),))
+                  writes=(D(io["attn_in"]),))
+        if llama:  # the inverse rotation
+            b.elementwise(f"{L}.rope.bwd", m * rope_width, 3, 2, replicas=gx, role="rope_bwd",
+                          reads=(D(io["attn_in"]),), writes=(D(f"{L}.qkv.out"),))
         linear_bwd(f"{L}.qkv", *lin["qkv"], io["qkv"], D(f"{L}.qkv.out"), D(io["qkv"]), gathered)
         layer_norm_bwd(f"{L}.ln1", D(io["qkv"]), D(io["x"]), add=D(io["mid"]))
 
@@ -512,11 +561,16 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
             grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
                                         GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key], end_of_backward],
                                         role="grad", weight=key))
-    grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
-                                GRAD_AR_BYTES * (V + s) * h // P,
-                                deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward], role="grad",
-                                weight="emb"))
-    norm_params = (4 * model.layers + 2) * h // gx
+    if llama:  # the untied head has its own gradient
+        for key in ("emb", "head"):
+            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * V * h // P,
+                                        deps=[b.last_rs[key], end_of_backward], role="grad", weight=key))
+    else:
+        grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
+                                    GRAD_AR_BYTES * (V + s) * h // P,
+                                    deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward], role="grad",
+                                    weight="emb"))
+    norm_params = (model.layers * model.norm_params_per_layer + model.final_norm_params) // gx
     nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready],
                       role="grad", weight="norms")
     grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
@@ -538,5 +592,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
 def _local_params(model: ModelSpec, grid: Grid) -> int:
     """Parameters whose optimizer state one rank holds (3D-sharded weights plus its layer norms)."""
     v = model.padded_vocab(grid.y)
-    sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + (v + model.seq_len) * model.hidden
-    return sharded // grid.tensor_size + (4 * model.layers + 2) * model.hidden // grid.x
+    tables = 2 * v if model.is_llama else v + model.seq_len  # embedding and head, or wte and wpe
+    sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + tables * model.hidden
+    norms = model.layers * model.norm_params_per_layer + model.final_norm_params
+    return sharded // grid.tensor_size + norms // grid.x

@@ -252,7 +252,12 @@ MODEL = Table(
     required={"layers": Int(1, 100_000), "hidden": Int(1, 1 << 20), "heads": Int(1, 1 << 16),
               "vocab": Int(1, 1 << 26), "seq_len": Int(1, 1 << 24), "global_batch": Int(1, 1 << 30)},
     optional={"name": Text(nonempty=True), "ffn_mult": Int(1, 64), "tied_embeddings": Flag(),
-              "min_tensor_parallel": Int(1, 1 << 30)})
+              "min_tensor_parallel": Int(1, 1 << 30), "arch": Text(("gpt", "llama")),
+              "kv_heads": Int(1, 1 << 16), "ffn_size": Int(1, 1 << 24),
+              "rope_theta": Number(1.0, 1e12), "norm_eps": Number(0.0, 1.0, lo_open=True),
+              "rope_scaling": Number(1.0, 1e6), "rope_low_freq_factor": Number(0.0, 1e6, lo_open=True),
+              "rope_high_freq_factor": Number(0.0, 1e6, lo_open=True),
+              "rope_original_context": Int(1, 1 << 24)})
 
 GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
                            "layout": Text(("NN", "NT", "TN")), "flops": Sourced(RATE)},
