@@ -77,7 +77,8 @@ class Op:
     bytes: compute ops, HBM bytes read plus written; collectives, the payload in bytes
         (all-gather: the gathered output; reduce-scatter: the full input; all-reduce: the buffer).
     m, n, k, layout: GEMM sizes (C[m,n] = A[m,k] B[k,n]; layout says which operand is transposed,
-        NN, NT or TN). Attention ops use m = sequences x local heads, n = sequence length, k = head dim.
+        NN, NT or TN). Attention ops use m = sequences x local heads, n = sequence length, k = head dim;
+        RoPE ops n = sequence length (positions restart with each sequence), k = head dim.
     replicas: how many ranks compute this very op on the same data (G_x for ops on y-split tensors).
     phase, micro_batch, role, weight, reads, writes, add, accumulate: the dataflow (module docstring).
     """
@@ -436,8 +437,8 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         layer_norm(f"{L}.ln1", io["x"], io["qkv"])
         linear_fwd(f"{L}.qkv", *lin["qkv"], io["qkv"], f"{L}.qkv.out")
         if llama:  # rotary embeddings of q and k: 2 multiplies and an add per element
-            b.elementwise(f"{L}.rope.{b.phase}", m * rope_width, 3, 2, replicas=gx, role="rope",
-                          reads=(f"{L}.qkv.out",), writes=(io["attn_in"],))
+            b.elementwise(f"{L}.rope.{b.phase}", m * rope_width, 3, 2, replicas=gx, role="rope", n=s,
+                          k=model.head_dim, reads=(f"{L}.qkv.out",), writes=(io["attn_in"],))
         b.compute(f"{L}.attn.{b.phase}", "attention", flops=4.0 * b.seqs * s * s * h / gy,
                   bytes=ACT_BYTES * m * (qkv_local + h // gy), m=b.seqs * heads, n=s, k=model.head_dim,
                   replicas=gx, role="attention", reads=(io["attn_in"],), writes=(io["attn_out"], f"{L}.attn.ctx"))
@@ -472,8 +473,8 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
                   replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
                   writes=(D(io["attn_in"]),))
         if llama:  # the inverse rotation
-            b.elementwise(f"{L}.rope.bwd", m * rope_width, 3, 2, replicas=gx, role="rope_bwd",
-                          reads=(D(io["attn_in"]),), writes=(D(f"{L}.qkv.out"),))
+            b.elementwise(f"{L}.rope.bwd", m * rope_width, 3, 2, replicas=gx, role="rope_bwd", n=s,
+                          k=model.head_dim, reads=(D(io["attn_in"]),), writes=(D(f"{L}.qkv.out"),))
         linear_bwd(f"{L}.qkv", *lin["qkv"], io["qkv"], D(f"{L}.qkv.out"), D(io["qkv"]), gathered)
         layer_norm_bwd(f"{L}.ln1", D(io["qkv"]), D(io["x"]), add=D(io["mid"]))
 
