@@ -150,14 +150,14 @@ def bench_host(model: str, ctx, batch: int | None = None, steps: int = 4, warmup
     mean gap, waits included. None when the backend has no program executor."""
     try:
         import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
-        from backend.model import GPT
+        from backend.model import make_model
         from backend.optim import make_optimizer, train_step
         from backend.recorder import NULL_RECORDER, Recorder
     except ImportError:
         return None
     spec = load_model(model)
     program = build_program(spec, ctx.grid, Options(), batch=batch)
-    net = GPT(spec, ctx, program=program).to(ctx.device)
+    net = make_model(spec, ctx, program=program).to(ctx.device)
     opt = make_optimizer(net)
     seqs = program.batch // ctx.batch_shards
     gen = torch.Generator().manual_seed(ctx.rank)

@@ -14,6 +14,8 @@ local function whose backward is computed by a vector-Jacobian product).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -97,14 +99,20 @@ def _vjp(dy: torch.Tensor, ctx) -> torch.Tensor:
 
 
 def attention(run, op, qkv: torch.Tensor):
-    """Causal attention of this rank's heads: qkv [m, 3*heads*d] laid out [q | k | v] -> [m, heads*d].
-    The op's sizes say the shape: m = sequences x heads, n = sequence length, k = head dim."""
+    """Causal attention of this rank's heads: qkv [m, (heads + 2*kv_heads)*d] laid out [q | k | v] ->
+    [m, heads*d]. The op's sizes say the shape: m = sequences x heads, n = sequence length, k = head
+    dim; kv heads are the rest of qkv's width (fewer than the query heads: grouped-query attention,
+    query head i attending with kv head i // (heads/kv_heads), as Llama's repeat_kv)."""
     s, d = op.n, op.k
     seqs = qkv.shape[0] // s
     heads = op.m // seqs
+    kv = (qkv.shape[1] // d - heads) // 2
 
     def fn(t):
-        q, k, v = t.view(seqs, s, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t.view(seqs, s, heads + 2 * kv, d).transpose(1, 2)
+        q, k, v = t.split([heads, kv, kv], 1)
+        if kv != heads:
+            k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return o.transpose(1, 2).reshape(seqs * s, heads * d)
 
@@ -116,8 +124,99 @@ def gelu(run, op, x: torch.Tensor):
 
 
 def local_bwd(run, op, dy: torch.Tensor, ctx) -> torch.Tensor:
-    """Backward of attention or GELU: the vector-Jacobian product of the forward's local graph."""
+    """Backward of attention, GELU or SwiGLU: the vector-Jacobian product of the forward's local graph."""
     return _vjp(dy, ctx)
+
+
+def swiglu(run, op, x: torch.Tensor):
+    """silu(gate) * up of this rank's y-shard of the fused gate|up output [m, 2*ffn/G_y] -> [m, ffn/G_y]."""
+    def fn(t):
+        gate, up = t.chunk(2, -1)
+        return F.silu(gate) * up
+    return _local(fn, x)
+
+
+# -- rotary position embeddings (Llama) ------------------------------------------------------------
+def rope_tables(spec, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq_len, head_dim] of the rotary embedding (fp32), in the rotate-half convention:
+    frequencies theta^(-2i/d) for i < d/2, repeated for both halves of a head; with spec.rope_scaling,
+    the "llama3" rescaling of the low frequencies (Llama 3.1: wavelengths longer than
+    original_context/low_freq_factor divided by the factor, shorter than original_context/
+    high_freq_factor kept, a smooth blend between)."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if spec.rope_scaling:
+        factor, lo, hi, ctx = (spec.rope_scaling, spec.rope_low_freq_factor, spec.rope_high_freq_factor,
+                               spec.rope_original_context)
+        wavelen = 2 * math.pi / inv
+        blend = ((ctx / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short
+        inv = (1 - blend) * inv / factor + blend * inv
+    angles = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def _rope_apply(run, op, x: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate the q and k heads of qkv [m, (heads + 2 kv)*d] (v passes through); sign -1: the inverse."""
+    s, d = op.n, op.k
+    cos, sin = run.model.rope_tables(s)
+    width = x.shape[1] // d
+    kv = (width - run.model.spec.heads // run.model.ctx.size("y")) // 2
+    rot = width - kv  # q and k heads
+    t = x.view(-1, s, width, d)
+    qk = t[:, :, :rot].float()
+    x1, x2 = qk.chunk(2, -1)
+    c, si = cos[None, :, None, :], sign * sin[None, :, None, :]
+    out = qk * c + torch.cat([-x2, x1], -1) * si
+    return torch.cat([out.to(x.dtype), t[:, :, rot:]], 2).reshape(x.shape)
+
+
+def rope(run, op, qkv: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of this rank's q and k heads; positions restart with each sequence of op.n tokens."""
+    return _rope_apply(run, op, qkv, 1.0)
+
+
+def rope_bwd(run, op, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient of a rotation is the inverse rotation (v's gradient passes through)."""
+    return _rope_apply(run, op, dy, -1.0)
+
+
+# -- RMSNorm over x-split features (Llama) ---------------------------------------------------------
+def rms_stats(run, op, x: torch.Tensor) -> torch.Tensor:
+    """Per-token sum of squares of this rank's features (fp32), summed over x by the reduction."""
+    xf = x.float()
+    return (xf * xf).sum(-1)
+
+
+def rms_norm(run, op, x: torch.Tensor, sumsq: torch.Tensor | None = None):
+    """weight * x / sqrt(mean(x^2) + eps), in fp32 (as Llama computes it); returns the output and the
+    ctx of the backward (normalized input, 1/rms)."""
+    (weight,) = run.model.norm_params(op.weight)
+    xf = x.float()
+    if sumsq is None:
+        sumsq = (xf * xf).sum(-1)
+    rstd = torch.rsqrt(sumsq / run.model.spec.hidden + run.model.spec.norm_eps)
+    xhat = xf * rstd[:, None]
+    return (weight * xhat).to(x.dtype), (xhat, rstd)
+
+
+def rms_grad_stats(run, op, dy: torch.Tensor, ctx) -> torch.Tensor:
+    """Per-token sum of g * xhat (g = dy * weight) over this rank's features, summed over x."""
+    (weight,) = run.model.norm_params(op.weight)
+    return (dy.float() * weight * ctx[0]).sum(-1)
+
+
+def rms_norm_bwd(run, op, dy: torch.Tensor, ctx, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """dx = rstd * (g - xhat * mean(g * xhat)); the weight's gradient sum(dy * xhat) is accumulated."""
+    (weight,) = run.model.norm_params(op.weight)
+    xhat, rstd = ctx
+    dyf = dy.float()
+    g = dyf * weight
+    if sums is None:
+        sums = (g * xhat).sum(-1)
+    dx = rstd[:, None] * (g - xhat * (sums / run.model.spec.hidden)[:, None])
+    run.model.accumulate_params([weight], [(dyf * xhat).sum(0)])
+    return dx.to(dy.dtype)
 
 
 # -- embedding ------------------------------------------------------------------------------------
@@ -131,32 +230,48 @@ def _positions(run, tokens: torch.Tensor, wte_rows: int, wpe_rows: int):
 
 
 def embedding(run, op, tokens: torch.Tensor, weights) -> torch.Tensor:
-    """Token + position embedding of this rank's rows (summed over the rows' axis by the reduction)."""
-    te, pe = weights
-    ids, id_ok, pos, pos_ok = _positions(run, tokens, te.shape[0], pe.shape[0])
+    """Token + position embedding of this rank's rows (summed over the rows' axis by the reduction);
+    a model without a position table (Llama) gives its token table alone."""
+    te, pe = weights if isinstance(weights, tuple) else (weights, None)
+    ids, id_ok, pos, pos_ok = _positions(run, tokens, te.shape[0], 0 if pe is None else pe.shape[0])
     out = te[ids.clamp(0, te.shape[0] - 1)] * id_ok[:, None]
-    out += pe[pos.clamp(0, pe.shape[0] - 1)] * pos_ok[:, None]
+    if pe is not None:
+        out += pe[pos.clamp(0, pe.shape[0] - 1)] * pos_ok[:, None]
     return out
 
 
 def embedding_bwd(run, op, dout: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Gradients of this rank's wte and wpe rows, flattened as their z-shards are: [G_z, shard sizes]."""
     te_shape, pe_shape = run.model.embedding_shapes()
-    ids, id_ok, pos, pos_ok = _positions(run, tokens, te_shape[0], pe_shape[0])
+    ids, id_ok, pos, pos_ok = _positions(run, tokens, te_shape[0], 0 if pe_shape is None else pe_shape[0])
     d = dout.float()  # sums over many tokens: accumulate in fp32, send in the compute dtype
     dte = torch.zeros(te_shape, dtype=torch.float32, device=d.device)
     dte.index_add_(0, ids[id_ok], d[id_ok])
+    gz = run.model.ctx.size("z")
+    if pe_shape is None:
+        return dte.reshape(gz, -1).to(dout.dtype)
     dpe = torch.zeros(pe_shape, dtype=torch.float32, device=d.device)
     dpe.index_add_(0, pos[pos_ok], d[pos_ok])
-    gz = run.model.ctx.size("z")
     return torch.cat([dte.reshape(gz, -1), dpe.reshape(gz, -1)], 1).to(dout.dtype)
 
 
 # -- vocabulary-parallel cross-entropy -------------------------------------------------------------
+def _real(run, logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits, with the columns of padding rows beyond the model's real vocabulary at -inf (a
+    model with `real_vocab`, Llama: its reference is not padded), so they take no probability."""
+    lf = logits.float()
+    limit = getattr(run.model, "real_vocab", None)
+    start = run.model.embedding_offsets()[0]
+    if limit is not None and start + lf.shape[1] > limit:
+        lf = lf.clone()
+        lf[:, max(limit - start, 0):] = float("-inf")
+    return lf
+
+
 def loss(run, op, logits: torch.Tensor, targets: torch.Tensor):
     """Per-token maximum logit of this rank's vocabulary shard (and, when the shard is the whole
     vocabulary, the sums too)."""
-    lmax = logits.float().max(-1).values
+    lmax = _real(run, logits).max(-1).values
     if len(op.writes) == 1:
         return lmax
     return lmax, loss_sums(run, op, logits, lmax, targets)
@@ -171,9 +286,9 @@ def _targets(run, logits: torch.Tensor, targets: torch.Tensor):
 
 def loss_sums(run, op, logits: torch.Tensor, lmax: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token [sum of exp(logit - max), target logit] over this rank's shard (fp32)."""
-    lf = logits.float()
+    lf = _real(run, logits)
     _, tgt, ok = _targets(run, logits, targets)
-    tlogit = lf.gather(1, tgt.clamp(0, lf.shape[1] - 1)[:, None])[:, 0] * ok
+    tlogit = torch.where(ok, lf.gather(1, tgt.clamp(0, lf.shape[1] - 1)[:, None])[:, 0], 0.0)
     return torch.stack([torch.exp(lf - lmax[:, None]).sum(-1), tlogit], -1)
 
 
@@ -186,7 +301,7 @@ def loss_value(run, logits, targets, lmax, sums) -> torch.Tensor:
 def loss_bwd(run, op, logits, targets, lmax, sums) -> torch.Tensor:
     """d(loss)/d(logits) of this rank's shard, times the loss's scale and the incoming gradient."""
     valid, tgt, ok = _targets(run, logits, targets)
-    grad = torch.exp(logits.float() - lmax[:, None]) / sums[:, 0:1] * valid[:, None]
+    grad = torch.exp(_real(run, logits) - lmax[:, None]) / sums[:, 0:1] * valid[:, None]
     rows = torch.nonzero(ok)[:, 0]
     grad[rows, tgt[rows]] -= 1.0
     return (grad * (run.dloss * run.scale)).to(logits.dtype)
@@ -224,5 +339,7 @@ def adamw(run, op, sq: torch.Tensor | None = None) -> None:
 COMPUTE = {"": gemm, "layer_norm": layer_norm, "layer_norm_bwd": layer_norm_bwd, "attention": attention,
            "attention_bwd": local_bwd, "gelu": gelu, "gelu_bwd": local_bwd, "embedding": embedding,
            "embedding_bwd": embedding_bwd, "loss": loss, "loss_bwd": loss_bwd, "goldfish_mask": goldfish_mask, "grad_norm": grad_norm,
-           "adamw": adamw}
-PAYLOADS = {"ln_stats": ln_stats, "ln_grad_stats": ln_grad_stats, "loss_sums": loss_sums}
+           "adamw": adamw, "rms_norm": rms_norm, "rms_norm_bwd": rms_norm_bwd, "rope": rope, "rope_bwd": rope_bwd,
+           "swiglu": swiglu, "swiglu_bwd": local_bwd}
+PAYLOADS = {"ln_stats": ln_stats, "ln_grad_stats": ln_grad_stats, "loss_sums": loss_sums,
+            "rms_stats": rms_stats, "rms_grad_stats": rms_grad_stats}

@@ -51,6 +51,22 @@ class GPT(nn.Module):
         self.spec, self.ctx = spec, ctx
         self.options = program.options if program is not None else options or Options()
         self.vocab = vocab or spec.padded_vocab(ctx.size("y"))
+        self._make_parameters()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx.rank % ctx.grid.tensor_size)
+        with torch.no_grad():
+            for p in self.sharded_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        self.buffers_of = {weight_buffer(k): k for k in self.keys}
+        self._recorder, self._tune, self.program = recorder, tune_gemms, None
+        self.executor: Executor | None = None
+        self._others: dict[tuple[int, int], Executor] = {}  # executors of other batch shapes (one kept)
+        if program is not None:
+            self.use_program(program)
+
+    def _make_parameters(self) -> None:
+        """This rank's parameter shards (zeros; initialized by __init__) and `keys`: the program's
+        weight keys -> parameters. `shapes`: linear weight key -> local (k, n) before the z-shard."""
+        spec, ctx = self.spec, self.ctx
         grid, dev, gz, h = ctx.grid, ctx.device, ctx.size("z"), spec.hidden
         self.wte_shape = embedding_dims(grid, self.vocab, h)
         self.wpe_shape = embedding_dims(grid, spec.seq_len, h)
@@ -72,10 +88,6 @@ class GPT(nn.Module):
                 setattr(blk, name, lin)
             self.blocks.append(blk)
         self.lnf = _norm(features, dev)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx.rank % ctx.grid.tensor_size)
-        with torch.no_grad():
-            for p in self.sharded_parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         # weight keys of the program -> parameters
         self.keys: dict[str, list[nn.Parameter]] = {"emb": [self.emb.wte, self.emb.wpe], "head": [self.emb.wte],
                                                     "norms": self.norm_parameters(), "lnf": [self.lnf.weight, self.lnf.bias]}
@@ -85,12 +97,6 @@ class GPT(nn.Module):
             for ln in ("ln1", "ln2"):
                 norm = getattr(blk, ln)
                 self.keys[f"L{i}.{ln}"] = [norm.weight, norm.bias]
-        self.buffers_of = {weight_buffer(k): k for k in self.keys}
-        self._recorder, self._tune, self.program = recorder, tune_gemms, None
-        self.executor: Executor | None = None
-        self._others: dict[tuple[int, int], Executor] = {}  # executors of other batch shapes (one kept)
-        if program is not None:
-            self.use_program(program)
 
     # -- the program -------------------------------------------------------------------------------
     def use_program(self, program: Program) -> None:
@@ -225,13 +231,13 @@ class GPT(nn.Module):
         """
         tokens, targets = tokens.to(self.ctx.device), targets.to(self.ctx.device)
         seqs, seq_len = tokens.shape
-        if seq_len > self.spec.seq_len:
+        if self.wpe_shape is not None and seq_len > self.spec.seq_len:
             raise ValueError(f"sequences of {seq_len} tokens exceed the position table ({self.spec.seq_len})")
         if total_tokens is None:
             counted = (targets >= 0).sum().to(torch.float32)
             total_tokens = int(sum_over_batch_shards(counted, self.ctx).item())
         exe = self._executor_for(seqs, seq_len)
-        loss = _ProgramLoss.apply(self.lnf.bias, exe, micro_batch, tokens, targets, 1.0 / max(total_tokens, 1))
+        loss = _ProgramLoss.apply(self.lnf.weight, exe, micro_batch, tokens, targets, 1.0 / max(total_tokens, 1))
         if reduce_loss:
             loss = loss + (sum_over_batch_shards(loss.detach(), self.ctx) - loss.detach())
         return loss
@@ -250,6 +256,15 @@ class _ProgramLoss(torch.autograd.Function):
     def backward(ctx, dloss):
         ctx.exe.backward(ctx.micro_batch, float(dloss))
         return None, None, None, None, None, None
+
+
+def make_model(spec: ModelSpec, ctx: ParallelContext, **kw) -> GPT:
+    """The 4D model of `spec`'s architecture on this rank: a GPT, or a backend.llama.Llama (same
+    interface; keyword arguments as GPT's)."""
+    if spec.is_llama:
+        from backend.llama import Llama
+        return Llama(spec, ctx, **kw)
+    return GPT(spec, ctx, **kw)
 
 
 def _norm(features: int, device) -> nn.Module:

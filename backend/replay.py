@@ -75,7 +75,7 @@ def main(config: dict) -> None:
     """The `replay` job of one rank (see backend.launch)."""
     from backend.dist import ParallelContext, destroy
     from backend.launch import check_world_size
-    from backend.model import GPT
+    from backend.model import make_model
     from backend.optim import make_optimizer, micro_batches, train_step
     from backend.recorder import NULL_RECORDER, Recorder
     from twin.trace import write_trace
@@ -89,7 +89,7 @@ def main(config: dict) -> None:
     ctx = ParallelContext.from_env(grid, backend="nccl" if cfg.device == "cuda" else "gloo")
     try:
         ctx.dtype = cfg.torch_dtype()
-        model = GPT(spec, ctx, seed=ctx.rank, program=program)
+        model = make_model(spec, ctx, seed=ctx.rank, program=program)
         optimizer = make_optimizer(model)
         gen = torch.Generator().manual_seed(1 + ctx.batch_shard)
         local = program.batch // ctx.batch_shards

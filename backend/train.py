@@ -291,7 +291,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     from backend.dist import ParallelContext, destroy
     from backend.launch import check_world_size, env_rank, fabric_warning, heartbeat
-    from backend.model import GPT
+    from backend.model import make_model
     from backend.optim import make_optimizer, train_step
     from backend.recorder import NULL_RECORDER, Recorder
 
@@ -307,7 +307,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         if warn and env_rank()[1] == 0:
             print(warn, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.seed)
-        model = GPT(spec, ctx, seed=cfg.seed, program=program).to(ctx.device)
+        model = make_model(spec, ctx, seed=cfg.seed, program=program).to(ctx.device)
         optimizer = make_optimizer(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         from backend.finetune import make_data
         loader, held_out = make_data(cfg, spec, program.batch, ctx)  # prompt/response examples or windows
