@@ -7,7 +7,8 @@ For each sequence length (global batch: `--tokens` per iteration, 4M by default,
 1. the smallest GCD count (a multiple of 8, whole nodes) for which some valid 4D grid fits in a
    GCD's 64 GB with some number of micro-batches (twin.memory, every grid of every count checked);
 2. `twin search` (analytical ranking, best grids simulated) at that count and at `--scale` times it,
-   printing each best grid's iteration time, flop/s and memory breakdown.
+   each with the fewest micro-batches that let some grid fit, printing each best grid's iteration
+   time, flop/s and memory breakdown.
 Every figure is the twin's prediction (Frontier system and MI250X profile as shipped); nothing here
 is measured. The equivalent single commands are printed with the results.
 """
@@ -31,26 +32,32 @@ from twin.study import prepare  # noqa: E402
 from topologies.system import load_system  # noqa: E402
 
 
+def fewest_micro_batches(model, seq: int, batch: int, hbm: float, gpus: int):
+    """(micro_batches, grid, memory) of the grid of `gpus` GCDs that fits with the fewest micro-batches
+    (then the least memory); None if no grid fits with any micro-batch count."""
+    best = None
+    for grid in candidate_grids(gpus):
+        mb = 1
+        while best is None or mb <= best[0]:
+            try:
+                grid.validate(model, batch=batch, micro_batches=mb, seq_len=seq)
+            except TwinError:
+                break
+            mem = memory_per_gpu(model, grid, Options(micro_batches=mb), batch, seq)
+            if mem.total <= hbm:
+                if best is None or (mb, mem.total) < (best[0], best[2].total):
+                    best = (mb, grid, mem)
+                break
+            mb *= 2
+    return best
+
+
 def smallest_fit(model, seq: int, batch: int, hbm: float, max_gpus: int):
-    """(gpus, micro_batches, grid, memory) of the smallest whole-node allocation that fits, fewest
-    micro-batches first; None if none up to max_gpus."""
+    """(gpus, micro_batches, grid, memory) of the smallest whole-node allocation that fits."""
     for gpus in range(8, max_gpus + 1, 8):
-        best = None
-        for grid in candidate_grids(gpus):
-            mb = 1
-            while True:
-                try:
-                    grid.validate(model, batch=batch, micro_batches=mb, seq_len=seq)
-                except TwinError:
-                    break
-                mem = memory_per_gpu(model, grid, Options(micro_batches=mb), batch, seq)
-                if mem.total <= hbm:
-                    if best is None or (mb, mem.total) < (best[1], best[3].total):
-                        best = (gpus, mb, grid, mem)
-                    break
-                mb *= 2
-        if best is not None:
-            return best
+        fit = fewest_micro_batches(model, seq, batch, hbm, gpus)
+        if fit is not None:
+            return (gpus, *fit)
     return None
 
 
@@ -83,6 +90,7 @@ def main() -> None:
               f"{mb} micro-batch(es): {breakdown(mem)}  [{time.perf_counter() - t0:.1f} s]")
         for k in (int(s) for s in args.scale.split(",")):
             n = gpus * k
+            mb = fewest_micro_batches(model, seq, batch, hbm, n)[0]
             study = prepare("frontier", model, n, batch, seq, Options(micro_batches=mb))
             try:
                 cands = search(study, top=4, simulate_top=2)
@@ -93,7 +101,7 @@ def main() -> None:
             best = min(sims, key=lambda c: c.simulated_s)
             r = best.result
             m = memory_per_gpu(model, best.grid, Options(micro_batches=mb), batch, seq)
-            print(f"  {n} GCDs: best grid {best.grid}: {r.iteration_time_s:.2f} s per iteration, "
+            print(f"  {n} GCDs, {mb} micro-batch(es): best grid {best.grid}: {r.iteration_time_s:.2f} s per iteration, "
                   f"{r.flops_per_s / 1e15:.1f} PF/s ({r.percent_of_peak:.1f} % of peak); {breakdown(m)}")
             b = r.breakdown_s
             print(f"      compute {b['compute']:.2f} s, exposed comm " +

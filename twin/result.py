@@ -8,6 +8,9 @@ from twin.common import finite_json
 
 FLOPS_CONVENTION = ("reference formula of Narayanan et al. (SC'21): 96*B*s*l*h^2*(1 + s/(6h) + V/(16lh)) "
                     "with recomputation (72 instead of 96 without), V the padded vocabulary")
+LLAMA_FLOPS_CONVENTION = ("the same count with a Llama's matrices (twin.model.ModelSpec.reference_flops): "
+                          "4*B*s*l*(2*P_block + 4*s*h) + 6*B*s*h*V with recomputation (3 instead of 4 without), "
+                          "P_block = h*(h + 2*kv*d) + h*h + 3*h*f the parameters of a block's matrices")
 
 
 @dataclass

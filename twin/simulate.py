@@ -21,7 +21,7 @@ from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program
-from twin.result import SimulationResult
+from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.search import Candidate, lower_bound, rank_grids, study_key
 from twin.study import Study, check_grid, collective_model, prepare
 from twin.trace import Span, op_args
@@ -129,6 +129,8 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         mode="full" if full else "symmetric", simulated_ranks=res.ranks, placement=study.placement,
         profile=study.profile.name, options={**asdict(study.options), "gemm_tuning": km.tuning},
         grid_choice=grid_choice)
+    if study.model.is_llama:
+        result.flops_convention = LLAMA_FLOPS_CONVENTION
     if record:
         result.spans = [Span(r, prog.ops[i].name, prog.ops[i].kind, prog.ops[i].stream, s, d, op_args(prog.ops[i]))
                         for r, i, s, d in res.spans]
