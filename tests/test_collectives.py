@@ -146,3 +146,19 @@ def test_frontier_default_study_axes():
     assert minimal.effective_bandwidth("data") < 0.5e9
     t = m.time("all_reduce", "data", 1 << 28, frozenset({"z"}))
     assert math.isfinite(t) and t > m.time("all_reduce", "data", 1 << 28) * 0.999
+
+
+def test_inter_node_cap_per_nic_reads_the_table_alike():
+    """The measured cross-node rate read per NIC (shared by its channels) or per channel gives the same
+    ring bandwidth where all GPUs of a node run one axis, as in the table, and never more when axes overlap."""
+    frontier = load_system("frontier")
+    for grid, axis in ((Grid(8, 2, 1, 1), "y"), (Grid(16, 1, 1, 1), "x"), (Grid(2, 8, 1, 1), "y")):
+        a = CollectiveModel(frontier, grid).effective_bandwidth(axis)
+        b = CollectiveModel(frontier, grid, inter_node_cap="nic").effective_bandwidth(axis)
+        assert b == pytest.approx(a)
+    grid = Grid(2, 8, 16, 1)
+    a = CollectiveModel(frontier, grid).effective_bandwidth("y", frozenset({"z"}))
+    b = CollectiveModel(frontier, grid, inter_node_cap="nic").effective_bandwidth("y", frozenset({"z"}))
+    assert b <= a * (1 + 1e-9)
+    with pytest.raises(TwinError):
+        CollectiveModel(frontier, grid, inter_node_cap="link")

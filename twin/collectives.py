@@ -23,6 +23,11 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   the next through the NIC of the c-th member on each node (reached over the node fabric), and one
   channel reaches at most `inter_node_channel_efficiency` x the NIC rate. Node-internal hops of all
   channels are one flow (their channels share the direct link anyway).
+- `inter_node_cap="nic"` reads the measured cross-node rate the other way the tables allow: as a cap
+  per NIC (the efficiency x the GPUs behind a NIC, of its rate, shared by the channels through it)
+  instead of per channel. Both reproduce the tables, where all GPUs of a node run one axis at once;
+  they differ when axes overlap or a NIC carries one channel (docs/fidelity.md; a sensitivity
+  alternative).
 - with adaptive (or non-minimal) routing, each node-crossing flow travels as `spread` (4) sub-flows
   routed on their own, as Slingshot spreads a flow's packets over paths; the flow's rate is their
   sum (each sub-flow capped at 1/spread of the channel cap, so a sub-flow on a free path cannot take
@@ -50,7 +55,7 @@ import math
 
 import numpy as np
 
-from topologies.network import GPU_GPU, build_network
+from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
 from topologies.placement import place
 from topologies.routing import MODES, Routes, route
 from topologies.system import SystemSpec
@@ -91,11 +96,14 @@ class CollectiveModel:
     """
 
     def __init__(self, system: SystemSpec, grid: Grid, placement: str = "contiguous", seed: int = 0,
-                 routing: str = "adaptive", algorithm: str = "ring", spread: int = 4, measured=None):
+                 routing: str = "adaptive", algorithm: str = "ring", spread: int = 4, measured=None,
+                 inter_node_cap: str = "channel"):
         if routing not in MODES:
             raise TwinError(f"unknown routing {routing!r}: choose one of {', '.join(MODES)}")
         if not isinstance(spread, int) or spread < 1:
             raise TwinError(f"spread must be a positive integer, got {spread!r}")
+        if inter_node_cap not in ("channel", "nic"):
+            raise TwinError(f"unknown inter-node cap {inter_node_cap!r}: choose channel or nic")
         if algorithm not in ALGORITHMS:
             raise TwinError(f"unknown collective algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         self.system, self.grid, self.routing, self.algorithm = system, grid, routing, algorithm
@@ -104,8 +112,12 @@ class CollectiveModel:
         self.net = build_network(system, nodes)
         cap = self.net.capacity.copy()
         cap[self.net.kind == GPU_GPU] *= system.collectives.intra_node_efficiency
-        self.capacity = cap
         self.channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
+        if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
+            per_nic = min(1.0, self.channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
+            cap[(self.net.kind == NIC_SW) | (self.net.kind == SW_NIC)] *= per_nic
+            self.channel_cap = system.nic_bandwidth
+        self.capacity = cap
         self.seed = seed
         self.measured = measured
         self.spread = 1 if routing == "minimal" else spread

@@ -11,7 +11,8 @@ the prediction of that run moves, not which grid would win instead. Parameters:
 - profile: reached GEMM rate, HBM bandwidth, launch cost, attention efficiencies, k_half, and the
   slowdown of compute under overlapping communication (its excess over 1 moves by +-10%);
 - alternatives: minimal or non-minimal routing instead of adaptive, scattered nodes instead of
-  contiguous ones, all-reduce as a flat ring only (no tree or hierarchical algorithm).
+  contiguous ones, all-reduce as a flat ring only (no tree or hierarchical algorithm), the measured
+  cross-node rate read as a cap per NIC shared by its channels instead of per channel.
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         other = "scattered" if study.placement == "contiguous" else "contiguous"
         rows.append(Row("placement", "alternative", study.placement, other, "",
                         run(study, CollectiveModel(s, g, placement=other)), None))
+        rows.append(Row("inter-node cap", "alternative", "per ring channel", "per NIC (shared)", "",
+                        run(study, CollectiveModel(s, g, placement=study.placement, inter_node_cap="nic")), None))
         if "all_reduce" not in s.collectives.ring_only:
             ring = dc.replace(s, collectives=dc.replace(s.collectives, ring_only=s.collectives.ring_only + ("all_reduce",)))
             rows.append(Row("all-reduce algorithm", "alternative", "fastest of ring/hierarchical/tree",
