@@ -111,9 +111,7 @@ def attention(run, op, qkv: torch.Tensor):
     def fn(t):
         t = t.view(seqs, s, heads + 2 * kv, d).transpose(1, 2)
         q, k, v = t.split([heads, kv, kv], 1)
-        if kv != heads:
-            k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
         return o.transpose(1, 2).reshape(seqs * s, heads * d)
 
     return _local(fn, qkv)
