@@ -19,7 +19,11 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;
 - `overlap` rows {m, n, k, axis, alone_s, overlapped_s, slowdown}: a GEMM alone and while an
-  all-reduce runs on the axis.
+  all-reduce runs on the axis;
+- `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered}: every
+  op of the model's program as a few recorded training steps on the grid ran it (median span), with
+  the share of a compute op's span that a collective overlapped: what ops cost inside training, where
+  the ranks share the cores with each other and with gloo's threads (see bench_steps).
 Bandwidths follow nccl-tests: algbw = payload / time; busbw = algbw * 2(p-1)/p for all-reduce and
 (p-1)/p for all-gather and reduce-scatter (GB/s = 1e9 B/s).
 """
@@ -44,6 +48,7 @@ from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.model import load_model
 from twin.program import Options, build_program
+from twin.trace import Span
 
 LAYOUTS = ("NN", "NT", "TN")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -142,19 +147,48 @@ def bench_ops(dtype: torch.dtype, device: torch.device, min_time_s: float = 0.2)
     return rows
 
 
-def bench_host(model: str, ctx, batch: int | None = None, steps: int = 4, warmup: int = 1) -> dict | None:
-    """The executor's host time per compute op: `steps` training steps of `model` on the grid of `ctx`
-    (every rank at once, as in `backend run`), recorded; the gaps between consecutive compute ops of
-    each step's compute stream, median over steps and ranks (a gap that holds a wait for a collective
-    is rare and falls outside the median; the twin charges those waits to communication). mean_s: the
-    mean gap, waits included. None when the backend has no program executor."""
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _covered(span, others) -> float:
+    """Fraction of `span`'s duration during which one of the spans `others` was running."""
+    if span.duration_s <= 0:
+        return 0.0
+    a, b = span.start_s, span.start_s + span.duration_s
+    ivs = sorted((max(a, o.start_s), min(b, o.start_s + o.duration_s)) for o in others
+                 if o.start_s < b and o.start_s + o.duration_s > a)
+    covered, end = 0.0, a
+    for lo, hi in ivs:
+        lo = max(lo, end)
+        if hi > lo:
+            covered += hi - lo
+            end = hi
+    return covered / span.duration_s
+
+
+def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmup: int = 1) -> tuple[dict | None, list[dict]]:
+    """`steps` recorded training steps of `model` on the grid of `ctx` (every rank at once, as in
+    `backend run`): what the microbenchmarks cannot see, measured where it happens.
+
+    Returns (host row, step rows):
+    - host {op: "host", model, ops, seconds, mean_s, all_gaps_s}: the executor's host time per compute
+      op, the median gap between consecutive compute ops of each step's compute stream during which no
+      collective of the rank was in flight (a gap that holds a collective, often a wait for it, is
+      communication, which the twin charges apart; on a tensor-parallel grid most gaps hold one),
+      median over steps, mean over ranks. all_gaps_s: the median of every gap; mean_s: the mean gap;
+    - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
+      covered}: its span, median over steps then mean over ranks, and `covered`, the median fraction
+      of a compute op's span during which a collective of its rank was in flight (0 for collectives).
+      A collective's span runs from its issue (or the end of the previous one of its stream) to its
+      completion, so it holds the wait for the group's last member.
+    (None, []) when the backend has no program executor."""
     try:
         import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
         from backend.model import make_model
         from backend.optim import make_optimizer, train_step
         from backend.recorder import NULL_RECORDER, Recorder
     except ImportError:
-        return None
+        return None, []
     spec = load_model(model)
     program = build_program(spec, ctx.grid, Options(), batch=batch)
     net = make_model(spec, ctx, program=program).to(ctx.device)
@@ -162,19 +196,54 @@ def bench_host(model: str, ctx, batch: int | None = None, steps: int = 4, warmup
     seqs = program.batch // ctx.batch_shards
     gen = torch.Generator().manual_seed(ctx.rank)
     gaps: list[float] = []
+    free: list[float] = []  # gaps no collective overlapped
+    per_op: dict[str, list[float]] = {}
+    cover: dict[str, list[float]] = {}
     for step in range(warmup + steps):
         tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
         rec = Recorder(device=ctx.device) if step >= warmup else NULL_RECORDER
         train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
-        spans = sorted((sp for sp in rec.spans(ctx.rank) if sp.stream == "compute"), key=lambda sp: sp.start_s)
-        gaps += [max(0.0, b.start_s - (a.start_s + a.duration_s)) for a, b in zip(spans, spans[1:])]
+        if step < warmup:
+            continue
+        spans = rec.spans(ctx.rank)
+        comp = sorted((sp for sp in spans if sp.stream == "compute"), key=lambda sp: sp.start_s)
+        colls = [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
+        for a, b in zip(comp, comp[1:]):
+            gap = max(0.0, b.start_s - (a.start_s + a.duration_s))
+            gaps.append(gap)
+            if gap > 0 and _covered(Span(ctx.rank, "gap", "gap", "compute", a.start_s + a.duration_s, gap), colls) == 0:
+                free.append(gap)
+        for sp in spans:
+            per_op.setdefault(sp.name, []).append(sp.duration_s)
+            cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else _covered(sp, colls))
     net.recorder = NULL_RECORDER
+    rows = []
+    for op in program.ops:  # the same ops on every rank (one program): agree op by op, in program order
+        times = sorted(per_op.get(op.name, [0.0]))
+        cov = sorted(cover.get(op.name, [0.0]))
+        rows.append({"name": op.name, "kind": op.kind, "role": op.role, "stream": op.stream,
+                     "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
+                     "k": op.k, "layout": op.layout or "", "seconds": times[len(times) // 2],
+                     "covered": cov[len(cov) // 2]})
+    group = _world()
+    if group is not None:
+        t = torch.tensor([[r["seconds"], r["covered"]] for r in rows], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t /= dist.get_world_size()
+        for r, (sec, cov) in zip(rows, t.tolist()):
+            r["seconds"], r["covered"] = sec, cov
+    rows = [r for r in rows if r["seconds"] > 0]
     if not gaps:
-        return None
+        return None, rows
     gaps.sort()
+    free.sort()
     median, mean = gaps[len(gaps) // 2], sum(gaps) / len(gaps)
-    return {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(gaps),
-            "seconds": _mean_over_ranks(median), "mean_s": _mean_over_ranks(mean)}
+    # every rank must take part in the means below: a rank without free gaps uses all of them
+    host_s = free[len(free) // 2] if len(free) >= 5 else median
+    host = {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(free) if len(free) >= 5 else len(gaps),
+            "seconds": _mean_over_ranks(host_s), "mean_s": _mean_over_ranks(mean),
+            "all_gaps_s": _mean_over_ranks(median)}
+    return host, rows
 
 
 def bench_attention(m: int, n: int, k: int, fwd_flops: float, bwd_flops: float, dtype: torch.dtype,
@@ -340,7 +409,8 @@ def _say(rank: int, text: str) -> None:
 
 def main(config: dict) -> None:
     """The `bench` job (one rank). config: model, grid, device, dtype, squares, sizes_mib, layouts
-    ("program" or "all"), all_grids, gemm, comm, ops, overlap, min_time_s, batch, out."""
+    ("program" or "all"), all_grids, gemm, comm, ops, overlap, steps (recorded training steps, 0: none),
+    min_time_s, batch, out."""
     from backend.comm import Comm
     from backend.dist import ParallelContext, destroy
     from backend.launch import env_rank
@@ -360,7 +430,7 @@ def main(config: dict) -> None:
         result = {"format": FORMAT, "machine": machine_info(device), "model": config.get("model") or "",
                   "grid": str(grid), "ranks": world, "ranks_per_node": local, "dtype": config["dtype"],
                   "dtype_bytes": torch.tensor([], dtype=dtype).element_size(),
-                  "gemm": [], "attention": [], "ops": [], "collectives": [], "overlap": []}
+                  "gemm": [], "attention": [], "ops": [], "collectives": [], "overlap": [], "steps": []}
         if config.get("gemm", True):
             shapes = [(s, s, s, lay) for s in config.get("squares", []) for lay in LAYOUTS]
             if config.get("model"):
@@ -385,12 +455,17 @@ def main(config: dict) -> None:
             result["ops"] = bench_ops(dtype, device, min_t)
             for row in result["ops"]:
                 _say(rank, f"op {row['op']} ({row['numel']} elements): {row['seconds'] * 1e6:.1f} us")
-            if config.get("model") and config.get("host", True):
-                row = bench_host(config["model"], ctx, config.get("batch"))
-                if row is not None:
-                    result["ops"].append(row)
-                    _say(rank, f"executor host time per compute op ({row['model']}): median {row['seconds'] * 1e6:.1f} us, "
-                               f"mean {row['mean_s'] * 1e6:.1f} us over {row['ops']} gaps per rank")
+        if config.get("model") and int(config.get("steps", 4)) > 0:
+            row, result["steps"] = bench_steps(config["model"], ctx, config.get("batch"), int(config.get("steps", 4)))
+            if row is not None:
+                result["ops"].append(row)
+                _say(rank, f"executor host time per compute op ({row['model']}): median {row['seconds'] * 1e6:.1f} us, "
+                           f"mean {row['mean_s'] * 1e6:.1f} us over {row['ops']} gaps per rank (no collective in flight)")
+            by_kind: dict[str, float] = {}
+            for r in result["steps"]:
+                by_kind[r["kind"]] = by_kind.get(r["kind"], 0.0) + r["seconds"]
+            _say(rank, f"{len(result['steps'])} ops of a training step, seconds by kind: "
+                       + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(by_kind.items())))
         comm = Comm(ctx)
         axes = [a for a in AXES if grid.axis_size(a) > 1]
         if config.get("comm", True):

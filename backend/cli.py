@@ -203,6 +203,7 @@ def bench_cmd(
     comm: Annotated[bool, typer.Option(help="Time collectives over each axis of size > 1.")] = True,
     ops: Annotated[bool, typer.Option(help="Time small eager ops (per-op overhead, memory bandwidth).")] = True,
     overlap: Annotated[bool, typer.Option(help="Time a GEMM while an all-reduce runs on each axis.")] = True,
+    train_steps: Annotated[int, typer.Option(help="Record this many training steps of --model on --grid: every op's cost inside training (0: none).")] = 4,
     layouts: Annotated[str, typer.Option(help="Model GEMMs in: all (NN, NT, TN) or program (the program's layout).")] = "all",
     all_grids: Annotated[bool, typer.Option(help="Model GEMM shapes of every valid grid with this many ranks.")] = False,
     batch: BatchOpt = None,
@@ -219,6 +220,8 @@ def bench_cmd(
         load_model(model)
     if device not in ("cpu", "cuda") or dtype not in ("fp32", "bf16", "fp16") or layouts not in ("all", "program"):
         raise TwinError("--device must be cpu or cuda, --dtype fp32, bf16 or fp16, --layouts all or program")
+    if not 0 <= train_steps <= 100:
+        raise TwinError(f"--train-steps must be in 0..100, got {train_steps}")
     if min_time <= 0 or (batch is not None and batch < 1):
         raise TwinError("--min-time must be positive and --batch at least 1")
     try:
@@ -234,7 +237,7 @@ def bench_cmd(
     if model:
         g.validate(load_model(model), batch=batch)
     cfg = {"model": model, "grid": grid, "squares": sq, "sizes_mib": sizes, "gemm": gemm, "comm": comm,
-           "ops": ops, "overlap": overlap, "layouts": layouts, "all_grids": all_grids, "batch": batch,
+           "ops": ops, "overlap": overlap, "steps": train_steps if model else 0, "layouts": layouts, "all_grids": all_grids, "batch": batch,
            "min_time_s": min_time, "out": out or default_bench_out(device), "device": device, "dtype": dtype}
     return launch("bench", cfg, g.size)
 

@@ -5,7 +5,8 @@
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, about a minute
 
 1. `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM shapes of every
-   valid grid with that many ranks, small ops, and each collective over group sizes 2, 4 and 8;
+   valid grid with that many ranks, small ops, each collective over group sizes 2, 4 and 8, and a
+   few recorded training steps of the model on each of those grids (every op's cost inside training);
    one measurement file per grid under OUT/ (each stamped with machine, date, versions, commit,
    load average);
 2. `twin calibrate OUT/*.json --out PROFILE`, printing the fit's residuals;
@@ -33,12 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # (grid, what to measure) per rank count: the first of each count measures GEMMs (of every grid with
-# that many ranks) and small ops; the others add collectives over the remaining group sizes
+# that many ranks) and small ops; the others add collectives over the remaining group sizes and
+# strides. Every one records a few training steps (what ops and collectives cost inside training):
+# the data-parallel grid holds the largest per-rank ops, the others each collective kind over each
+# group size (all-gathers and reduce-scatters run on z only)
 BENCH_GRIDS = {
     1: [("1x1x1x1", True)],
-    2: [("2x1x1x1", True)],
-    4: [("2x2x1x1", True), ("4x1x1x1", False)],
-    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False)],
+    2: [("2x1x1x1", True), ("1x1x1x2", False), ("1x1x2x1", False)],
+    4: [("2x2x1x1", True), ("4x1x1x1", False), ("1x1x1x4", False), ("1x1x4x1", False)],
+    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False), ("1x1x1x8", False), ("1x1x8x1", False)],
 }
 SIZES_MIB = "0.004,0.03,0.25,1,4"
 
@@ -68,6 +72,7 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first two are left out)")
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
+    ap.add_argument("--train-steps", type=int, default=4, help="recorded training steps per bench grid")
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
     ap.add_argument("--skip-bench", action="store_true", help="reuse the measurement files already in OUT")
     ap.add_argument("--calibrate-only", action="store_true", help="stop after step 2 (bench and calibrate)")
@@ -78,6 +83,7 @@ def main() -> int:
         a.model, a.ranks, a.steps, a.min_time = "gpt-tiny", "1,2", 4, 0.02
     if a.ci:
         a.model, a.ranks, a.steps, a.min_time, a.grids = "gpt-tiny", "2", 4, 0.01, a.grids or "2x1x1x1,1x1x1x2"
+        a.train_steps = 2
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(a.profile).resolve() if a.profile else out / "cpu.toml"
@@ -93,12 +99,15 @@ def main() -> int:
     files = []
     for r in ranks:
         for grid, first in BENCH_GRIDS[r]:
+            if a.ci and grid not in a.grids.split(","):
+                continue  # the test's size: bench only the grids it validates
             f = out / f"bench-{grid}.json"
             files.append(f)
             if a.skip_bench and f.exists():
                 continue
             cmd = [py, "-m", "backend.cli", "bench", "--model", a.model, "--grid", grid, "--layouts", "program",
                    "--all-grids", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
+                   "--train-steps", str(a.train_steps),
                    "--out", str(f)]
             cmd += ["--squares", "256"] if first else ["--no-gemm", "--no-ops"]
             sh(cmd, 600)

@@ -61,7 +61,7 @@ if [ "$DEVICE" = cuda ]; then
 fi
 
 echo "== 1. GEMM peak ($DTYPE, ${SQUARE}^3 and the shapes of $MODEL)"
-timeout 150 $PY -m backend.cli bench --model "$MODEL" --grid 1x1x1x1 --squares "$SQUARE" --no-comm \
+timeout 150 $PY -m backend.cli bench --model "$MODEL" --grid 1x1x1x1 --squares "$SQUARE" --no-comm --train-steps 0 \
   --min-time 0.5 --device "$DEVICE" --dtype "$DTYPE" --out "$WORK/gemm.json" 2>&1 | tee "$WORK/gemm.log"
 
 echo "== 2a. backend run $MODEL 1x1x1x1, recomputation on"

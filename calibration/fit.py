@@ -10,6 +10,26 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
   compute ops of a few training steps of the model on the grid), where bench measured it.
 - `[[collective_table]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth over
   the measured payloads (least squares on relative error, both terms kept >= 0).
+- From the recorded training steps (`steps` rows; what ops cost inside training, where ranks share
+  the cores with each other and with gloo's threads), per rank count:
+  - `[[op_cost]]`: per compute kind the GEMM and attention models do not cover (elementwise,
+    embedding, loss, optimizer), and per role within it, seconds = latency + bytes / bandwidth over the
+    ops of the recorded steps (least squares on relative error; bandwidth alone when all ops have one size);
+  - `[[gemm_table]]` points with `training = true`: each GEMM shape's median span inside training
+    (ops no collective overlapped); the kernel model prefers them over the microbenchmarks' points;
+  - node_share `compute_contention`: GEMM and attention time inside training over the time the
+    microbenchmark-fitted profile gives them, summed over the ops no collective overlapped;
+    `overlap_slowdown` = the same ratio over the ops a collective overlapped (most of their span),
+    relative to compute_contention (replaces the microbenchmark's, which a short all-reduce beside
+    one GEMM barely moves);
+  - `[[collective_training]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth
+    over the recorded collectives' spans (issue, or the end of the previous one of the axis, to
+    completion). Inside training a collective costs more than alone: gloo's threads compete with the
+    ranks' compute for the cores, and the span holds the wait for the group's last member (ranks
+    drift apart when more ranks than cores time-slice). The twin prefers these lines;
+  - node_share `collective_slowdown`: the median over the recorded collectives of their span over
+    their `[[collective_table]]` time alone; it scales the lines measured alone for the kinds and
+    group sizes no recorded step ran.
 Scalars the measurements do not reach (peak, tiles, attention efficiency, layout penalties) are
 copied from a base profile with their sources. Every fitted number's source names its measurement file.
 """
@@ -18,6 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +47,11 @@ import numpy as np
 from calibration.measurements import describe, load_measurement
 from topologies.datafile import read_spec
 from twin.common import TwinError
-from twin.profile import PROFILES_DIR
+from twin.profile import PROFILES_DIR, load_profile
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+MODELED = ("gemm", "attention")  # compute kinds with their own microbenchmarked model
+COVERED = 0.5  # a compute op counts as overlapped when a collective ran during this share of its span
 
 BASE_CPU = Path(__file__).resolve().parent / "base" / "cpu.toml"  # assumed CPU figures bench does not reach
 BASE_SCALARS = ("peak_flops", "gemm_flops", "compute_units", "tile_m", "tile_n", "k_half", "hbm_bandwidth",
@@ -158,6 +183,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
            f"gpus = [{', '.join(chr(34) + _quote(g) + chr(34) for g in (gpus if gpus is not None else base_data.get('gpus', [])))}]",
            f"activation_bytes = {act_bytes.pop()}", ""]
     shares, gemms, colls = [], [], []
+    share_at: dict[int, int] = {}  # rank count -> its [[node_share]] block in `shares`
     # the profile's own figures (peak, GEMM rate) are per rank with the most ranks sharing the node,
     # as the system file counts them; fewer ranks get more of the node: compute_scale, measured on the
     # square GEMMs that every rank count timed
@@ -179,6 +205,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
         over = [row["overlapped_s"] / row["alone_s"] for r in group for row in r["overlap"]]
         slow = max(1.0, statistics.median(over)) if over else 1.0
         if launch is not None and bw is not None:
+            share_at[ranks] = len(shares)
             shares.append("\n".join([
                 "[[node_share]]", f"ranks = {ranks}",
                 "launch_s = " + _entry(launch, f"measured: eager forward+backward per op of a tiny autograd op, {src}"),
@@ -242,8 +269,144 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
     if first is not None:  # measured on CPU only: absent (0) elsewhere
         out += [ln for ln in first.splitlines() if ln.startswith("host_op_s =")]
     out.append("")
-    fit.toml = "\n".join(out + shares + gemms + colls)
+    costs = _in_training(by_ranks, "\n".join(out + shares + gemms + colls), shares, share_at, fit, gemms)
+    fit.toml = "\n".join(out + shares + gemms + colls + costs)
     return fit
+
+
+def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], share_at: dict[int, int],
+                 fit: Fit, gemms: list[str]) -> list[str]:
+    """The fits of the recorded training steps (module docstring): returns the `[[collective_training]]`
+    and `[[op_cost]]` blocks, appends the in-training `[[gemm_table]]` points to `gemms` and adds
+    compute_contention, overlap_slowdown and collective_slowdown to the `[[node_share]]` blocks of
+    `shares` (in place)."""
+    if not any(r.get("steps") for g in by_ranks.values() for r in g):
+        return []
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "partial.toml"
+        path.write_text(toml)
+        micro = load_profile(str(path))  # the profile as the microbenchmarks alone fit it
+    from twin.grid import Grid
+    from twin.kernels import KernelModel
+    from twin.program import ACT_BYTES
+    costs: list[str] = []
+    trained: list[str] = []
+    for ranks, group in sorted(by_ranks.items()):
+        runs = [r for r in group if r.get("steps")]
+        if not runs:
+            continue
+        src = "; ".join(describe(r) for r in runs)
+        prof = micro.for_ranks(ranks)
+        km = KernelModel(prof, tuning=False)
+        rows = [(r, row) for r in runs for row in r["steps"]]
+        # op kinds without a model of their own: measured lines, per kind and per role
+        keyed: dict[tuple[str, str], list[dict]] = {}
+        for _, row in rows:
+            if row["stream"] == "compute" and row["kind"] not in MODELED:
+                keyed.setdefault((row["kind"], ""), []).append(row)
+                if row.get("role"):
+                    keyed.setdefault((row["kind"], row["role"]), []).append(row)
+        for (kind, role), sel in sorted(keyed.items()):
+            alone = [row for row in sel if row.get("covered", 0) < COVERED] or sel
+            a, b, res = _cost_line([row["bytes"] for row in alone], [row["seconds"] for row in alone])
+            what = f"{kind}{'/' + role if role else ''}"
+            fit.residuals.append(_residual(f"{ranks} rank(s): {what} ops in training, latency + bytes/bandwidth", res))
+            how = (f"fitted: {len(alone)} {what} op(s) of recorded training steps, bytes "
+                   f"{min(r['bytes'] for r in alone)}-{max(r['bytes'] for r in alone)}, worst residual "
+                   f"{max(map(abs, res)):.0%}, {src}")
+            costs.append("\n".join([
+                "[[op_cost]]", f'kind = "{_quote(kind)}"', f'role = "{_quote(role)}"', f"ranks = {ranks}",
+                "latency_s = " + _entry(max(a, 1e-9), how),
+                "bandwidth = " + _entry(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
+                ""]))
+        if ranks not in share_at:
+            continue
+        # GEMMs inside training, per shape (no collective overlapping): the kernel model prefers these
+        shapes: dict[tuple, list[float]] = {}
+        for _, row in rows:
+            if row["kind"] == "gemm" and row.get("covered", 0) < COVERED:
+                shapes.setdefault((row["m"], row["n"], row["k"], row["layout"] or "NN"), []).append(row["seconds"])
+        for (m, n, k, lay), secs in sorted(shapes.items()):
+            t = statistics.median(secs)
+            gemms.append("\n".join([
+                "[[gemm_table]]", f"m = {m}", f"n = {n}", f"k = {k}", f'layout = "{lay}"', f"ranks = {ranks}",
+                "training = true", "flops = " + _entry(2.0 * m * n * k / t, (
+                    f"measured: median span {t * 1e6:.1f} us of {len(secs)} such GEMM(s) no collective overlapped "
+                    f"in recorded training steps, {src}")), ""]))
+        lines = []
+        # GEMMs and attention: inside training against the microbenchmarks
+        modeled = [(row, _micro_time(km, row)) for _, row in rows if row["kind"] in MODELED]
+        alone = [(row, t) for row, t in modeled if row.get("covered", 0) < COVERED]
+        over = [(row, t) for row, t in modeled if row.get("covered", 0) >= COVERED]
+        contention = sum(r["seconds"] for r, _ in alone) / sum(t for _, t in alone) if alone else 1.0
+        if alone:
+            lines.append("compute_contention = " + _entry(contention, (
+                f"measured: GEMM and attention time of {len(alone)} ops no collective overlapped in recorded "
+                f"training steps, over their microbenchmark-fitted time, {src}")))
+        if len(over) >= 3:
+            slow = max(1.0, sum(r["seconds"] for r, _ in over) / sum(t for _, t in over) / contention)
+            lines.append("overlap_slowdown = " + _entry(slow, (
+                f"measured: GEMM and attention time of {len(over)} ops a collective overlapped in recorded training "
+                f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src}")))
+        table = prof.collectives()
+        ratios = []
+        lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, p, stride) -> (file, real bytes, s)
+        for r, row in rows:
+            if row["kind"] not in COLLECTIVES:
+                continue
+            grid = Grid.parse(r["grid"])
+            p, stride = grid.axis_size(row["axis"]), grid.stride(row["axis"])
+            real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
+            lines_of.setdefault((row["kind"], p, stride), []).append((r, real, row["seconds"]))
+            iso = table.time(row["kind"], row["axis"], p, row["bytes"], stride) if table is not None else None
+            if iso:
+                ratios.append(row["seconds"] / iso)
+        for (kind, p, stride), pts in sorted(lines_of.items()):
+            a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
+            fit.residuals.append(_residual(f"{ranks} rank(s): {kind} over {p} (stride {stride}) in training", res))
+            files = "; ".join(sorted({describe(r) for r, _, _ in pts}))
+            how = (f"fitted: {len(pts)} {kind}s of recorded training steps, {min(x for _, x, _ in pts):.0f}-"
+                   f"{max(x for _, x, _ in pts):.0f} B, worst residual {max(map(abs, res)):.0%}, {files}")
+            trained.append("\n".join([
+                "[[collective_training]]", f'kind = "{kind}"', f"group_size = {p}", f"stride = {stride}",
+                f"ranks = {ranks}", "latency_s = " + _entry(max(a, 1e-9), how),
+                "bandwidth = " + _entry(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
+                ""]))
+        if ratios:
+            lines.append("collective_slowdown = " + _entry(statistics.median(ratios), (
+                f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "
+                f"their fitted time alone, {src}")))
+        block = shares[share_at[ranks]].splitlines()
+        keys = {ln.split(" =")[0] for ln in lines}
+        block = [ln for ln in block if ln.split(" =")[0] not in keys]
+        shares[share_at[ranks]] = "\n".join(block + lines + [""])
+    return trained + costs
+
+
+def _collective_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:
+    """fit_line, or with a single size, latency alone."""
+    if len(set(nbytes)) >= 2:
+        return fit_line(nbytes, seconds)
+    t = statistics.median(seconds)
+    return t, 0.0, [t / s - 1.0 for s in seconds]
+
+
+def _cost_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:
+    """fit_line, or with a single size, bandwidth alone (latency when that size is 0 bytes)."""
+    if len(set(nbytes)) >= 2:
+        return fit_line(nbytes, seconds)
+    t = statistics.median(seconds)
+    res = [t / s - 1.0 for s in seconds]
+    return (0.0, t / nbytes[0], res) if nbytes[0] > 0 else (t, 0.0, res)
+
+
+def _micro_time(km, row: dict) -> float:
+    """Seconds the microbenchmark-fitted kernel model gives a recorded GEMM or attention op."""
+    p = km.profile
+    if row["kind"] == "gemm":
+        return km.gemm_time(row["m"], row["n"], row["k"], row["layout"] or "NN")
+    eff = p.attention_bwd_efficiency if row["name"].endswith(".bwd") else p.attention_fwd_efficiency
+    return max(row["flops"] / (p.peak_flops * eff), row["bytes"] / p.hbm_bandwidth) + p.launch_s
 
 
 def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None) -> Fit:

@@ -1,7 +1,8 @@
 """Reading `backend bench` measurement files, with one clear line for each way a file can be wrong.
 
 A measurement file is the JSON that backend/bench.py writes (format "backend-bench/2"): a `machine`
-stamp, the grid and rank count, and rows of GEMM, small-op, collective and overlap timings (seconds).
+stamp, the grid and rank count, and rows of GEMM, small-op, collective and overlap timings (seconds),
+and the program's ops as recorded training steps ran them (`steps`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def load_measurement(path: str | Path) -> dict:
     except InputError as e:
         raise TwinError(f"{e} (rerun `backend bench` to write a complete one)") from None
     data.setdefault("attention", [])
+    data.setdefault("steps", [])
     from twin.grid import Grid
     try:
         grid = Grid.parse(data["grid"])

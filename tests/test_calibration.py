@@ -92,8 +92,65 @@ def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
         assert load_profile(name).host_op_s == 0
 
 
+def _steps_rows(micro_gemm_s: float, iso_ar_s) -> list[dict]:
+    """Recorded training-step rows: elementwise ops on a line (20 us + bytes / 2 GB/s), GEMMs 1.5x
+    their microbenchmark time, x all-reduces 3x their time alone + 50 us (program bytes: 2 per element)."""
+    base = {"role": "", "stream": "compute", "axis": "", "flops": 0.0, "m": 0, "n": 0, "k": 0, "layout": "",
+            "covered": 0.0}
+    rows = [{**base, "name": f"ew{i}", "kind": "elementwise", "role": "gelu", "bytes": b, "seconds": 2e-5 + b / 2e9}
+            for i, b in enumerate((1 << 12, 1 << 16, 1 << 20))]
+    rows += [{**base, "name": f"g{i}", "kind": "gemm", "m": 64, "n": 64, "k": 64, "layout": "NN",
+              "flops": 2.0 * 64 ** 3, "bytes": 49152, "seconds": 1.5 * micro_gemm_s} for i in range(3)]
+    rows += [{**base, "name": f"ar{i}", "kind": "all_reduce", "stream": "x", "axis": "x", "bytes": b,
+              "seconds": 3 * iso_ar_s(b) + 5e-5} for i, b in enumerate((1 << 12, 1 << 18, 1 << 20))]
+    return rows
+
+
+def test_costs_inside_training_are_fitted_and_used(tmp_path):
+    from twin.kernels import KernelModel
+    from twin.program import Op
+    micro = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "micro"))).for_ranks(2)
+    g = KernelModel(micro, tuning=False).gemm_time(64, 64, 64, "NN")
+    table = micro.collectives()
+    data = copy.deepcopy(MEASUREMENT)
+    data["steps"] = _steps_rows(g, lambda b: table.time("all_reduce", "x", 2, b))
+    load_measurement(write(tmp_path, data, "steps.json"))  # the rows pass the file check
+    prof = load_profile(str(_written_fit(tmp_path, data, "steps"))).for_ranks(2)
+    assert prof.compute_contention == pytest.approx(1.5, rel=1e-3)
+    ratios = sorted(3 + 5e-5 / table.time("all_reduce", "x", 2, b) for b in (1 << 12, 1 << 18, 1 << 20))
+    assert prof.collective_slowdown == pytest.approx(ratios[1], rel=1e-3)  # the median
+    assert "recorded training steps" in prof.sources["node_share[0].compute_contention"]
+    km = KernelModel(prof, tuning=False)
+    gemm = Op(0, "g", "gemm", "compute", flops=2.0 * 64 ** 3, m=64, n=64, k=64, layout="NN")
+    assert km.kernel_time(gemm) == pytest.approx(1.5 * g, rel=1e-3)  # the shape's point inside training
+    far = KernelModel(micro, tuning=False).gemm_time(512, 512, 512, "NN")  # no point near: micro x contention
+    assert km.gemm_time(512, 512, 512, "NN") == pytest.approx(1.5 * far, rel=1e-3)
+    for role in ("gelu", "layer_norm"):  # the role's own line, else the kind's
+        ew = Op(1, "ew", "elementwise", "compute", bytes=1 << 22, role=role)
+        assert km.kernel_time(ew) == pytest.approx(2e-5 + (1 << 22) / 2e9, rel=1e-3)
+    # all-reduces: the line recorded inside training; all-gathers (not recorded): alone x slowdown
+    assert prof.collectives().time("all_reduce", "x", 2, 1 << 17) == pytest.approx(
+        3 * table.time("all_reduce", "x", 2, 1 << 17) + 5e-5, rel=1e-3)
+    assert prof.collectives().time("all_gather", "x", 2, 1 << 17) == pytest.approx(
+        ratios[1] * table.time("all_gather", "x", 2, 1 << 17), rel=1e-3)
+    assert "recorded training steps" in prof.sources["collective_training[0].latency_s"]
+    # GPU profiles measure none of it: unchanged
+    h200 = load_profile("h200")
+    assert (h200.compute_contention, h200.collective_slowdown, h200.op_cost, h200.collective_training) == (1, 1, (), ())
+
+
+def _written_fit(tmp_path, data, name):
+    path = tmp_path / f"{name}.toml"
+    path.write_text(fit_profile([write(tmp_path, data, f"{name}.json")], name).toml)
+    return path
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d["machine"].pop("date"), "machine.date is missing"),
+    (lambda d: d.update(steps=[{"name": "a", "kind": "gemm", "stream": "compute", "bytes": 1, "flops": 0,
+                                "seconds": 1e-3, "covered": 2}]), "steps\\[0\\].covered must be"),
+    (lambda d: d.update(steps=[{"name": 3, "kind": "gemm", "stream": "compute", "bytes": 1, "flops": 0,
+                                "seconds": 1e-3, "covered": 0}]), "steps\\[0\\].name must be"),
     (lambda d: d.update(ranks=4), "has 2 ranks but `ranks` is 4"),
     (lambda d: d["collectives"][0].pop("seconds"), "collectives\\[0\\].seconds is missing"),
     (lambda d: d["collectives"][0].update(group_size=4), "does not match grid"),

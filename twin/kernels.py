@@ -8,7 +8,14 @@
   With layout tuning on, the GEMM runs in the fastest of NN/NT/TN (the same product with operands
   stored transposed), as AxoNN does on MI250X where rocBLAS runs TN up to ~8x slower.
 - Attention (flash-style): max(flops / (peak x attention efficiency), bytes / HBM bandwidth).
-- Elementwise, embedding, loss, optimizer: max(flops / reached GEMM rate, bytes / HBM bandwidth).
+- Elementwise, embedding, loss, optimizer: max(flops / reached GEMM rate, bytes / HBM bandwidth); or,
+  where the profile measured the kind (and role) inside recorded training steps (`op_cost`, CPU), its
+  measured line latency + bytes / bandwidth, which holds every cost of the real kernels (several
+  passes over memory, eager dispatch, fp32 temporaries) that the roofline leaves out.
+- On CPU, GEMMs and attention run `compute_contention` times slower inside training than in their
+  microbenchmarks (measured: the ranks share the cores with each other and with gloo's threads); a
+  GEMM near a shape recorded inside training steps (`gemm_table` point with `training`) takes that
+  point's rate instead.
 Every op also pays a fixed launch cost, and, where the profile measured it (CPU), the host time
 the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping,
 issuing collectives), which the rank's compute stream cannot hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
@@ -43,16 +50,25 @@ class KernelModel:
         k_eff = k / (k + p.k_half)
         return wave_eff * pad_eff * k_eff
 
+    def _measured_point(self, m: int, n: int, k: int, layout: str):
+        """The nearest measured point within a factor 2 in every dimension, if any; one measured inside
+        training steps first (twin.profile.GemmPoint.training), else a microbenchmark's."""
+        for training in (True, False):
+            best, best_d = None, math.inf
+            for pt in self.profile.gemm_table:
+                if pt.layout != layout or pt.training != training:
+                    continue
+                ratios = [abs(math.log2(a / b)) for a, b in ((m, pt.m), (n, pt.n), (k, pt.k))]
+                if max(ratios) <= 1.0 and sum(ratios) < best_d:
+                    best, best_d = pt, sum(ratios)
+            if best is not None:
+                return best
+        return None
+
     def _measured_rate(self, m: int, n: int, k: int, layout: str) -> float | None:
-        """flop/s of the nearest measured point within a factor 2 in every dimension, if any."""
-        best, best_d = None, math.inf
-        for pt in self.profile.gemm_table:
-            if pt.layout != layout:
-                continue
-            ratios = [abs(math.log2(a / b)) for a, b in ((m, pt.m), (n, pt.n), (k, pt.k))]
-            if max(ratios) <= 1.0 and sum(ratios) < best_d:
-                best, best_d = pt, sum(ratios)
-        return None if best is None else best.flops
+        """flop/s of the nearest measured point (see _measured_point), if any."""
+        pt = self._measured_point(m, n, k, layout)
+        return None if pt is None else pt.flops
 
     def layout_penalty(self, layout: str, flops: float) -> float:
         p = self.profile
@@ -60,16 +76,19 @@ class KernelModel:
         return table.get(layout or "NN", 1.0)
 
     def gemm_time_layout(self, m: int, n: int, k: int, layout: str) -> float:
-        """Seconds for C[m,n] = A[m,k] B[k,n] in a given layout (bf16 operands)."""
+        """Seconds for C[m,n] = A[m,k] B[k,n] in a given layout (bf16 operands): at the rate of a point
+        measured inside training (its whole span), or by the microbenchmark model x compute_contention."""
         p = self.profile
         flops = 2.0 * m * n * k
-        measured = self._measured_rate(m, n, k, layout)
-        if measured is not None:
-            t_flop = flops / measured
+        pt = self._measured_point(m, n, k, layout)
+        if pt is not None and pt.training:
+            return flops / pt.flops
+        if pt is not None:
+            t_flop = flops / pt.flops
         else:
             t_flop = flops / (p.gemm_flops * self.shape_efficiency(m, n, k)) * self.layout_penalty(layout, flops)
         t_mem = 2.0 * (m * k + k * n + m * n) / p.hbm_bandwidth
-        return max(t_flop, t_mem) + p.launch_s
+        return (max(t_flop, t_mem) + p.launch_s) * p.compute_contention
 
     def gemm_time(self, m: int, n: int, k: int, layout: str) -> float:
         """Seconds for a GEMM: in its own layout, or the fastest layout when tuning is on."""
@@ -91,6 +110,9 @@ class KernelModel:
 
     def memory_bound_time(self, op: Op) -> float:
         p = self.profile
+        cost = p.op_cost_for(op.kind, op.role) if p.op_cost else None
+        if cost is not None:
+            return cost.latency_s + op.bytes / cost.bandwidth
         return max(op.flops / p.gemm_flops, op.bytes / p.hbm_bandwidth) + p.launch_s
 
     def op_time(self, op: Op) -> float:
@@ -103,5 +125,5 @@ class KernelModel:
         if op.kind == "gemm":
             return self.gemm_time(op.m, op.n, op.k, op.layout)
         if op.kind == "attention":
-            return self.attention_time(op)
+            return self.attention_time(op) * self.profile.compute_contention
         return self.memory_bound_time(op)

@@ -19,6 +19,13 @@ holds, term by term,
   the full-size weight gradient of mlp_down held until its deferred z reduce-scatter completes, and,
   on gloo (CPU, fp32), the copy that the reduce-scatter built from an all-reduce reduces (comm.py);
 - logits: fp32 logits of the micro-batch.
+On gloo (CPU) with G_data > 1 a second peak comes at the end-of-step gradient reductions: the
+executor issues every data-axis all-reduce on a flat copy of its weight's gradients (model.flat_grads)
+and waits for them together, so the static state plus one fp32 copy of the rank's gradients is held
+(the activations are gone). `reduction_buffers` is what that peak adds over the backward one (0 when
+the backward peak is higher). Measured (calibration/measurements/cpu-2026-12-01, torch's memory
+tracker, gpt-small): 1x1x1x4 and 1x1x1x8 both peaked at 64.98 MB = 51.98 MB of static state + 13.0 MB,
+one copy of the 3.25 M gradients, whatever their batch; the backward-peak model gave 58.5 MB for 1x1x1x8.
 """
 
 from __future__ import annotations
@@ -46,11 +53,12 @@ class Memory:
     activations: int       # saved for the backward pass, plus one block's working set
     gathered_weights: int  # z-gathered weights in flight (prefetch), cached layers, full-size wgrads
     logits: int
+    reduction_buffers: int = 0  # the gradient-reduction peak over the backward one (gloo, data > 1)
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.activations
-                + self.gathered_weights + self.logits)
+                + self.gathered_weights + self.logits + self.reduction_buffers)
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -94,13 +102,18 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     gathered = activation_bytes * (in_flight + cached) if grid.z > 1 else 0
 
     weight, grad, opt = FP32_BYTES if activation_bytes >= 4 else (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    logits = LOGIT_BYTES * m * model.padded_vocab(gy) // gy
+    # the gradient reductions' peak (gloo, data > 1): static state + a flat fp32 copy of the gradients
+    copies = GRAD_BYTES * n_local if gloo and grid.data > 1 else 0
+    extra = max(0, copies - (activations + gathered + logits))
     return Memory(
         parameters=weight * n_local,
         gradients=grad * n_local,
         optimizer=opt * n_local,
         activations=activations,
         gathered_weights=gathered,
-        logits=LOGIT_BYTES * m * model.padded_vocab(gy) // gy,
+        logits=logits,
+        reduction_buffers=extra,
     )
 
 

@@ -24,7 +24,8 @@ LAYOUTS = ("NN", "NT", "TN")
 @dataclass(frozen=True)
 class GemmPoint:
     """One measured GEMM: C[m,n] = A[m,k] B[k,n] in `layout`, reaching `flops` flop/s per rank while
-    `ranks` ranks shared the node (0: not recorded, applies to any count)."""
+    `ranks` ranks shared the node (0: not recorded, applies to any count). `training`: measured inside
+    recorded training steps (its span, everything included), not by a microbenchmark."""
 
     m: int
     n: int
@@ -32,6 +33,7 @@ class GemmPoint:
     layout: str
     flops: float
     ranks: int = 0
+    training: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,25 @@ class NodeShare:
     attention_fwd_efficiency: float = 0.0  # measured, of the scaled peak (0: the profile's own)
     attention_bwd_efficiency: float = 0.0
     host_op_s: float = 0.0  # measured host time per compute op of the executor (0: the profile's own)
+    # measured inside recorded training steps (`backend bench`): GEMMs and attention ran this many
+    # times slower than their microbenchmarks while no collective overlapped them (the ranks share the
+    # cores with each other and with gloo's threads), and collectives this many times slower than
+    # alone, the median over the recorded ones (1, 1: not measured)
+    compute_contention: float = 1.0
+    collective_slowdown: float = 1.0
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """A compute op kind (and role; "" for every role) the GEMM and attention models do not cover,
+    measured inside recorded training steps while `ranks` ranks shared the node:
+    seconds = latency_s + op bytes / bandwidth (bytes as twin.program counts them, bytes/s)."""
+
+    kind: str
+    role: str
+    ranks: int
+    latency_s: float
+    bandwidth: float
 
 
 @dataclass(frozen=True)
@@ -73,16 +94,20 @@ class CollectiveTable:
 
     points: tuple[CollectivePoint, ...]
     activation_bytes: int = 2
+    training: tuple[CollectivePoint, ...] = ()  # measured inside recorded training steps: preferred
+    slowdown: float = 1.0   # a point measured alone counts this many times its time inside training
 
     def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
-        """Seconds for one collective, or None when no point of this kind and group size was measured."""
+        """Seconds for one collective, or None when no point of this kind and group size was measured:
+        the line measured inside training where there is one, else the line measured alone x slowdown."""
         from twin.program import ACT_BYTES
-        pts = [p for p in self.points if p.kind == kind and p.group_size == group_size]
-        if not pts:
-            return None
-        pt = min(pts, key=lambda p: (p.stride != stride, abs(p.stride - stride)))
         real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
-        return pt.latency_s + real / pt.bandwidth
+        for points, factor in ((self.training, 1.0), (self.points, self.slowdown)):
+            pts = [p for p in points if p.kind == kind and p.group_size == group_size]
+            if pts:
+                pt = min(pts, key=lambda p: (p.stride != stride, abs(p.stride - stride)))
+                return factor * (pt.latency_s + real / pt.bandwidth)
+        return None
 
 
 @dataclass(frozen=True)
@@ -113,6 +138,10 @@ class Profile:
     # collective issues, measured by `backend bench`; 0 where not measured (GPU profiles: hidden
     # behind the asynchronous kernel queue)
     host_op_s: float = 0.0
+    op_cost: tuple[OpCost, ...] = ()  # measured costs of op kinds inside training (replace the roofline)
+    compute_contention: float = 1.0   # GEMM and attention times x this (measured inside training)
+    collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
+    collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -121,18 +150,22 @@ class Profile:
         figures and GEMM points of the nearest measured rank count (on a log scale) replace the
         defaults. Unchanged when the profile has no per-rank-count measurements."""
         counts = sorted({s.ranks for s in self.node_share} | {g.ranks for g in self.gemm_table if g.ranks}
-                        | {c.ranks for c in self.collective_table})
+                        | {c.ranks for c in self.collective_table} | {c.ranks for c in self.op_cost}
+                        | {c.ranks for c in self.collective_training})
         if not counts:
             return self
         r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))
         kw: dict = {"ranks": r,
                     "gemm_table": tuple(g for g in self.gemm_table if g.ranks in (0, r)),
-                    "collective_table": tuple(c for c in self.collective_table if c.ranks == r)}
+                    "collective_table": tuple(c for c in self.collective_table if c.ranks == r),
+                    "op_cost": tuple(c for c in self.op_cost if c.ranks == r),
+                    "collective_training": tuple(c for c in self.collective_training if c.ranks == r)}
         share = next((s for s in self.node_share if s.ranks == r), None)
         if share is not None:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
-                      gemm_flops=self.gemm_flops * share.compute_scale)
+                      gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
+                      collective_slowdown=share.collective_slowdown)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
@@ -142,9 +175,20 @@ class Profile:
 
     def collectives(self) -> CollectiveTable | None:
         """The measured collective table (after for_ranks), or None when the profile has none."""
-        if not self.collective_table:
+        if not self.collective_table and not self.collective_training:
             return None
-        return CollectiveTable(self.collective_table, self.activation_bytes)
+        return CollectiveTable(self.collective_table, self.activation_bytes, self.collective_training,
+                               self.collective_slowdown)
+
+    def op_cost_for(self, kind: str, role: str) -> OpCost | None:
+        """The measured cost line of an op kind and role (after for_ranks), else of the kind, else None."""
+        best = None
+        for c in self.op_cost:
+            if c.kind == kind and c.role == role:
+                return c
+            if c.kind == kind and c.role == "":
+                best = c
+        return best
 
     @property
     def gemm_efficiency(self) -> float:
@@ -203,7 +247,7 @@ def load_profile(name_or_path: str) -> Profile:
             raise TwinError(f"profile {path}: gemm_table[{i}].layout must be one of {', '.join(LAYOUTS)}")
         m, n, k, ranks = (_int(path, f"gemm_table[{i}].{key}", row.get(key, 0 if key == "ranks" else None),
                                0 if key == "ranks" else 1) for key in ("m", "n", "k", "ranks"))
-        table.append(GemmPoint(m, n, k, row["layout"], float(flops), ranks))
+        table.append(GemmPoint(m, n, k, row["layout"], float(flops), ranks, bool(row.get("training", False))))
     shares = []
     for i, row in enumerate(_rows(path, data, "node_share")):
         where = f"node_share[{i}]"
@@ -214,23 +258,35 @@ def load_profile(name_or_path: str) -> Profile:
                                        {"value": 1.0, "source": "not measured: 1"}), sources),
                                 *(_value(path, f"{where}.{key}", row[key], sources) if key in row else 0.0
                                   for key in ("attention_fwd_efficiency", "attention_bwd_efficiency",
-                                              "host_op_s"))))
-    colls = []
-    for i, row in enumerate(_rows(path, data, "collective_table")):
-        where = f"collective_table[{i}]"
-        if row.get("kind") not in ("all_gather", "reduce_scatter", "all_reduce"):
-            raise TwinError(f"profile {path}: {where}.kind must be all_gather, reduce_scatter or all_reduce")
-        colls.append(CollectivePoint(row["kind"], _int(path, f"{where}.group_size", row.get("group_size"), 2),
-                                     _int(path, f"{where}.ranks", row.get("ranks"), 1),
-                                     _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
-                                     _value(path, f"{where}.bandwidth", row.get("bandwidth"), sources),
-                                     _int(path, f"{where}.stride", row.get("stride", 0), 0)))
+                                              "host_op_s")),
+                                *(_value(path, f"{where}.{key}", row[key], sources) if key in row else default
+                                  for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0)))))
+    costs = []
+    for i, row in enumerate(_rows(path, data, "op_cost")):
+        where = f"op_cost[{i}]"
+        if not isinstance(row.get("kind"), str) or not isinstance(row.get("role", ""), str):
+            raise TwinError(f"profile {path}: {where}.kind and .role must be strings")
+        costs.append(OpCost(row["kind"], row.get("role", ""), _int(path, f"{where}.ranks", row.get("ranks"), 1),
+                            _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
+                            _value(path, f"{where}.bandwidth", row.get("bandwidth"), sources)))
+    colls: dict[str, list[CollectivePoint]] = {"collective_table": [], "collective_training": []}
+    for key, out in colls.items():
+        for i, row in enumerate(_rows(path, data, key)):
+            where = f"{key}[{i}]"
+            if row.get("kind") not in ("all_gather", "reduce_scatter", "all_reduce"):
+                raise TwinError(f"profile {path}: {where}.kind must be all_gather, reduce_scatter or all_reduce")
+            out.append(CollectivePoint(row["kind"], _int(path, f"{where}.group_size", row.get("group_size"), 2),
+                                       _int(path, f"{where}.ranks", row.get("ranks"), 1),
+                                       _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
+                                       _value(path, f"{where}.bandwidth", row.get("bandwidth"), sources),
+                                       _int(path, f"{where}.stride", row.get("stride", 0), 0)))
     act = data.get("activation_bytes", 2)
     if act not in (1, 2, 4, 8):
         raise TwinError(f"profile {path}: activation_bytes must be 1, 2, 4 or 8, got {act!r}")
     return Profile(name=data.get("name", path.stem), gpus=tuple(g.lower() for g in data.get("gpus", [])),
                    gemm_table=tuple(table), activation_bytes=act, node_share=tuple(shares),
-                   collective_table=tuple(colls), sources=sources, **kw)
+                   collective_table=tuple(colls["collective_table"]),
+                   collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources, **kw)
 
 
 def _rows(path: Path, data: dict, key: str) -> list[dict]:

@@ -261,13 +261,18 @@ MODEL = Table(
 
 GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
                            "layout": Text(("NN", "NT", "TN")), "flops": Sourced(RATE)},
-                 optional={"ranks": Int(0, 1 << 20)})
+                 optional={"ranks": Int(0, 1 << 20), "training": Flag()})
 NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(Positive(1.0)),
                                  "hbm_bandwidth": Sourced(RATE), "overlap_slowdown": Sourced(SCALE)},
                        optional={"compute_scale": Sourced(SCALE),
                                  "attention_fwd_efficiency": Sourced(SCALE),
                                  "attention_bwd_efficiency": Sourced(SCALE),
-                                 "host_op_s": Sourced(Positive(1.0))})
+                                 "host_op_s": Sourced(Positive(1.0)),
+                                 "compute_contention": Sourced(SCALE),
+                                 "collective_slowdown": Sourced(SCALE)})
+OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),
+                              "latency_s": Sourced(Positive(1.0)), "bandwidth": Sourced(RATE)},
+                    optional={"role": Text()})
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
@@ -285,6 +290,7 @@ PROFILE = Table(
     optional={"name": Text(nonempty=True), "gpus": ListOf(Text(nonempty=True)), "description": Text(),
               "gemm_table": ListOf(GEMM_ROW), "node_share": ListOf(NODE_SHARE_ROW),
               "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8),
+              "op_cost": ListOf(OP_COST_ROW), "collective_training": ListOf(COLLECTIVE_ROW),
               "host_op_s": Sourced(Positive(1.0))})
 
 # ---- measurement files (`backend bench`, read by `twin calibrate`) and run files (read by `twin validate`)
@@ -313,10 +319,16 @@ MEASUREMENT = Table(
         "overlap": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "axis": Text(AXES), "alone_s": SECONDS,
                                           "overlapped_s": SECONDS}, extra=True)),
     },
-    optional={  # absent in files written before attention was measured
+    optional={  # absent in files written before attention and training steps were measured
         "attention": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "fwd_flops": Number(1, 1e30),
                                             "bwd_flops": Number(1, 1e30), "fwd_s": SECONDS, "bwd_s": SECONDS},
                                   extra=True)),
+        "steps": ListOf(Table(required={"name": Text(nonempty=True), "kind": Text(nonempty=True),
+                                        "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
+                                        "seconds": SECONDS, "covered": Number(0, 1)},
+                              optional={"role": Text(), "axis": Text(AXES + ("",)), "m": Int(0, 1 << 30),
+                                        "n": Int(0, 1 << 30), "k": Int(0, 1 << 30),
+                                        "layout": Text(("NN", "NT", "TN", ""))}, extra=True)),
     },
     extra=True)
 
