@@ -97,6 +97,7 @@ def program_grid(program_file: str | None, grid: str) -> str:
     from twin.programfile import load_program
     return str(load_program(program_file).grid)
 DtypeOpt = Annotated[str, typer.Option(help="GEMM precision: fp32, bf16 or fp16.")]
+InitFromOpt = Annotated[Optional[str], typer.Option(help="Start from the weights of this Hugging Face Llama directory (config.json and *.safetensors); its config is the model.")]
 
 
 @app.command("run")
@@ -129,8 +130,9 @@ def run_cmd(
     eval_batches: Annotated[int, typer.Option(help="Global batches of held-out windows per evaluation.")] = 4,
     progress_timeout: Annotated[float, typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never.")] = 900.0,
     program: ProgramOpt = None,
+    init_from: InitFromOpt = None,
 ) -> int:
-    """Train a GPT with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
+    """Train a GPT or Llama with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch import launch
     from backend.train import TrainConfig, validate
 
@@ -142,6 +144,10 @@ def run_cmd(
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
                       eval_every=eval_every, eval_batches=eval_batches,
                       program_file=program, grid=program_grid(program, grid))
+    if init_from:
+        from backend.hf import HFCheckpoint
+        cfg.init_from, ckpt = init_from, HFCheckpoint(init_from)
+        cfg.spec, cfg.hf_config = asdict(ckpt.spec(global_batch=batch or 8)), ckpt.config.raw
     if goldfish_k is not None:
         from backend.goldfish import check
         check(goldfish_k, goldfish_h)
@@ -185,6 +191,112 @@ def replay_cmd(
     check_launcher_world(g)
     validate(cfg)
     return launch("replay", asdict(cfg), g.size)
+
+
+@app.command("finetune")
+@handles_errors
+def finetune_cmd(
+    data: Annotated[str, typer.Option(help="Training data: a .jsonl of {\"prompt\": ..., \"response\": ...} lines (the loss counts response tokens only), or a text file.")],
+    init_from: InitFromOpt = None,
+    grid: GridOpt = "1x1x1x1",
+    steps: Annotated[int, typer.Option(help="Number of training steps.")] = 100,
+    batch: Annotated[int, typer.Option(help="Global batch in sequences (examples) per step.")] = 8,
+    micro_batches: MicroOpt = 1,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: the config's max_position_embeddings, at most 2048).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default: 2e-5 x sqrt(4096 / hidden): 2e-5 for 8B, 1e-5 for 405B).")] = None,
+    min_lr: Annotated[Optional[float], typer.Option(help="Learning rate at the end of the cosine decay (default: lr / 10).")] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="Linear warm-up steps (default: 3 % of the steps, at least 1).")] = None,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.0,
+    grad_clip: Annotated[float, typer.Option(help="Clip the global gradient norm to this; 0: off.")] = 1.0,
+    eval_data: Annotated[Optional[str], typer.Option(help="Held-out data (.jsonl examples or text); default: 5 % of the examples of --data.")] = None,
+    eval_every: Annotated[int, typer.Option(help="Held-out loss every N steps (and after the last).")] = 10,
+    out: Annotated[str, typer.Option(help="Directory for log.jsonl, summary.json and trace/.")] = "runs/finetune",
+    ckpt_dir: Annotated[Optional[str], typer.Option(help="Checkpoint directory; a fine-tune resumes from its latest checkpoint (then --init-from may be left out).")] = None,
+    ckpt_every: Annotated[Optional[int], typer.Option(help="Save a checkpoint every N steps (default: at the end only).")] = None,
+    export: Annotated[Optional[str], typer.Option(help="After the last step, write the model as a Hugging Face directory here (needs --ckpt-dir).")] = None,
+    log_every: Annotated[int, typer.Option(help="Log every N steps.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the data order.")] = 0,
+    device: DeviceOpt = "cpu",
+    recompute: RecomputeOpt = True,
+) -> int:
+    """Fine-tune a Llama from a Hugging Face checkpoint: the loss on responses only, a lower learning rate,
+    warm-up then cosine decay, a held-out loss in the log."""
+    from backend.launch import launch
+    from backend.train import TrainConfig, validate
+
+    spec, hf_config = finetune_model(init_from, ckpt_dir, seq_len, batch)
+    from backend.finetune import default_lr, default_warmup
+    lr = lr if lr is not None else default_lr(spec.hidden)
+    if export and not ckpt_dir:
+        raise TwinError("--export writes the final checkpoint: give --ckpt-dir too")
+    cfg = TrainConfig(model=spec.name, spec=asdict(spec), hf_config=hf_config, init_from=init_from, grid=grid,
+                      steps=steps, batch=batch, micro_batches=micro_batches, lr=lr,
+                      min_lr=min_lr if min_lr is not None else lr / 10,
+                      warmup=warmup if warmup is not None else default_warmup(steps), weight_decay=weight_decay,
+                      grad_clip=grad_clip, recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir,
+                      ckpt_every=ckpt_every if ckpt_every is not None else (steps if ckpt_dir else 0),
+                      log_every=log_every, seed=seed, device=device, eval_data=eval_data, eval_every=eval_every,
+                      eval_holdout=0.05)
+    g = Grid.parse(grid)
+    check_launcher_world(g)
+    validate(cfg)
+    if export:
+        from twin.common import check_output
+        check_output(export, "--export", folder=True)
+    code = launch("run", asdict(cfg), g.size)
+    from backend.launch import env_rank, under_launcher
+    if code or (under_launcher() and env_rank()[0] != 0):
+        return code
+    line = summary_line(out)
+    if line:
+        typer.echo(line)
+    if export:
+        from backend.hf import export as write_hf
+        files = write_hf(ckpt_dir, export)
+        typer.echo(f"exported to {export}/ ({len(files)} files)")
+    return 0
+
+
+def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | None, batch: int):
+    """The model of a fine-tune and its Hugging Face config: from --init-from, else from the
+    checkpoint it resumes (raises TwinError when there is neither)."""
+    from twin.model import ModelSpec
+
+    if seq_len is not None and seq_len < 1:
+        raise TwinError(f"--seq-len must be >= 1, got {seq_len}")
+    if init_from:
+        from backend.hf import HFCheckpoint
+        ckpt = HFCheckpoint(init_from)
+        return ckpt.spec(seq_len, batch), ckpt.config.raw
+    from backend import checkpoint
+    path = checkpoint.latest(ckpt_dir) if ckpt_dir else None
+    if path is None:
+        raise TwinError("give --init-from HF_DIR (a Hugging Face Llama directory), or a --ckpt-dir holding a "
+                        "checkpoint of a fine-tune to resume")
+    meta = checkpoint.read_meta(path)
+    saved = meta.get("config", {}) if isinstance(meta.get("config"), dict) else {}
+    spec = ModelSpec(**meta["model"])
+    if seq_len is not None and seq_len != spec.seq_len:
+        raise TwinError(f"the checkpoint in {ckpt_dir} was trained with --seq-len {spec.seq_len}, not {seq_len}")
+    return spec, saved.get("hf_config")
+
+
+@app.command("export")
+@handles_errors
+def export_cmd(
+    checkpoint: Annotated[str, typer.Option(help="A checkpoint directory of `backend run`/`finetune` (its latest step) or one step_* directory, of a Llama, any grid.")],
+    out: Annotated[str, typer.Option(help="The Hugging Face directory to write (config.json, *.safetensors).")],
+    dtype: Annotated[str, typer.Option(help="Weights' precision in the files: fp32, bf16 or fp16.")] = "fp32",
+    max_shard_gb: Annotated[float, typer.Option(help="Largest safetensors file (GB); larger models are sharded with an index.")] = 5.0,
+) -> int:
+    """Write a Llama checkpoint as a Hugging Face directory that transformers loads (vocabulary unpadded)."""
+    from backend.hf import export
+
+    if not 0 < max_shard_gb < 1e6:
+        raise TwinError(f"--max-shard-gb must be a positive size in GB, got {max_shard_gb}")
+    files = export(checkpoint, out, dtype, int(max_shard_gb * 1e9))
+    typer.echo(f"wrote {out}/: " + ", ".join(f.name for f in files))
+    return 0
 
 
 def default_bench_out(device: str) -> str:

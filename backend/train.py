@@ -166,11 +166,11 @@ def validate(cfg: TrainConfig) -> None:
     check_memory(program, cfg.device, 2 if cfg.device == "cuda" else 4)  # bf16 compute on GPU, fp32 on CPU
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise TwinError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {cfg.eval_every} and {cfg.eval_batches}")
-    from backend.finetune import check_data
-    check_data(cfg, spec)
     if cfg.init_from:
         from backend.hf import HFCheckpoint
-        HFCheckpoint(cfg.init_from).check(spec)
+        HFCheckpoint(cfg.init_from).check(spec)  # every tensor there, with the spec's shapes
+    from backend.finetune import check_data
+    check_data(cfg, spec)
     if cfg.ckpt_dir:
         path = checkpoint.latest(cfg.ckpt_dir)
         if path is not None:
