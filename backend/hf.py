@@ -46,6 +46,14 @@ class HFError(TwinError):
     """A Hugging Face directory or checkpoint that cannot be imported or exported."""
 
 
+def require_safetensors() -> None:
+    """Say in one line how to install safetensors when it is missing."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise HFError("Hugging Face checkpoints need the safetensors package: pip install safetensors") from None
+
+
 # -- config.json <-> ModelSpec ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -190,6 +198,7 @@ class HFCheckpoint:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         self.config = read_config(self.dir)
+        require_safetensors()
         self.files = self._tensor_files()
         self._open: dict[str, object] = {}
 
@@ -379,6 +388,8 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
     Returns the files written. Raises HFError (one line) when the checkpoint is not of a Llama.
     """
     import torch
+
+    require_safetensors()
     from safetensors.torch import save_file
 
     from backend import checkpoint
