@@ -224,7 +224,7 @@ def finetune_cmd(
     from backend.launch import launch
     from backend.train import TrainConfig, validate
 
-    spec, hf_config = finetune_model(init_from, ckpt_dir, seq_len, batch)
+    spec, hf_config, init_from = finetune_model(init_from, ckpt_dir, seq_len, batch)
     from backend.finetune import default_lr, default_warmup
     lr = lr if lr is not None else default_lr(spec.hidden)
     if export and not ckpt_dir:
@@ -258,8 +258,11 @@ def finetune_cmd(
 
 
 def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | None, batch: int):
-    """The model of a fine-tune and its Hugging Face config: from --init-from, else from the
-    checkpoint it resumes (raises TwinError when there is neither)."""
+    """The model of a fine-tune, its Hugging Face config and the directory it started from (its
+    tokenizer's): from --init-from, else from the checkpoint it resumes (raises TwinError when there
+    is neither)."""
+    from pathlib import Path
+
     from twin.model import ModelSpec
 
     if seq_len is not None and seq_len < 1:
@@ -267,7 +270,7 @@ def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | N
     if init_from:
         from backend.hf import HFCheckpoint
         ckpt = HFCheckpoint(init_from)
-        return ckpt.spec(seq_len, batch), ckpt.config.raw
+        return ckpt.spec(seq_len, batch), ckpt.config.raw, init_from
     from backend import checkpoint
     path = checkpoint.latest(ckpt_dir) if ckpt_dir else None
     if path is None:
@@ -278,7 +281,8 @@ def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | N
     spec = ModelSpec(**meta["model"])
     if seq_len is not None and seq_len != spec.seq_len:
         raise TwinError(f"the checkpoint in {ckpt_dir} was trained with --seq-len {spec.seq_len}, not {seq_len}")
-    return spec, saved.get("hf_config")
+    source = saved.get("init_from")
+    return spec, saved.get("hf_config"), source if isinstance(source, str) and Path(source).is_dir() else None
 
 
 @app.command("export")
