@@ -281,14 +281,6 @@ class HFCheckpoint:
         self._open.clear()
 
 
-def check_dir(hf_dir: str | Path, seq_len: int | None = None, global_batch: int = 8) -> ModelSpec:
-    """The ModelSpec of an HF directory whose files match its config (one clear line otherwise)."""
-    ckpt = HFCheckpoint(hf_dir)
-    spec = ckpt.spec(seq_len, global_batch)
-    ckpt.check(spec)
-    return spec
-
-
 def load_into(model, hf_dir: str | Path, wrap: Callable | None = None) -> None:
     """Copy this rank's shards of every parameter of `model` (a 4D Llama) from an HF directory,
     reading only the blocks it keeps (backend.llama.hf_slices says which).
