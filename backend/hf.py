@@ -175,22 +175,6 @@ def config_from_spec(spec: ModelSpec, base: dict | None = None, dtype: str = "fl
     return cfg
 
 
-def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Shapes of a LlamaForCausalLM's tensors (Hugging Face names; vocabulary unpadded)."""
-    h, d, f, v = spec.hidden, spec.head_dim, spec.ffn, spec.vocab
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(spec.layers):
-        p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (spec.heads * d, h), p + "self_attn.k_proj.weight": (spec.n_kv_heads * d, h),
-                    p + "self_attn.v_proj.weight": (spec.n_kv_heads * d, h), p + "self_attn.o_proj.weight": (h, h),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,)})
-    out["model.norm.weight"] = (h,)
-    out["lm_head.weight"] = (v, h)
-    return out
-
-
 # -- reading safetensors ---------------------------------------------------------------------------
 class HFCheckpoint:
     """A Hugging Face Llama directory: its config and where each tensor lives (headers only)."""
@@ -244,6 +228,8 @@ class HFCheckpoint:
 
     def check(self, spec: ModelSpec) -> None:
         """Every tensor the model needs is present with the shape `spec` implies (raises HFError)."""
+        from backend.llama import hf_shapes
+
         headers: dict[Path, dict] = {}
         for name, shape in hf_shapes(spec).items():
             source = self.source_name(name)
@@ -386,6 +372,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
 
     from backend import checkpoint
     from backend.generate import checkpoint_dir
+    from backend.llama import hf_shapes
     from twin.common import check_output, write_atomic
     from twin.grid import Grid
     from twin.model import ModelSpec

@@ -106,3 +106,20 @@ def test_response_only_loss_and_gradients_on_a_4d_grid_equal_one_process():
         assert r["rel"] < 1e-4, rank
     per_shard = {tuple(r["counts"]) for r in results}
     assert len(per_shard) > 1  # the shards count different numbers of tokens
+
+
+def test_a_tokenizer_json_next_to_the_weights_is_used(tmp_path):
+    """A model directory's tokenizer.json (read offline with `tokenizers`) encodes the examples and
+    its end-of-text id closes each response; without one, bytes."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from backend.finetune import HFTokenizer, tokenizer_for
+
+    vocab = {c: i for i, c in enumerate(["<eos>", "[UNK]"] + list("0123456789+=; "))}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    chosen = tokenizer_for(str(tmp_path), eos=0)
+    assert isinstance(chosen, HFTokenizer) and isinstance(tokenizer_for(str(tmp_path / "none")), ByteTokenizer)
+    ex = encode_examples([("12+3=", "15;")], chosen, seq_len=12, vocab=16)
+    assert list(ex.inputs[0, :8]) == [3, 4, 12, 5, 13, 3, 7, 14]  # 1 2 + 3 = 1 5 ;
+    assert [int(t) for t in ex.targets[0] if t != IGNORE] == [3, 7, 14, 0]  # the response, then <eos>

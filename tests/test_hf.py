@@ -196,6 +196,7 @@ def test_bad_checkpoints_and_grids_get_one_line(tiny, tmp_path):
     gpt.mkdir()
     (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     one_line(base + ["--init-from", str(gpt)], "not a Llama")
+    one_line(["run", "--init-from", str(gpt), "--out", str(tmp_path / "run")], "not a Llama")
     wrong = tmp_path / "wrong"
     shutil.copytree(tiny["single"], wrong)
     cfg = json.loads((wrong / "config.json").read_text())
