@@ -53,10 +53,18 @@ def tiny(tmp_path_factory):
     model.save_pretrained(root / "single")
     model.save_pretrained(root / "sharded", max_shard_size="60KB")
     tokens = torch.from_numpy(np.random.default_rng(1).integers(0, VOCAB, size=(4, SEQ)))
+    # Llama 3.1's rope: "llama3" frequency scaling (its original context shorter than the sequence here)
+    scaled = transformers.LlamaConfig(**{**cfg.to_dict(), "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}})
+    llama3 = transformers.LlamaForCausalLM(scaled).eval()
+    llama3.save_pretrained(root / "llama3")
     with torch.no_grad():
         logits = model(tokens).logits.float()
+        logits3 = llama3(tokens).logits.float()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"single": root / "single", "sharded": root / "sharded", "tokens": tokens, "logits": logits, "state": state}
+    return {"single": root / "single", "sharded": root / "sharded", "llama3": root / "llama3", "tokens": tokens,
+            "logits": logits, "logits_llama3": logits3, "state": state}
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -110,7 +118,7 @@ def _import_on_grid(ctx, model_dir: str, tokens, targets, ckpt_dir: str) -> dict
     return {"loss": loss, "same": same, "reads": reads}
 
 
-@pytest.mark.parametrize("grid,layout", [("1x1x1x1", "single"), ("2x1x1x1", "sharded"), ("1x2x1x1", "single"),
+@pytest.mark.parametrize("grid,layout", [("1x1x1x1", "single"), ("2x1x1x1", "sharded"), ("1x2x1x1", "llama3"),
                                          ("1x1x2x1", "sharded")])
 def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(tiny, tmp_path, grid, layout):
     from backend_helpers import run_on_grid
@@ -118,7 +126,8 @@ def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(t
     tokens = tiny["tokens"]
     targets = torch.roll(tokens, -1, 1)
     results = run_on_grid(grid, _import_on_grid, str(tiny[layout]), tokens, targets, str(tmp_path / "ckpt"))
-    want = masked_loss(tiny["logits"], targets)
+    logits = tiny["logits_llama3" if layout == "llama3" else "logits"]
+    want = masked_loss(logits, targets)
     for rank, r in enumerate(results):
         assert r["same"], rank  # every tensor gathered back bit for bit
         assert r["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), rank
@@ -126,8 +135,7 @@ def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(t
             assert all(n < full for n, full in r["reads"] if full > 64), rank
     files = export(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000)
     assert (tmp_path / "out" / "model.safetensors.index.json") in files
-    logits = hf_logits(tmp_path / "out", tokens)
-    assert torch.equal(logits, tiny["logits"])  # identical weights, so identical logits
+    assert torch.equal(hf_logits(tmp_path / "out", tokens), logits)  # identical weights and config: identical logits
 
 
 def test_reference_llama_has_the_logits_of_transformers(tiny):
