@@ -137,6 +137,8 @@ def spec_from_config(cfg: LlamaConfig, name: str, seq_len: int | None = None, gl
     max_position_embeddings, at most 2048); global_batch: sequences per step."""
     from twin.model import ModelSpec
 
+    if seq_len is not None and not 1 <= seq_len <= cfg.max_positions:
+        raise HFError(f"--seq-len {seq_len} must be in 1..{cfg.max_positions} (the model's max_position_embeddings)")
     rope = {}
     if cfg.rope_scaling:
         s = cfg.rope_scaling
