@@ -73,6 +73,9 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
         spec, grid = ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
     except (TypeError, KeyError) as e:
         raise TwinError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
+    if getattr(spec, "is_llama", False):
+        raise TwinError(f"checkpoint {ckpt} is of a Llama ({spec.name}): backend generate decodes GPT checkpoints; "
+                        "write it as a Hugging Face directory with `backend export` and decode it with transformers")
     if model is not None:
         want = load_model(model)
         if want != spec:

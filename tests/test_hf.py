@@ -136,6 +136,8 @@ def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(t
     files = export(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000)
     assert (tmp_path / "out" / "model.safetensors.index.json") in files
     assert torch.equal(hf_logits(tmp_path / "out", tokens), logits)  # identical weights and config: identical logits
+    if grid == "1x1x1x1":
+        one_line(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1"], "backend export")
 
 
 def test_reference_llama_has_the_logits_of_transformers(tiny):
