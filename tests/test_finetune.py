@@ -66,7 +66,7 @@ def test_defaults_and_held_out_split():
 
 
 # -- the loss over counted tokens on a 4D grid ------------------------------------------------------
-def _masked_step(ctx) -> dict:
+def _masked_step(ctx, arch: str) -> dict:
     import torch
 
     from backend.model import GPT, ReferenceGPT, gather_full_grads, load_from_reference
@@ -74,33 +74,40 @@ def _masked_step(ctx) -> dict:
     from twin.model import load_model
     from twin.program import Options
 
-    spec = load_model("gpt-tiny")
+    spec = load_model(f"{arch}-tiny")
     rng = np.random.default_rng(5)
     # prompts of very different lengths: some shards count many more tokens than others
     pairs = [("p" * int(rng.integers(0, 30)), "r" * int(rng.integers(1, 20))) for _ in range(8)]
     pairs[0] = ("x" * 31, "y")  # one counted target
     ex = encode_examples(pairs, ByteTokenizer(), spec.seq_len, spec.vocab)
     ex.inputs[:] = rng.integers(0, 256, size=ex.inputs.shape)  # random tokens, same masks
-    ref = ReferenceGPT(spec, seed=2)
-    model = GPT(spec, ctx, Options(micro_batches=2))
-    load_from_reference(model, ref.state_dict())
+    if arch == "gpt":
+        ref = ReferenceGPT(spec, seed=2)
+        model = GPT(spec, ctx, Options(micro_batches=2))
+        load_from_reference(model, ref.state_dict())
+    else:
+        from backend.llama import Llama, ReferenceLlama, gather_hf, load_hf
+        ref = ReferenceLlama(spec, seed=2)
+        model = Llama(spec, ctx, Options(micro_batches=2))
+        load_hf(model, ref.state_dict().__getitem__)
     full = ExampleLoader(ex, 8, 0, 1).batches(0)[0]
     ref_loss = ref(full.inputs, full.targets)
     ref_loss.backward()
     mine = ExampleLoader(ex, 8, ctx.batch_shard, ctx.batch_shards, micro_batches=2).batches(0)
     opt = make_optimizer(model, lr=0.0)  # the step leaves weights and gradients as they are
     loss = train_step(model, opt, [(b.inputs, b.targets) for b in mine], max_norm=1e9)
-    grads = gather_full_grads(model)
+    grads = gather_full_grads(model) if arch == "gpt" else gather_hf(model, "grad")
     rel = max(float((grads[n] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12)) for n, p in ref.named_parameters())
     counts = [int((b.targets >= 0).sum()) for b in mine]
     return {"loss": loss, "ref": float(ref_loss), "rel": rel, "counts": counts}
 
 
-def test_response_only_loss_and_gradients_on_a_4d_grid_equal_one_process():
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_response_only_loss_and_gradients_on_a_4d_grid_equal_one_process(arch):
     pytest.importorskip("torch")
     from backend_helpers import run_on_grid
 
-    results = run_on_grid("1x1x2x2", _masked_step)
+    results = run_on_grid("1x1x2x2", _masked_step, arch)
     for rank, r in enumerate(results):
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5), rank
         assert r["rel"] < 1e-4, rank
