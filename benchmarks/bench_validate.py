@@ -58,6 +58,18 @@ def sh(cmd: list[str], timeout: float) -> str:
     return r.stdout
 
 
+def summary_line(label: str, runs: list[dict]) -> str:
+    """The issue's measures over some runs: iteration |error| (median, count within 15 %), per-op
+    median error (median over the runs, count within 20 %), worst memory error."""
+    import statistics
+    its = [abs(r["iteration"]["error"]) for r in runs]
+    ops = [r["ops"]["median_abs_error"] for r in runs]
+    mem = [abs(r["memory"]["error"]) for r in runs if r["memory"]["error"] is not None]
+    return (f"{label}, {len(runs)} runs: iteration median |error| {100 * statistics.median(its):.1f} %, "
+            f"{sum(e <= 0.15 for e in its)} within 15 %; per-op median {100 * statistics.median(ops):.0f} %, "
+            f"{sum(o <= 0.2 for o in ops)} within 20 %; memory worst {100 * max(mem) if mem else float('nan'):.1f} %")
+
+
 def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -138,6 +150,12 @@ def main() -> int:
                "load_average_end": os.getloadavg(), "cores": os.cpu_count(), "steps": a.steps}
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {out / 'report.json'} (per-op rows and the scatter: {work})")
+    benched = {g for r in ranks for g, _ in BENCH_GRIDS.get(r, [])}
+    for label, sel in (("all grids", rep["runs"]), ("benched grids (their training steps were fitted)",
+                       [r for r in rep["runs"] if r["grid"] in benched]),
+                       ("other grids (out of sample)", [r for r in rep["runs"] if r["grid"] not in benched])):
+        if sel:
+            print(summary_line(label, sel))
     its = [abs(r["iteration"]["error"]) for r in rep["runs"]]
     ops = [r["ops"]["median_abs_error"] for r in rep["runs"]]
     mem = [abs(r["memory"]["error"]) for r in rep["runs"] if r["memory"]["error"] is not None]
