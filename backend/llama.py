@@ -44,7 +44,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from backend.dist import ParallelContext
 from backend.layers import IGNORE, rope_tables
 from backend.model import GPT, _Params
 from twin.grid import AXES
@@ -292,8 +291,7 @@ def _layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter, R
             "mlp_up": ([(gate, *part("y", f)), (up, *part("y", f))], part("x", h)),
             "mlp_down": ([(down, *part("x", h))], part("y", f)),
         }
-        for name, k_, n_, transposed in spec.linear_shapes():
-            _, _, in_axis, out_axis = linear_dims(g, k_, n_, transposed)
+        for name, *_ in spec.linear_shapes():
             parts, cols = lins[name]
             out.append((tuple(p[0] for p in parts), getattr(b, name).weight, _linear_reader(parts, cols, coords, gz)))
         for ln, hf in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
