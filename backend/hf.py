@@ -329,11 +329,11 @@ def _layouts(spec: ModelSpec, grid) -> list[list[tuple[tuple[str, ...], str, tor
     import torch
 
     from backend.dist import ParallelContext
-    from backend.llama import Llama, _layout
+    from backend.llama import Llama, hf_layout
 
     model = Llama(spec, ParallelContext(grid, 0, torch.device("cpu"), "gloo", {}))
     names = {id(p): n for n, p in model.named_parameters()}
-    return [[(hf, names[id(p)], p.shape, reader) for hf, p, reader in _layout(model, grid.coords(r))]
+    return [[(hf, names[id(p)], p.shape, reader) for hf, p, reader in hf_layout(model, grid.coords(r))]
             for r in range(grid.size)]
 
 

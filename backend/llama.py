@@ -266,7 +266,7 @@ def _table_reader(name: str, rows: tuple[int, int], cols: tuple[int, int], limit
     return reader
 
 
-def _layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter, Reader]]:
+def hf_layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter, Reader]]:
     """(HF names, parameter, reader) of every parameter, for the rank at `coords` (x, y, z, data)."""
     spec, g = model.spec, model.ctx.grid
     h, f, d, gz = spec.hidden, spec.ffn, spec.head_dim, g.z
@@ -306,7 +306,7 @@ def _norm_reader(name: str, cols: tuple[int, int]) -> Reader:
 
 def hf_slices(model: Llama) -> list[tuple[tuple[str, ...], nn.Parameter, Reader]]:
     """(HF names, this rank's parameter, reader) for every parameter (module docstring)."""
-    return _layout(model, model.ctx.coords)
+    return hf_layout(model, model.ctx.coords)
 
 
 def load_hf(model: Llama, get: Callable[[str], View]) -> None:
@@ -323,7 +323,7 @@ def iter_hf_tensors(model: Llama, what: str = "param") -> Iterator[tuple[str, to
     A collective over all ranks, one parameter at a time; every rank gets every tensor."""
     g = model.ctx.grid
     shapes = hf_shapes(model.spec)
-    layouts = [_layout(model, g.coords(r)) for r in range(g.size)]
+    layouts = [hf_layout(model, g.coords(r)) for r in range(g.size)]
     for j, (names, p, _) in enumerate(layouts[0]):
         local = p.detach() if what == "param" else p.grad
         local = torch.zeros_like(p) if local is None else local

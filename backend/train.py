@@ -7,7 +7,8 @@ clipping and AdamW (backend.optim), then logging and, every `ckpt_every` steps, 
 Throughput convention: `flops_per_s` uses ModelSpec.reference_flops (Narayanan et al., SC'21:
 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per step, V the padded vocabulary) with the recomputed forward
 counted when recomputation is on (as the AxoNN papers count); `model_flops_per_s` uses the same
-formula without recomputation (72 instead of 96: useful work only, like MFU).
+formula without recomputation (72 instead of 96: useful work only, like MFU). A Llama counts the same
+way with its own matrices (GQA k/v, three MLP matrices, untied head): the log says "reference-llama".
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class MetricsLog:
         self.model_flops = step_flops(program, False)
         self.tokens = program.batch * program.seq_len
         self.gpus = program.grid.size
+        self.convention = "narayanan-sc21" if program.model.arch == "gpt" else f"reference-{program.model.arch}"
+        if program.options.recompute:
+            self.convention += "+recompute"
         self.times: list[float] = []
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +237,7 @@ class MetricsLog:
                "tokens_per_s": self.tokens / seconds, "flops_per_s": self.flops / seconds,
                "flops_per_s_per_gpu": self.flops / seconds / self.gpus,
                "model_flops_per_s": self.model_flops / seconds,
-               "flops_convention": "narayanan-sc21" + ("+recompute" if self.cfg.recompute else ""),
+               "flops_convention": self.convention,
                "eta_s": avg * (self.cfg.steps - step), **(extra or {})}
         if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
             with open(self.path, "a") as f:
