@@ -60,9 +60,10 @@ def summary_line(out: str) -> str | None:
         peak = load_profile(name).peak_flops * ranks if name else None
     except Exception:  # noqa: BLE001 - the line is still useful without the peak
         peak = None
+    from backend.train import format_flops
     pct = f" ({100 * s['flops_per_s'] / peak:.1f} % of peak)" if peak else ""
     return (f"done: {s['steps']} steps, final loss {s['final_loss']:.4f}; {s['tokens_per_s']:,.0f} tokens/s, "
-            f"{s['flops_per_s'] / 1e12:.3g} TF/s{pct}; outputs in {out}/ (log.jsonl, summary.json, trace/)")
+            f"{format_flops(s['flops_per_s'])}{pct}; outputs in {out}/ (log.jsonl, summary.json, trace/)")
 
 
 def handles_errors(fn):

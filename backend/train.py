@@ -242,11 +242,11 @@ class MetricsLog:
         if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            pct = 100.0 * step / self.cfg.steps
-            print(f"step {step:>5}/{self.cfg.steps} ({pct:5.1f}%) | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"{rec['tokens_per_s']:,.0f} tok/s | {format_flops(rec['flops_per_s_per_gpu'])} per gpu "
-                  f"({rec['flops_convention']}) | eta {format_eta(rec['eta_s'])}"
-                  + (f" | held-out loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""), flush=True)
+            # one line that fits 80 columns (flop/s per GPU by the convention the first line names)
+            print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss:.4f}  "
+                  f"lr {lr:.1e}  {rec['tokens_per_s']:,.0f} tok/s  {format_flops(rec['flops_per_s_per_gpu'])}/GPU  "
+                  f"eta {format_eta(rec['eta_s'])}"
+                  + (f"  held-out loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""), flush=True)
         return rec
 
 
@@ -324,9 +324,10 @@ def train(cfg: TrainConfig) -> list[dict]:
         if rank0:
             out.mkdir(parents=True, exist_ok=True)
             print(f"backend run: {spec.name} ({spec.parameters(spec.padded_vocab(grid.y)) / 1e6:.1f} M parameters) "
-                  f"on grid {grid} ({ctx.device}, {ctx.compute_dtype}), {metrics.tokens} tokens/step, "
+                  f"on grid {grid} ({ctx.device}, {ctx.compute_dtype})\n{metrics.tokens} tokens/step, "
                   f"data {cfg.data}" + (f", from {cfg.init_from}" if cfg.init_from and not start else "")
-                  + (f", resumed after step {start}" if start else ""), flush=True)
+                  + (f", resumed after step {start}" if start else "")
+                  + f"; flop/s by {metrics.convention}", flush=True)
         trace_step = cfg.trace_step or cfg.steps
         crash_after = int(os.environ.get(CRASH_ENV, "0"))
         records, peaks = [], []

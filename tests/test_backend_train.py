@@ -38,6 +38,9 @@ def test_run_trains_logs_and_traces(tmp_path):
     for rec in lines:
         assert rec["tokens_per_s"] > 0 and rec["flops_per_s"] > 0 and rec["eta_s"] >= 0
     assert "loss" in r.stdout and "tok/s" in r.stdout
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == STEPS and all(len(line) <= 80 for line in steps), steps  # one line in 80 columns
+    assert r.stdout.strip().splitlines()[-1].startswith("done: ")  # the summary line
     summary = json.loads((out / "summary.json").read_text())
     assert summary["grid"] == GRID and summary["tokens_per_s"] > 0
 

@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from twin.common import TwinError, finite_json, write_atomic
 from twin.grid import Grid
@@ -18,6 +17,7 @@ from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt,
                          RecomputeOpt, SeqOpt, options_from_flags, output_file, output_folder)
 from twin.program import build_program
 from twin.programfile import load_program, save_program
+from twin.tables import human_bytes, human_flops, table
 
 app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
@@ -58,12 +58,13 @@ def _count(n: float) -> str:
 @handles_errors
 def models_cmd() -> None:
     """List the models that ship with the twin."""
-    table = Table("model", "layers", "hidden", "heads", "vocab", "seq", "batch", "parameters")
+    cols = ("model", "layers", "hidden", "heads", "vocab", "seq", "batch", "parameters")
+    t = table(*cols, keep=cols, right=cols[1:])
     for name in list_models():
         m = load_model(name)
-        table.add_row(name, str(m.layers), str(m.hidden), str(m.heads), str(m.vocab), str(m.seq_len),
+        t.add_row(name, str(m.layers), str(m.hidden), str(m.heads), str(m.vocab), str(m.seq_len),
                       str(m.global_batch), _count(m.parameters()))
-    console.print(table)
+    console.print(t)
 
 
 @app.command("program")
@@ -99,19 +100,19 @@ def program_cmd(
     s = prog.summary()
     console.print(f"[bold]{spec.name}[/] on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
                   f"{s['seq_len']} tokens, padded vocabulary {s['padded_vocab']}")
-    kinds = Table("kind", "ops", title="ops by kind")
+    kinds = table("kind", "ops", title="ops by kind", right=("ops",))
     for k, n in s["ops_by_kind"].items():
         kinds.add_row(k, str(n))
     console.print(kinds)
-    axes = Table("axis", "group size", "payload (GB)", "on the wire per rank (GB)",
-                 title="communication per rank (ring volumes)")
+    axes = table("axis", "group size", "payload", "on the wire per rank", title="communication per rank (ring volumes)",
+                 right=("group size", "payload", "on the wire per rank"))
     for a, v in s["wire_bytes_per_axis"].items():
-        axes.add_row(a, str(g.axis_size(a)), f"{s['payload_bytes_per_axis'][a] / 1e9:.3f}", f"{v / 1e9:.3f}")
+        axes.add_row(a, str(g.axis_size(a)), human_bytes(s['payload_bytes_per_axis'][a]), human_bytes(v))
     console.print(axes)
     console.print(f"flops per rank {s['flops_per_rank']:.4g}; model flops {s['model_flops']:.4g} "
                   f"(GEMM+attention {s['matmul_flops']:.4g}, reference formula {s['reference_flops']:.4g})")
-    console.print(f"memory per GPU {mem.total / GIB:.2f} GiB: " + ", ".join(
-        f"{k} {v / GIB:.2f}" for k, v in mem.as_dict().items() if k != "total"))
+    console.print(f"memory per GPU {human_bytes(mem.total)}: " + ", ".join(
+        f"{k} {human_bytes(v)}" for k, v in mem.as_dict().items() if k != "total"))
     if json_out is not None:
         console.print(f"wrote {json_out}")
 
@@ -129,22 +130,24 @@ def _parse_slowdown(text: str | None) -> dict[int, float] | None:
 def _print_result(r) -> None:
     """A simulation result as rich tables (seconds, PF/s, GiB)."""
     it = r.iteration_time_s
-    head = Table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode", show_header=True)
+    head = table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode",
+                 keep=("system", "model", "GPUs", "grid XxYxZxD"))
     head.add_row(r.system, r.model, str(r.gpus), r.grid_str, f"{r.global_batch} x {r.seq_len}",
                  f"{r.mode} ({r.simulated_ranks} rank{'s' if r.simulated_ranks > 1 else ''})")
     console.print(head)
     if r.grid_choice != "given":
         console.print(f"grid {r.grid_str} chosen by {r.grid_choice}")
-    t = Table("", "value", title="one iteration")
+    t = table("", "value", title="one iteration", keep=("", "value"))
     t.add_row("iteration time", f"{it:.4f} s")
-    t.add_row("flop/s (all GPUs)", f"{r.flops_per_s / 1e15:.1f} PF/s")
-    t.add_row("flop/s per GPU", f"{r.flops_per_s_per_gpu / 1e12:.1f} TF/s")
+    t.add_row("flop/s (all GPUs)", human_flops(r.flops_per_s))
+    t.add_row("flop/s per GPU", human_flops(r.flops_per_s_per_gpu))
     t.add_row("of advertised peak", f"{r.percent_of_peak:.1f} %")
-    t.add_row("memory per GPU", f"{r.memory_per_gpu_bytes / GIB:.2f} GiB")
+    t.add_row("memory per GPU", human_bytes(r.memory_per_gpu_bytes))
     t.add_row("simulated ops", f"{r.simulated_ops:,}")
     t.add_row("wall time", f"{r.wall_time_s:.2f} s")
     console.print(t)
-    b = Table("where the time goes", "seconds", "share", title="breakdown (adds up to the iteration)")
+    b = table("where the time goes", "seconds", "share", title="breakdown (adds up to the iteration)",
+              keep=("where the time goes", "seconds", "share"), right=("seconds", "share"))
     rows = [("compute", r.breakdown_s["compute"])]
     rows += [(f"exposed comm {a}", v) for a, v in r.breakdown_s["exposed_comm"].items()]
     rows.append(("idle", r.breakdown_s["idle"]))
@@ -312,14 +315,13 @@ def search_cmd(
                                 "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
                                 "simulated_s": c.simulated_s} for c in cands], indent=1))
         return
-    t = Table("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)",
-              "simulated (s)", "GiB",
-              title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids")
-    t.columns[1].no_wrap = True
+    cols = ("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)", "simulated (s)", "memory")
+    t = table(*cols, title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids",
+              keep=("#", "memory"), right=cols[2:])
     for i, c in enumerate(cands, 1):
         t.add_row(str(i), str(c.grid), f"{c.analytical_s:.3f}", f"{c.compute_s:.3f}",
                   "/".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
-                  "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", f"{c.memory_bytes / GIB:.1f}")
+                  "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", human_bytes(c.memory_bytes))
     console.print(t)
     sims = [c for c in cands if c.simulated_s is not None]
     if sims:
@@ -335,17 +337,18 @@ def search_cmd(
 def systems_cmd() -> None:
     """List the systems with their key figures."""
     from topologies.system import list_systems, load_system
-    table = Table("system", "GPU", "peak bf16 TF/s", "HBM GiB", "nodes x GPUs", "NICs x GB/s",
-                  "groups x global links/pair", "default study", title="systems (per GPU; GB/s per direction)")
-    table.columns[0].no_wrap = table.columns[-1].no_wrap = True
+    t = table("system", "GPU", "bf16 TF/s", "HBM GiB", "nodes x GPUs", "NICs x GB/s", "groups x links", "default study",
+              title="systems (per GPU; GB/s per direction; groups x global links per group pair)",
+              keep=("system", "bf16 TF/s", "HBM GiB", "nodes x GPUs", "NICs x GB/s", "groups x links"),
+              right=("bf16 TF/s", "HBM GiB"))
     for name in list_systems():
         s = load_system(name)
         df = s.dragonfly
-        table.add_row(name, s.gpu.name, f"{s.gpu.peak_flops / 1e12:.4g}", f"{s.gpu.hbm_bytes / 2**30:.3g}",
-                      f"{s.nodes} x {s.gpus_per_node}", f"{s.nics_per_node} x {s.nic_bandwidth / 1e9:.0f}",
-                      f"{df.groups} x {df.global_links_per_pair}" if df else "-",
-                      f"{s.default_model} on {s.default_gpus}")
-    console.print(table)
+        t.add_row(name, s.gpu.name, f"{s.gpu.peak_flops / 1e12:.4g}", f"{s.gpu.hbm_bytes / 2**30:.3g}",
+                  f"{s.nodes} x {s.gpus_per_node}", f"{s.nics_per_node} x {s.nic_bandwidth / 1e9:.0f}",
+                  f"{df.groups} x {df.global_links_per_pair}" if df else "-",
+                  f"{s.default_model} on {s.default_gpus}")
+    console.print(t)
 
 
 @app.command("topology")
@@ -376,19 +379,20 @@ def topology_cmd(
     console.print(f"[bold]{s.name}[/]: {s.description}")
     console.print(f"network built in {dt:.3f} s: {info['groups']} groups, {info['nodes']} nodes, {info['gpus']} GPUs, "
                   f"{info['nics']} NICs, {info['switches']} switches, {info['links']} directed links")
-    table = Table("link kind", "links", "bandwidth (GB/s per direction)")
+    links = table("link kind", "links", "GB/s per direction", keep=("link kind", "links"), right=("links",))
     for kind, n in info["links_by_kind"].items():
         if n:
             cap = net.capacity[net.kind == list(info["links_by_kind"]).index(kind)]
-            table.add_row(kind, str(n), f"{cap.min() / 1e9:.0f}" + ("" if cap.min() == cap.max() else f"-{cap.max() / 1e9:.0f}"))
-    console.print(table)
+            links.add_row(kind, str(n), f"{cap.min() / 1e9:.0f}" + ("" if cap.min() == cap.max() else f"-{cap.max() / 1e9:.0f}"))
+    console.print(links)
     console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes in "
                   f"{len(job.groups_used())} of {s.groups} groups")
     if g is not None:
         from twin.collectives import CollectiveModel
         cm = CollectiveModel(s, g, placement=placement, seed=seed)
-        axes = Table("axis", "group size", "rank stride", "bus bandwidth (GB/s)", "with all axes at once (GB/s)",
-                     title=f"ring bandwidth per axis of grid {g} (every group of the axis at once)")
+        cols = ("axis", "group size", "rank stride", "bus GB/s", "GB/s with all axes at once")
+        axes = table(*cols, title=f"ring bandwidth per axis of grid {g} (every group of the axis at once)",
+                     right=cols[1:])
         others = frozenset(a for a in ("x", "y", "z", "data") if g.axis_size(a) > 1)
         for a in ("x", "y", "z", "data"):
             if g.axis_size(a) > 1:
@@ -411,7 +415,7 @@ def calibrate_cmd(
     """Fit a kernel profile to `backend bench` measurements and print the fit's residuals."""
     from calibration.fit import calibrate
     fit = calibrate([str(m) for m in measurements], out, base)
-    t = Table("fit", "points", "median |residual|", "worst |residual|",
+    t = table("fit", "points", "median |residual|", "worst |residual|", right=("points", "median |residual|", "worst |residual|"),
               title=f"residuals of the fits (rank counts {', '.join(map(str, fit.ranks))})")
     for r in fit.residuals:
         t.add_row(r.what, str(r.points), f"{100 * r.median:.1f} %", f"{100 * r.worst:.1f} %")
@@ -433,8 +437,9 @@ def validate_cmd(
 
     from calibration.validate import scatter_html, validate_runs
     rep = validate_runs([str(d) for d in run_dirs], system, profile)
-    t = Table("grid", "iteration measured (s)", "predicted (s)", "error", "per-op median |err|",
-              "compute ops |err|", "memory measured (MiB)", "predicted (MiB)", title="twin vs backend")
+    cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "per-op median |err|", "compute ops |err|",
+            "memory measured (MiB)", "predicted (MiB)")
+    t = table(*cols, title="twin vs backend", keep=("grid",), right=cols[1:])
     for r in rep["runs"]:
         it, ops, mem = r["iteration"], r["ops"], r["memory"]
         pct = (lambda v: "-" if v is None else f"{100 * v:.0f} %")  # noqa: E731
@@ -479,12 +484,14 @@ def scaling_cmd(
     if json_out:
         typer.echo(r.to_json())
         return
-    t = Table("model", "GPUs", "batch", "grid", "iteration (s)", "PF/s", "% of peak", "efficiency %",
-              title=f"{r.series} scaling on {r.system} (efficiency: flop/s per GPU against the first point)")
+    cols = ("model", "GPUs", "batch", "grid", "iteration (s)", "flop/s", "% of peak", "efficiency %")
+    t = table(*cols, title=f"{r.series} scaling on {r.system} (efficiency: flop/s per GPU against the first point)",
+              keep=("model", "GPUs", "batch", "grid", "flop/s"), right=("GPUs", "batch", "iteration (s)", "flop/s", "% of peak",
+                                                              "efficiency %"))
     for p in r.points:
-        t.add_row(p.model, str(p.gpus), str(p.batch), p.grid, f"{p.iteration_s:.3f}", f"{p.flops_per_s / 1e15:.1f}",
+        t.add_row(p.model, str(p.gpus), str(p.batch), p.grid, f"{p.iteration_s:.3f}", human_flops(p.flops_per_s),
                   f"{p.percent_of_peak:.1f}", f"{p.efficiency:.1f}")
-    Console(width=max(console.width, 120)).print(t)  # grids and headers need the room
+    console.print(t)
     for why in r.skipped:
         console.print(f"left out: {why}")
     if html is not None:
@@ -514,14 +521,15 @@ def sensitivity_cmd(
     if json_out:
         typer.echo(r.to_json())
         return
-    t = Table("parameter", "kind", "value", "low", "high", "time at low", "time at high",
-              title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
-                    f"{r.base_s:.3f} s per iteration; change of that time")
+    cols = ("parameter", "value", "low / high", "time at low", "time at high")
+    t = table(*cols, title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
+                           f"{r.base_s:.3f} s per iteration, and how it changes (profile.*: kernel profile; others: system file)",
+              keep=("parameter", "time at low", "time at high"), right=("time at low", "time at high"))
     for row in r.rows:
-        t.add_row(row.parameter, row.kind, row.base, row.low, row.high or "-",
+        t.add_row(row.parameter, row.base, f"{row.low} / {row.high}" if row.high else row.low,
                   "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
                   "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
-    Console(width=max(console.width, 150)).print(t)  # the parameter names need the room
+    console.print(t)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""Every table the `twin` commands print reads in an 80-column terminal: no line is longer, no cell is
+cut with an ellipsis, and the values a reader looks for (grids, system and model names) are printed
+whole. (The backend prints lines, not tables: its step line is checked in test_backend_train.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import twin.cli
+from twin.cli import app
+from twin.tables import human_bytes, human_flops, table
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture()
+def run80(monkeypatch):
+    """Run a twin command as in a terminal 80 columns wide; returns its stdout after checking it."""
+    monkeypatch.setattr(twin.cli, "console", Console(width=80, force_terminal=False))
+
+    def run(*args: str) -> str:
+        r = CliRunner().invoke(app, list(args))
+        assert r.exit_code == 0, (args, r.output)
+        out = r.stdout
+        too_long = [line for line in out.splitlines() if len(line) > 80]
+        assert not too_long, (args, too_long)
+        assert "…" not in out and "..." not in out, (args, out)
+        return out
+
+    return run
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[\w.+/-]+", text))
+
+
+def test_systems_and_models(run80):
+    from topologies.system import list_systems, load_system
+    out = run80("systems")
+    for name in list_systems():
+        s = load_system(name)
+        assert re.search(rf"^{re.escape(name)} ", out, re.M), name  # the name whole, at the start of its row
+        assert s.default_model in words(out) and str(s.default_gpus) in words(out)
+    out = run80("models")
+    assert {"gpt-640b", "gpt-tiny", "619.3", "0.1"} <= words(out)
+
+
+def test_search_prints_every_grid_whole(run80):
+    args = ("search", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "512", "--batch", "512",
+            "--top", "12", "--simulate-top", "1")
+    out = run80(*args)
+    grids = [g["grid"] for g in json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)]
+    assert len(grids) >= 12 and all(g in words(out) for g in grids), (grids, out)
+    assert "use grid" in out
+
+
+def test_simulate_topology_program(run80):
+    out = run80("simulate", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1")
+    assert "2x2x2x1" in words(out) and "MF/s" in out and "0.0 PF/s" not in out  # flop/s in a unit that shows them
+    out = run80("topology", "--system", "frontier", "--gpus", "2048", "--grid", "2x4x16x16")
+    assert "2x4x16x16" in words(out)
+    out = run80("program", "--model", "gpt-tiny", "--grid", "2x2x2x1")
+    assert "0.00" not in out and "KiB" in out  # a tiny model's bytes in a unit that shows them
+
+
+def test_sensitivity_and_scaling(run80):
+    out = run80("sensitivity", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1")
+    assert "collectives.intra_node_efficiency" in words(out) and "profile.hbm_bandwidth" in words(out)
+    out = run80("scaling", "--system", "cpu", "--series", "strong")
+    assert {"1x1x1x1", "gpt-tiny"} <= words(out) and "F/s" in out
+
+
+def test_calibrate_and_validate(run80, tmp_path):
+    import dataclasses
+
+    from twin.program import Options
+    from twin.simulate import simulate
+    from twin.trace import write_trace
+
+    measured = sorted((ROOT / "calibration/measurements").glob("cpu-*/bench-2x1x1x1.json"))[-1]
+    out = run80("calibrate", str(measured), "--out", str(tmp_path / "p.toml"))
+    assert "residual" in out
+    run = tmp_path / "run"
+    r = simulate("cpu", "gpt-tiny", 2, "2x1x1x1", record=True)
+    write_trace(run / "trace", r.spans, {"model": "gpt-tiny", "grid": "2x1x1x1",
+                                         "options": dataclasses.asdict(Options())})
+    (run / "log.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 0.05, "tokens_per_s": 5120.0}) + "\n"
+                                           for i in range(1, 5)))
+    (run / "summary.json").write_text(json.dumps({"memory_peak_bytes": [2_000_000, 2_100_000]}))
+    out = run80("validate", str(run), "--system", "cpu")
+    assert "2x1x1x1" in words(out)
+
+
+def test_the_layout_never_cuts_a_word():
+    """A table far wider than the console: cells wrap at spaces, never inside a word."""
+    t = table("name", "a long description of something", "value", keep=("name",))
+    t.add_row("perlmutter-with-a-long-name", "word " * 40, "1x32x128x8")
+    console = Console(width=60, record=True, force_terminal=False)
+    console.print(t)
+    text = console.export_text()
+    assert all(len(line) <= 60 for line in text.splitlines()) and "…" not in text
+    assert "perlmutter-with-a-long-name" in text and "1x32x128x8" in text
+
+
+def test_units():
+    assert human_bytes(96 * 1024) == "96.0 KiB" and human_bytes(1.7 * 2**30) == "1.70 GiB" and human_bytes(5) == "5 B"
+    assert human_flops(1.7748e18) == "1.77 EF/s" and human_flops(2.08e10) == "20.8 GF/s" and human_flops(5.35e14) == "535 TF/s"
