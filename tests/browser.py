@@ -1,6 +1,7 @@
 """Open a page the tools wrote in headless Chromium and say what it drew.
 
-`render_page(path, screenshot)` loads the page (Debian's chromium through playwright), records
+`render_page(path, screenshot)` loads the page (Debian's chromium through playwright; one browser
+for the whole session, closed by tests/conftest.py), records
 JavaScript errors and, for each plotly plot, how many traces and data points it holds and how many it
 drew (SVG traces, heat map images, WebGL canvases), then saves a full-page screenshot. Tests skip,
 saying why, where no browser can start.
@@ -39,28 +40,49 @@ def browser_or_skip():
     return sync_playwright
 
 
+_SESSION: dict = {}  # one browser for the whole test session: starting Chromium costs seconds
+
+
+def _browser():
+    if "skip" in _SESSION:
+        pytest.skip(_SESSION["skip"])
+    if "browser" not in _SESSION:
+        pw = browser_or_skip()().start()
+        try:
+            _SESSION["browser"] = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                                     args=["--no-sandbox", "--disable-gpu", "--use-gl=swiftshader"])
+        except Exception as e:  # noqa: BLE001 - any launch failure means no browser here
+            pw.stop()
+            _SESSION["skip"] = f"Chromium at {CHROMIUM} does not start: {str(e).splitlines()[0]}"
+            pytest.skip(_SESSION["skip"])
+        _SESSION["playwright"] = pw
+    return _SESSION["browser"]
+
+
+def close_browser() -> None:
+    """Close the session's browser (tests/conftest.py calls it when the session ends)."""
+    if "browser" in _SESSION:
+        _SESSION.pop("browser").close()
+        _SESSION.pop("playwright").stop()
+
+
 def render_page(path: Path, screenshot: Path | None = None, width: int = 1400, timeout_ms: int = 60_000) -> dict:
     """Load `path` in headless Chromium; returns {"errors": [...], "plots": [...]} (see INSPECT)."""
-    sync_playwright = browser_or_skip()
-    with sync_playwright() as p:
-        try:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--use-gl=swiftshader"])
-        except Exception as e:  # noqa: BLE001 - any launch failure means no browser here
-            pytest.skip(f"Chromium at {CHROMIUM} does not start: {str(e).splitlines()[0]}")
-        try:
-            page = browser.new_page(viewport={"width": width, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.goto(Path(path).resolve().as_uri(), wait_until="load", timeout=timeout_ms)
-            page.wait_for_timeout(500)
-            plots = page.evaluate(INSPECT)
-            if screenshot is not None:
-                screenshot.parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(screenshot), full_page=True)
-        finally:
-            browser.close()
+    page = _browser().new_page(viewport={"width": width, "height": 900})
+    try:
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(Path(path).resolve().as_uri(), wait_until="load", timeout=timeout_ms)
+        page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                               ".every(gd => gd._fullLayout)", timeout=timeout_ms)
+        page.wait_for_timeout(200)
+        plots = page.evaluate(INSPECT)
+        if screenshot is not None:
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(screenshot), full_page=True)
+    finally:
+        page.close()
     return {"errors": errors, "plots": plots}
 
 

@@ -1,5 +1,8 @@
 """Every page the tools write opens in headless Chromium without a JavaScript error, and each of its
 plots drew its data; a screenshot of each is kept (under $SCREENSHOTS, default /tmp/twin-screenshots).
+The pages: `twin report` (with and without the scaling and validation sections), the timeline of
+`twin simulate --html` (one rank and a 64-rank --full run), `twin topology --html`, `twin scaling
+--html` and `twin validate --html`.
 Also the report's parts that need no browser: critical path, layer window, traffic between groups."""
 
 from __future__ import annotations
@@ -8,10 +11,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from browser import SHOTS, assert_drew, render_page
+from browser import SHOTS, assert_drew, close_browser, render_page
+from fake_run import fake_run
 from twin.cli import app
 
 runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_browser():
+    """Every page of this module opens in one browser (starting Chromium costs seconds)."""
+    yield
+    close_browser()
 SMALL = ["--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16"]
 
 
@@ -99,3 +110,27 @@ def test_output_paths_are_checked_before_the_work(tmp_path):
     assert r.exit_code == 2 and "error:" in r.output
     r = runner.invoke(app, ["simulate", *SMALL, "--grid", "2x2x2x2", "--html", str(tmp_path / "a" / "b" / "t.html")])
     assert r.exit_code == 0 and (tmp_path / "a" / "b" / "t.html").is_file()
+
+
+def test_scaling_validate_and_the_report_with_both(tmp_path):
+    """`twin scaling --html`, `twin validate --html`, and a report that draws the scaling curve (from
+    `twin scaling --json`) and the twin-vs-backend scatter (from a run folder)."""
+    scaling = ["scaling", "--system", "cpu", "--series", "strong"]
+    r = runner.invoke(app, [*scaling, "--html", str(tmp_path / "scaling.html")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, [*scaling, "--json"])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "scaling.json").write_text(r.stdout)
+    run = fake_run(tmp_path / "run", "2x1x1x1")
+    r = runner.invoke(app, ["validate", str(run), "--system", "cpu", "--html", str(tmp_path / "validate.html")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["report", "--system", "cpu", "--model", "gpt-tiny", "--gpus", "2", "--grid", "2x1x1x1",
+                            "--top", "0", "--run", str(run), "--scaling", str(tmp_path / "scaling.json"),
+                            "--out", str(tmp_path / "report.html"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    page = render_page(tmp_path / "scaling.html", SHOTS / "scaling.png")
+    assert_drew(page)
+    assert sum(p["points"] for p in page["plots"]) >= 4  # the four GPU counts of the series
+    assert_drew(render_page(tmp_path / "validate.html", SHOTS / "validate.png"))
+    assert_drew(render_page(tmp_path / "report.html", SHOTS / "report-cpu.png"),
+                {"plot-breakdown", "plot-timeline", "plot-scaling", "plot-validation"})

@@ -3,16 +3,13 @@ twin/schema.py like every spec file: a bad value is one line naming the file, th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 from typer.testing import CliRunner
 
+from fake_run import fake_run
 from twin.cli import app
-from twin.program import Options
-from twin.simulate import simulate
-from twin.trace import write_trace
 
 GOOD = {"step": 3, "step_time_s": 0.05, "tokens_per_s": 5120.0, "loss": 5.5}
 
@@ -20,11 +17,7 @@ GOOD = {"step": 3, "step_time_s": 0.05, "tokens_per_s": 5120.0, "loss": 5.5}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run folder as `backend run` writes it, its trace made by the twin (the same schema)."""
-    d = tmp_path_factory.mktemp("run")
-    r = simulate("cpu", "gpt-tiny", 1, "1x1x1x1", record=True)
-    meta = {"model": "gpt-tiny", "grid": "1x1x1x1", "options": dataclasses.asdict(Options())}
-    write_trace(d / "trace", r.spans, meta)
-    return d
+    return fake_run(tmp_path_factory.mktemp("run"), "1x1x1x1")
 
 
 def write_run(d, records, summary):

@@ -77,22 +77,12 @@ def test_sensitivity_and_scaling(run80):
 
 
 def test_calibrate_and_validate(run80, tmp_path):
-    import dataclasses
-
-    from twin.program import Options
-    from twin.simulate import simulate
-    from twin.trace import write_trace
+    from fake_run import fake_run
 
     measured = sorted((ROOT / "calibration/measurements").glob("cpu-*/bench-2x1x1x1.json"))[-1]
     out = run80("calibrate", str(measured), "--out", str(tmp_path / "p.toml"))
     assert "residual" in out
-    run = tmp_path / "run"
-    r = simulate("cpu", "gpt-tiny", 2, "2x1x1x1", record=True)
-    write_trace(run / "trace", r.spans, {"model": "gpt-tiny", "grid": "2x1x1x1",
-                                         "options": dataclasses.asdict(Options())})
-    (run / "log.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 0.05, "tokens_per_s": 5120.0}) + "\n"
-                                           for i in range(1, 5)))
-    (run / "summary.json").write_text(json.dumps({"memory_peak_bytes": [2_000_000, 2_100_000]}))
+    run = fake_run(tmp_path / "run", "2x1x1x1")
     out = run80("validate", str(run), "--system", "cpu")
     assert "2x1x1x1" in words(out)
 
