@@ -37,9 +37,13 @@ def _needs_torch() -> None:
         raise typer.Exit(2) from None
 
 
+CPU_RANKS_PER_HOST = 8  # calibration/profiles/cpu.toml: "2 cores x 2.6 GHz x 32 fp32 flop/cycle shared by 8 ranks"
+
+
 def summary_line(out: str) -> str | None:
     """One line after `backend run`: where the outputs are, tokens/s, achieved flop/s and % of peak
-    (of the cpu profile's or the GPU's advertised peak, when known). None when the run wrote no summary."""
+    (the GPUs' advertised peak, when known; on CPU the peak of the hosts in the cpu profile, whatever
+    the rank count). None when the run wrote no summary."""
     import json
     from pathlib import Path
 
@@ -57,7 +61,10 @@ def summary_line(out: str) -> str | None:
             gpu = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
             name = next((k for k in ("h200", "gh200", "a100", "mi250x") if k in gpu), None)
             name = {"mi250x": "mi250x-gcd"}.get(name, name)
-        peak = load_profile(name).peak_flops * ranks if name else None
+        if name == "cpu":  # the cpu profile's rank is 1/8 of a host: the hosts' peak, for any rank count
+            peak = load_profile(name).peak_flops * CPU_RANKS_PER_HOST * -(-ranks // CPU_RANKS_PER_HOST)
+        else:
+            peak = load_profile(name).peak_flops * ranks if name else None
     except Exception:  # noqa: BLE001 - the line is still useful without the peak
         peak = None
     from backend.train import format_flops
