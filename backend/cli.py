@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from twin.common import TwinError
+from twin.common import TwinError, check_output
 from twin.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OneLineErrors, OrsOpt,
                         RecomputeOpt)
 from twin.grid import Grid
@@ -198,6 +198,7 @@ def replay_cmd(
     g = Grid.parse(cfg.grid)
     check_launcher_world(g)
     validate(cfg)
+    check_output(out, "--out", folder=True)
     return launch("replay", asdict(cfg), g.size)
 
 
@@ -363,6 +364,7 @@ def bench_cmd(
     cfg = {"model": model, "grid": grid, "squares": sq, "sizes_mib": sizes, "gemm": gemm, "comm": comm,
            "ops": ops, "overlap": overlap, "steps": train_steps if model else 0, "layouts": layouts, "all_grids": all_grids, "batch": batch,
            "min_time_s": min_time, "out": out or default_bench_out(device), "device": device, "dtype": dtype}
+    check_output(cfg["out"], "--out")  # before the work, not after it
     return launch("bench", cfg, g.size)
 
 
@@ -424,6 +426,8 @@ def memorization_cmd(
     from backend.memorization import check_lengths, load_sequences, measure
     from twin.common import write_atomic
 
+    if out:
+        check_output(out, "--out")
     weights = load_weights(checkpoint, model)
     seqs = load_sequences(data, seq_len or weights.spec.seq_len, weights.spec.vocab)
     check_lengths(seqs.shape[1], prefix, suffix)
@@ -468,6 +472,9 @@ def memorization_study_cmd(
     check(cfg)
     g = Grid.parse(grid)
     check_launcher_world(g)
+    check_output(out, "--out", folder=True)
+    if png:
+        check_output(png, "--png")
     code = launch("memorization-study", asdict(cfg), g.size)
     result_file = Path(out) / "study.json"
     if code or not result_file.is_file():

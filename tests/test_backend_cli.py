@@ -170,3 +170,21 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
     monkeypatch.setattr(backend.launch, "available_memory", lambda: need - 2**30)
     with pytest.raises(Exception, match="x 8 rank"):
         check_memory(program, "cpu", 4)
+
+
+@pytest.mark.parametrize("args", [["bench", "--out", "{f}/x.json"], ["replay", "--out", "{f}/trace"],
+                                  ["memorization-study", "--out", "{f}/study"],
+                                  ["memorization-study", "--out", "{d}/study", "--png", "{f}/x.png"]])
+def test_output_paths_are_checked_before_the_ranks_start(args, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import backend.launch
+    from backend.cli import app
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    argv = [a.format(f=tmp_path / "file", d=tmp_path) for a in args]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    line, = r.stderr.strip().splitlines()
+    assert "a part of the path is a file" in line, line

@@ -101,3 +101,13 @@ def test_the_layout_never_cuts_a_word():
 def test_units():
     assert human_bytes(96 * 1024) == "96.0 KiB" and human_bytes(1.7 * 2**30) == "1.70 GiB" and human_bytes(5) == "5 B"
     assert human_flops(1.7748e18) == "1.77 EF/s" and human_flops(2.08e10) == "20.8 GF/s" and human_flops(5.35e14) == "535 TF/s"
+
+
+def test_search_says_why_it_prints_more_or_fewer_rows_and_slowdown_names_the_straggler(run80):
+    few = run80("search", "--system", "cpu", "--model", "gpt-tiny", "--top", "30")
+    assert "only 19 grids divide the model and fit in memory on 8 GPUs" in few and "use grid" in few
+    more = run80("search", "--system", "cpu", "--model", "gpt-tiny", "--top", "2", "--simulate-top", "1")
+    assert re.search(r"rows 3-\d+: beyond the 2 asked for", more), more  # on cpu the lower bound rules out few
+    slow = run80("simulate", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1", "--full",
+                 "--slowdown", "3:2")
+    assert "stragglers: rank 3 (compute x2)" in slow, slow

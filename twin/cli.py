@@ -319,6 +319,8 @@ def search_cmd(
     t = table(*cols, title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids",
               keep=("#", "memory"), right=cols[2:])
     for i, c in enumerate(cands, 1):
+        if i == top + 1:
+            t.add_section()  # the rows below are beyond --top (see the line after the table)
         t.add_row(str(i), str(c.grid), f"{c.analytical_s:.3f}", f"{c.compute_s:.3f}",
                   "/".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
                   "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", human_bytes(c.memory_bytes))
@@ -328,6 +330,9 @@ def search_cmd(
         best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
         console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
                       "the estimate ranks grids, the simulation (overlap, contention) decides")
+    if len(cands) > top:
+        console.print(f"rows {top + 1}-{len(cands)}: beyond the {top} asked for, simulated because their lower "
+                      "bound could beat the fastest simulated grid")
     if len(cands) < top:
         console.print(f"only {len(cands)} grids divide the model and fit in memory on {study.gpus} GPUs")
 
@@ -468,6 +473,7 @@ def scaling_cmd(
     simulate_top: Annotated[int, typer.Option(help="Per point: simulate this many of the analytical best grids.")] = 4,
     json_out: Annotated[bool, typer.Option("--json", help="Print the series as one JSON object.")] = False,
     html: Annotated[Optional[str], typer.Option(help="Write a plotly chart (percent of peak, efficiency) here.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Predict a weak or strong scaling series: per point the best grid, time, flop/s, % of peak, efficiency."""
     from twin.scaling import scaling, scaling_html
@@ -478,7 +484,9 @@ def scaling_cmd(
         counts = [int(v) for v in gpus.split(",")] if gpus else None
     except ValueError:
         raise TwinError(f"--gpus must be comma-separated GPU counts, e.g. 512,8192; got {gpus!r}") from None
-    r = scaling(system, series, batch=batch, simulate_top=simulate_top, gpus=counts)
+    from twin.progress import Steps, quiet_default
+    with Steps(quiet_default(json_out, quiet)) as steps:
+        r = scaling(system, series, batch=batch, simulate_top=simulate_top, gpus=counts, progress=steps)
     if html is not None:
         write_atomic(html, scaling_html(r))
     if json_out:
@@ -511,13 +519,17 @@ def sensitivity_cmd(
     step: Annotated[float, typer.Option(help="Relative move of each parameter (0.1 = +-10%).")] = 0.1,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: simulate this many of the analytical best.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """How the predicted iteration time moves when each system and profile parameter moves by +-10%."""
     from twin.sensitivity import sensitivity
 
     if simulate_top < 1:
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
-    r = sensitivity(system, model, gpus, grid, batch, seq, placement=placement, step=step, simulate_top=simulate_top)
+    from twin.progress import Steps, quiet_default
+    with Steps(quiet_default(json_out, quiet)) as steps:
+        r = sensitivity(system, model, gpus, grid, batch, seq, placement=placement, step=step,
+                        simulate_top=simulate_top, progress=steps)
     if json_out:
         typer.echo(r.to_json())
         return

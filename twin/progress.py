@@ -7,6 +7,7 @@ and an estimate of the time left (from the stages' expected shares of the work a
         stage("simulating grid 8x8x4x128")   # matched to a planned stage by its first word(s)
 
 Quiet (`--quiet`, `--json`) or not on a terminal-like stderr: nothing is shown, and the calls cost nothing.
+`Steps` is the same bar over a count of like steps (`steps(what, done, total)`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,33 @@ class Stages:
     def __exit__(self, *exc) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=sum(self.weights.values()))
+            self.progress.stop()
+
+
+class Steps:
+    """A bar over a count of like steps (points of a scaling series, simulations of a sensitivity
+    study): the library calls `steps(what, done, total)` before each; the estimate is the pace so far."""
+
+    def __init__(self, quiet: bool = False, console: Console | None = None):
+        self.quiet = quiet
+        self.console = console or Console(stderr=True)
+        self.progress: Progress | None = None
+
+    def __enter__(self) -> Callable[[str, int, int], None]:
+        if not self.quiet:
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                     TextColumn("{task.completed:.0f}/{task.total:.0f}"), TimeElapsedColumn(),
+                                     TextColumn("left ~"), TimeRemainingColumn(), console=self.console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("starting", total=1)
+        return self
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=what, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
             self.progress.stop()
 
 

@@ -77,10 +77,11 @@ def series_points(system: SystemSpec, series: str) -> list[tuple[str, int]]:
 
 def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[str, int]] | None = None,
             batch: int | None = None, options: Options | None = None, simulate_top: int = 4,
-            gpus: list[int] | None = None) -> ScalingResult:
+            gpus: list[int] | None = None, progress=None) -> ScalingResult:
     """Predict every point of a series (or the given (model, GPUs) `points`); `gpus` keeps only the
     points with those GPU counts. `batch`: global batch in sequences (default: the weak series, the
-    model's; the strong series, the default study's)."""
+    model's; the strong series, the default study's). `progress(what, done, total)` is called before
+    each point."""
     from twin.simulate import simulate
 
     spec = load_system(system) if isinstance(system, str) else system
@@ -93,7 +94,9 @@ def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[s
     if batch is None and series == "strong" and spec.default_batch:
         batch = spec.default_batch
     out, skipped, base = [], [], None
-    for model, n in pts:
+    for i, (model, n) in enumerate(pts):
+        if progress is not None:
+            progress(f"{model} on {n} GPUs", i, len(pts))
         try:
             r = simulate(spec, model, n, "auto", batch=batch, options=options, simulate_top=simulate_top)
         except TwinError as e:

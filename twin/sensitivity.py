@@ -131,9 +131,11 @@ def _profile_variants(study: Study, step: float):
 
 def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = "auto", batch: int | None = None,
                 seq_len: int | None = None, options: Options | None = None, placement: str = "contiguous",
-                step: float = 0.1, simulate_top: int = 2, alternatives: bool = True) -> SensitivityResult:
+                step: float = 0.1, simulate_top: int = 2, alternatives: bool = True,
+                progress=None) -> SensitivityResult:
     """Predict the study, then again with each parameter moved by -step and +step (relative), or set
-    to its alternative; rows sorted by the larger change of the iteration time, largest first."""
+    to its alternative; rows sorted by the larger change of the iteration time, largest first.
+    `progress(what, done, total)` is called before each simulation."""
     from twin.collectives import CollectiveModel
     from twin.simulate import choose_grid, simulate_grid
 
@@ -144,20 +146,27 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         g = choose_grid(study, simulate_top=simulate_top)[0].grid
     else:
         g = Grid.parse(grid) if isinstance(grid, str) else grid
-    base = simulate_grid(study, g).iteration_time_s
+    variants = _system_variants(study, step) + _profile_variants(study, step)
+    total = 1 + 2 * len(variants) + (5 if alternatives and study.system.nodes > 1 else 0)
+    done = 0
 
-    def run(st: Study, collectives=None) -> float:
+    def run(st: Study, collectives=None, what: str = "the study") -> float:
+        nonlocal done
+        if progress is not None:
+            progress(f"simulating {what}", min(done, total - 1), total)
+        done += 1
         return simulate_grid(st, g, collectives=collectives).iteration_time_s
 
+    base = run(study)
     rows = []
-    for item in _system_variants(study, step) + _profile_variants(study, step):
+    for item in variants:
         name, v, make = item[:3]
         lo, hi = item[3:] if len(item) == 5 else (v * (1 - step), v * (1 + step))
         if "efficiency" in name:
             hi = min(hi, 1.0)
         kind = "profile" if name.startswith("profile.") else "system"
         rows.append(Row(name, kind, _fmt(v), _fmt(lo), _fmt(hi),
-                        run(make(lo)) if lo != v else None, run(make(hi)) if hi != v else None))
+                        run(make(lo), what=name) if lo != v else None, run(make(hi), what=name) if hi != v else None))
     if alternatives and study.system.nodes > 1:
         s = study.system
         for mode in ("minimal", "nonminimal"):

@@ -1,0 +1,45 @@
+"""Commands that can take more than two seconds show a progress bar with an estimate of the time left
+on stderr (here forced on, as on a terminal); --quiet and --json turn it off."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import twin.progress
+from twin.cli import app
+
+
+@pytest.fixture()
+def bar(monkeypatch):
+    """What the progress bars draw, as on a terminal (stderr is not one under the test runner)."""
+    shown = io.StringIO()
+    monkeypatch.setattr(twin.progress, "quiet_default", lambda json_out, quiet: json_out or quiet)
+    monkeypatch.setattr(twin.progress, "Console",
+                        lambda **kw: Console(file=shown, force_terminal=True, width=120, **{k: v for k, v in kw.items()
+                                                                                          if k != "stderr"}))
+    return shown
+
+
+COMMANDS = {
+    "simulate": ["simulate", "--system", "cpu", "--model", "gpt-tiny"],
+    "search": ["search", "--system", "cpu", "--model", "gpt-tiny", "--simulate-top", "1"],
+    "scaling": ["scaling", "--system", "cpu", "--series", "strong"],
+    "sensitivity": ["sensitivity", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_bar_with_an_estimate_unless_quiet_or_json(command, bar):
+    r = CliRunner().invoke(app, COMMANDS[command])
+    assert r.exit_code == 0, r.output
+    assert "left ~" in bar.getvalue(), bar.getvalue()  # the estimate of the time left
+    for off in ("--quiet", "--json"):
+        bar.seek(0)
+        bar.truncate()
+        r = CliRunner().invoke(app, COMMANDS[command] + [off])
+        assert r.exit_code == 0, r.output
+        assert bar.getvalue() == "", (off, bar.getvalue())
