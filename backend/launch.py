@@ -510,10 +510,19 @@ def launch(kind: str, config: dict, world_size: int, progress_timeout: float | N
             unlock(held)
     held = lock_dirs(kind, config)
     try:
-        if world_size == 1:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-            return run_job(kind, config)
+        if world_size == 1:  # this process is the rank; the variables are its while the job runs only
+            one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()))
+            before = {k: os.environ.get(k) for k in one}
+            os.environ.update(one)
+            try:
+                return run_job(kind, config)
+            finally:  # else a second job in this process (the Python API) would think a launcher started it
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         return spawn(kind, config, world_size, progress_timeout=progress_timeout)
     finally:
         unlock(held)

@@ -86,6 +86,7 @@ BACKEND = [
     ("backend memorization-study --png docs/memorization.png",
      "backend memorization-study --png study/memorization.png --out study --epochs 2 --eval-every 1 --canaries 4 "
      "--texts 4 --batch 4"),
+    (None, None),  # the fine-tuning section's lines (below) are inserted here
     # these run in this process (no ranks): after every command that starts ranks
     ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --tokens 64', None),
     ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --temperature 0.8 --top-k 40', None),
@@ -93,6 +94,23 @@ BACKEND = [
     ("backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 32 --out mem.json",
      "backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 4 --out mem.json"),
 ]
+FINETUNE = [  # README's "Fine-tuning from Hugging Face"
+    ("python -c \"import torch, transformers as t; torch.manual_seed(0); t.LlamaForCausalLM(t.LlamaConfig("
+     "hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, "
+     "vocab_size=300, max_position_embeddings=16)).save_pretrained('tiny-llama')\"", None),
+    ("python -c \"import json, random; r = random.Random(0); print(*(json.dumps({'prompt': f'{a}+{b}=', "
+     "'response': f'{a + b};'}) for a, b in ((r.randrange(50), r.randrange(50)) for _ in range(64))), sep='\\n')\" "
+     "> sums.jsonl", None),
+    ("backend finetune --init-from tiny-llama --data sums.jsonl --grid 2x2x2x1 --steps 30 --eval-every 10 "
+     "--out runs/ft --ckpt-dir ckpt/ft --export tiny-llama-tuned",
+     "backend finetune --init-from tiny-llama --data sums.jsonl --grid 2x2x2x1 --steps 2 --eval-every 1 "
+     "--out runs/ft --ckpt-dir ckpt/ft --export tiny-llama-tuned"),
+    ("backend export --checkpoint ckpt/ft --out tiny-llama-tuned-bf16 --dtype bf16", None),
+    ("backend run --init-from tiny-llama --grid 1x2x1x1 --steps 10 --data README.md",
+     "backend run --init-from tiny-llama --grid 1x2x1x1 --steps 2 --data {root}/README.md --out runs/llama"),
+]
+i = BACKEND.index((None, None))
+BACKEND[i:i + 1] = FINETUNE
 ELSEWHERE = {
     "python benchmarks/bench_validate.py --out calibration/measurements/cpu-$(date +%F) "
     "--profile calibration/profiles/cpu.toml":
@@ -103,7 +121,7 @@ ELSEWHERE = {
     "srun -N 2 --ntasks-per-node 4 --gpus-per-task 1 backend run --model gpt-5b --grid 2x2x2x1 --device cuda":
         "needs Slurm and 8 GPUs",
 }
-COMMANDS = ("twin ", "backend ", "cat ", "head ", "tail ", "torchrun ", "srun ", "python benchmarks/")
+COMMANDS = ("twin ", "backend ", "cat ", "head ", "tail ", "torchrun ", "srun ", "python benchmarks/", "python -c ")
 
 
 def readme_examples() -> list[str]:
@@ -178,7 +196,7 @@ for step in json.loads(sys.argv[1]):
 def test_backend_examples(tmp_path):
     """The backend's examples in the README's order, in one child process (torch imported once)."""
     pytest.importorskip("torch")
-    steps = [{"readme": readme, "run": (run or readme).format(root=ROOT)} for readme, run in BACKEND]
+    steps = [{"readme": readme, "run": (run or readme).replace("{root}", str(ROOT))} for readme, run in BACKEND]
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(steps)], cwd=tmp_path, capture_output=True,
                        text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     done = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
