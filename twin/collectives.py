@@ -57,7 +57,8 @@ import numpy as np
 
 from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
 from topologies.placement import place
-from topologies.routing import MODES, Routes, route
+from topologies.memo import Memo, digest
+from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from twin.common import TwinError
 from twin.flows import max_min_rates
@@ -76,12 +77,45 @@ class _FlowSet:
         self.routes, self.parent, self.ring, self.weight = routes, parent, ring, weight
         self.caps, self.n_rings = caps, n_rings
 
+    @property
+    def nbytes(self) -> int:
+        return self.routes.nbytes + sum(a.nbytes for a in (self.parent, self.ring, self.weight, self.caps))
+
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
         """Bus rate of each ring (bytes/s): min over its flows of weight x rate (sum of sub-flows)."""
         flow_rate = np.bincount(self.parent, weights=rates, minlength=len(self.ring))
         out = np.full(self.n_rings, np.inf)
         np.minimum.at(out, self.ring, self.weight * flow_rate)
         return out
+
+
+_CAPACITY: dict[tuple, tuple] = {}  # (id(net), inter_node_cap) -> (net, capacity, channel cap)
+
+
+def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.ndarray, float]:
+    """(capacity of every link as collectives see it, bytes/s; one channel's cross-node cap, bytes/s).
+    Kept per network (build_network caches networks per system object), so that every model of a
+    search shares one capacity array and the max-min memo keys it by identity, not by content.
+    Treat the array as read-only."""
+    key = (id(net), inter_node_cap)
+    hit = _CAPACITY.get(key)
+    if hit is not None and hit[0] is net:
+        return hit[1], hit[2]
+    cap = net.capacity.copy()
+    cap[net.kind == GPU_GPU] *= system.collectives.intra_node_efficiency
+    channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
+    if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
+        per_nic = min(1.0, channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
+        cap[(net.kind == NIC_SW) | (net.kind == SW_NIC)] *= per_nic
+        channel_cap = system.nic_bandwidth
+    cap.flags.writeable = False
+    if len(_CAPACITY) >= 8:
+        _CAPACITY.pop(next(iter(_CAPACITY)))
+    _CAPACITY[key] = (net, cap, channel_cap)
+    return cap, channel_cap
+
+
+FLOWS = Memo(256 * 2**20, lambda f: f.nbytes)  # flow sets of rings already laid out in this process
 
 
 class CollectiveModel:
@@ -110,14 +144,7 @@ class CollectiveModel:
         self.placement = place(system, grid.size, placement, seed)
         nodes = None if placement == "scattered" or routing != "minimal" else int(self.placement.nodes.max()) + 1
         self.net = build_network(system, nodes)
-        cap = self.net.capacity.copy()
-        cap[self.net.kind == GPU_GPU] *= system.collectives.intra_node_efficiency
-        self.channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
-        if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
-            per_nic = min(1.0, self.channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
-            cap[(self.net.kind == NIC_SW) | (self.net.kind == SW_NIC)] *= per_nic
-            self.channel_cap = system.nic_bandwidth
-        self.capacity = cap
+        self.capacity, self.channel_cap = _link_capacity(self.net, system, inter_node_cap)
         self.seed = seed
         self.measured = measured
         self.spread = 1 if routing == "minimal" else spread
@@ -135,7 +162,17 @@ class CollectiveModel:
 
     def _ring_flows(self, gpus: np.ndarray) -> _FlowSet:
         """Flows of one step of flat rings over the rows of `gpus` (rings, q), laid out in channels
-        as the library does (see the module docstring)."""
+        as the library does (see the module docstring). Kept for the process (FLOWS), keyed by what
+        they depend on: a probe grid's rings are often an axis of a simulated grid."""
+        key = digest(network_key(self.net), self.routing, self.seed, self.spread, self.channel_cap,
+                     self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
+        hit = FLOWS.get(key)
+        if hit is None:
+            hit = self._build_ring_flows(gpus)
+            FLOWS.put(key, hit)
+        return hit
+
+    def _build_ring_flows(self, gpus: np.ndarray) -> _FlowSet:
         R, q = gpus.shape
         nxt = np.roll(gpus, -1, axis=1)
         node = gpus // self.system.gpus_per_node

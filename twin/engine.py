@@ -69,6 +69,11 @@ class EngineResult:
     spans: list[tuple[int, int, float, float]] = field(default_factory=list)  # (rank, op, start_s, dur_s)
 
 
+_BIT = {a: 1 << k for k, a in enumerate(AXES)}
+# _CONC[mask][a]: the axes other than a whose bit is set in mask (the `concurrent` argument of collective_s)
+_CONC = [{a: frozenset(b for b in AXES if b != a and mask & _BIT[b]) for a in AXES} for mask in range(1 << len(AXES))]
+
+
 class _Sim:
     """Shared state of one run: the clock, per-rank done flags, waiters, in-flight bookkeeping."""
 
@@ -83,7 +88,8 @@ class _Sim:
         self.busy = [0] * nranks                        # collectives in flight that include the rank
         self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
         self.running: dict[str, dict] = {a: {} for a in AXES}  # axis -> in-flight group streams
-        self.conc = {a: frozenset() for a in AXES}     # axis -> the other axes now in flight
+        self.mask = 0                                   # bit AXES.index(a) set: axis a has collectives in flight
+        self.conc = _CONC[0]                            # axis -> the other axes now in flight
         self.compute: list[_ComputeStream] = []
         self.group_of: dict[str, dict[int, _GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
         self.pos = [0] * self.n                         # position of each op in its stream
@@ -154,13 +160,14 @@ class _Sim:
 
     def axis_changed(self, axis: str) -> None:
         """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
-        infl = self.inflight
-        for a in AXES:
-            self.conc[a] = frozenset(b for b in AXES if b != a and infl[b])
+        self.mask ^= _BIT[axis]
+        self.conc = _CONC[self.mask]
         for a in AXES:
             if a != axis:
-                for g in list(self.running[a]):
-                    g.rerate()
+                running = self.running[a]
+                if running:
+                    for g in list(running):
+                        g.rerate()
 
 
 class _ComputeStream:

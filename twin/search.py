@@ -290,6 +290,23 @@ def transfer_per_byte(study: Study, p: int, stride: int) -> dict[str, float]:
     return out
 
 
+_PROGRAMS: dict[tuple[bytes, str], object] = {}
+
+
+def program_for(study: Study, grid: Grid):
+    """The study's program on `grid` (twin.program.build_program), the last few kept for the process:
+    the search builds it for a grid's lower bound and then again to simulate it. Treat it as read-only."""
+    from twin.program import build_program
+    key = (digest(pickle.dumps((study.model, study.options, study.batch, study.seq_len))), str(grid))
+    prog = _PROGRAMS.pop(key, None)
+    if prog is None:
+        prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    _PROGRAMS[key] = prog
+    if len(_PROGRAMS) > 4:
+        _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    return prog
+
+
 def lower_bound(study: Study, grid: Grid) -> float:
     """A lower bound on the simulated iteration time of `grid` (seconds): the engine runs the grid's
     program with every collective at its contention-free transfer time (`transfer_per_byte`: no
@@ -298,8 +315,7 @@ def lower_bound(study: Study, grid: Grid) -> float:
     collective up: the engine's start and end times only grow with op durations (each op starts at
     the latest of its stream's previous op and its dependencies). Costs a program and an engine run."""
     from twin.engine import simulate_program
-    from twin.program import build_program
-    prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    prog = program_for(study, grid)
     ops, km = prog.ops, study.kernels
     compute = [0.0 if op.is_collective else km.op_time(op) for op in ops]
     per_byte = {a: transfer_per_byte(study, grid.axis_size(a), grid.stride(a)) for a in AXES if grid.axis_size(a) > 1}

@@ -20,9 +20,9 @@ from twin.engine import simulate_program
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
-from twin.program import Options, Program, build_program
+from twin.program import Options, Program
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import Candidate, lower_bound, rank_grids, study_key
+from twin.search import Candidate, lower_bound, program_for, rank_grids, study_key
 from twin.study import Study, check_grid, collective_model, prepare
 from twin.trace import Span, op_args
 
@@ -106,7 +106,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                 raise TwinError(f"--slowdown: rank {r} is not a rank of grid {grid} (0..{grid.size - 1})")
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
-    prog = program or build_program(study.model, grid, study.options, study.batch, study.seq_len)
+    prog = program or program_for(study, grid)
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
