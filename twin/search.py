@@ -308,22 +308,52 @@ def program_for(study: Study, grid: Grid):
 
 
 def lower_bound(study: Study, grid: Grid) -> float:
-    """A lower bound on the simulated iteration time of `grid` (seconds): the engine runs the grid's
-    program with every collective at its contention-free transfer time (`transfer_per_byte`: no
-    latency, no other axis running, the probe's few groups instead of all of them) and compute not
-    slowed by overlap. It bounds the simulation from below as long as contention never speeds a
-    collective up: the engine's start and end times only grow with op durations (each op starts at
-    the latest of its stream's previous op and its dependencies). Costs a program and an engine run."""
-    from twin.engine import simulate_program
+    """A lower bound on the simulated iteration time of `grid` (seconds): the grid's program run with
+    every collective at its contention-free transfer time (`transfer_per_byte`: no latency, no other
+    axis running, the probe's few groups instead of all of them) and compute not slowed by overlap.
+    It bounds the simulation from below as long as contention never speeds a collective up: start
+    and end times only grow with op durations (each op starts at the latest of its stream's previous
+    op and its dependencies). With durations that do not depend on what else runs, the engine's run
+    is that longest path through the program, so it is computed directly (`critical_path_s`)."""
     prog = program_for(study, grid)
     ops, km = prog.ops, study.kernels
-    compute = [0.0 if op.is_collective else km.op_time(op) for op in ops]
     per_byte = {a: transfer_per_byte(study, grid.axis_size(a), grid.stride(a)) for a in AXES if grid.axis_size(a) > 1}
 
-    def transfer(i: int, concurrent: frozenset) -> float:
-        op = ops[i]
+    def seconds(op) -> float:
+        if not op.is_collective:
+            return km.op_time(op)
         if op.axis not in per_byte or op.bytes <= 0:
             return 0.0
         return op.bytes * per_byte[op.axis][op.kind]
 
-    return simulate_program(prog, compute, transfer, overlap_slowdown=1.0).iteration_s
+    durations = [seconds(op) for op in ops]
+    t = critical_path_s(prog, durations)
+    if t is None:  # not in program order (an edited program): the engine handles any order
+        from twin.engine import simulate_program
+        t = simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
+    return t
+
+
+def critical_path_s(prog, durations: list[float]) -> float | None:
+    """End of the last op (seconds) when op i takes durations[i] whatever else runs: each op starts
+    when its stream's previous op and its deps are done, as in the engine's symmetric mode (times in
+    whole nanoseconds, each duration rounded as the engine rounds it). None if a dep is not an
+    earlier op (then program order is not an order the ops can run in)."""
+    from twin.engine import NS
+    end = [0] * len(prog.ops)
+    last: dict[str, int] = {}
+    finish = 0
+    for i, op in enumerate(prog.ops):
+        if op.index != i:
+            return None
+        t = last.get(op.stream, 0)
+        for d in op.deps:
+            if d >= i:
+                return None
+            if end[d] > t:
+                t = end[d]
+        t += int(durations[i] * NS + 0.5)
+        end[i] = last[op.stream] = t
+        if t > finish:
+            finish = t
+    return finish / NS
