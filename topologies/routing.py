@@ -90,6 +90,24 @@ def minimal(net: Network, s, d, j=None) -> np.ndarray:
     return out
 
 
+def _minimal_all(net: Network, s: np.ndarray, d: np.ndarray, L: int) -> np.ndarray:
+    """(flows, 3, L): minimal(net, s, d, j) for every cable j < L at once (the same link indices)."""
+    out = np.full((len(s), 3, L), -1, dtype=np.int64)
+    gs, gd = s // net.S, d // net.S
+    same = gs == gd
+    i = same & (s != d)
+    out[i, 1, :] = net.local_link(s[i], d[i])[:, None]
+    x = ~same
+    if x.any():
+        s, d, gs, gd = s[x, None], d[x, None], gs[x, None], gd[x, None]
+        jj = np.arange(L, dtype=np.int64)[None, :]
+        a, b = net.global_switch(gs, gd, jj), net.global_switch(gd, gs, jj)
+        first = np.where(a != s, net.local_link(s, a), -1)
+        last = np.where(b != d, net.local_link(b, d), -1)
+        out[x] = np.stack([first, net.global_link(gs, gd, jj), last], 1)
+    return out
+
+
 def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
     """(flows, 5) switch-to-switch link matrix of Valiant paths via a random intermediate group
     (or, inside one group or with two groups only, via a random intermediate switch)."""
@@ -139,12 +157,14 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     n = len(s)
     cap_ext = np.append(net.capacity, np.inf)
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
-    cands = [np.pad(minimal(net, s, d, j), ((0, 0), (0, _HOPS - 3)), constant_values=-1) for j in range(max(net.L, 1))]
-    cands += [valiant(net, s, d, seed + 7919 * k) for k in range(detours)]
     # Everything a batch needs is laid out in placement order once, so that a batch reads slices:
     # the loop then costs a few numpy calls per batch (the load it reads changes between batches).
     order = np.random.default_rng(seed + 1).permutation(n)
-    cand = np.stack(cands, 2)[order]               # (flows, hops, candidates); -1 -> the sentinel link
+    L = max(net.L, 1)
+    cand = np.full((n, _HOPS, L + detours), -1, dtype=np.int64)  # (flows, hops, candidates); -1 -> the sentinel link
+    cand[:, :3, :L] = _minimal_all(net, s[order], d[order], L)   # minimal paths are per flow: placed in order
+    for k in range(detours):  # Valiant draws are made in flow order, then placed
+        cand[:, :, L + k] = valiant(net, s, d, seed + 7919 * k)[order]
     cap = cap_ext[cand]                            # capacity of every candidate link (inf: no link)
     factor = 1 + hop_weight * (cand >= 0).sum(1)   # (flows, candidates)
     dem = np.ascontiguousarray(dem[order])
