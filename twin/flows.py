@@ -89,7 +89,8 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     if links.size == 0:
         return rate
     # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
-    used = np.flatnonzero(np.bincount(links, minlength=len(cap_link)))
+    per_link = np.bincount(links, minlength=len(cap_link))
+    used = np.flatnonzero(per_link)
     local = np.empty(len(cap_link), dtype=np.int64)
     local[used] = np.arange(len(used))
     rem = cap_link[used].copy()                        # remaining capacity of each used link
@@ -102,10 +103,12 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     flen = lens[flows]                                 # their path lengths
     lk = local[links]                                  # local link id of each of their entries
     fcap = cap_flow[flows]
+    cnt = per_link[used]                               # unfrozen flows per link (first round)
     while len(flows):
         starts = np.zeros(len(flows), dtype=np.int64)
         np.cumsum(flen[:-1], out=starts[1:])
-        cnt = np.bincount(lk, minlength=U)
+        if cnt is None:
+            cnt = np.bincount(lk, minlength=U)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
         # per flow: smallest share on its path (and its own cap)
@@ -120,10 +123,14 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
             hit = fmin <= fmin.min() * (1 + rtol)
         if not hit.any():  # cannot happen with valid inputs; never spin
             raise ValueError("max_min_rates: no flow could be frozen (non-finite rates)")
+        if hit.all():  # the last round (often the only one): nothing left to update
+            rate[flows] = fmin
+            break
         rate[flows[hit]] = fmin[hit]
         done_e = np.repeat(hit, flen)
         rem -= np.bincount(lk[done_e], weights=fmin_e[done_e], minlength=U)
         np.maximum(rem, 0.0, out=rem)
         keep, keep_e = ~hit, ~done_e
         flows, flen, fcap, lk = flows[keep], flen[keep], fcap[keep], lk[keep_e]
+        cnt = None
     return rate
