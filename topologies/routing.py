@@ -126,8 +126,16 @@ def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
         gi = gi + (gi >= hi)
         j = rng.integers(0, net.L, len(ss))
         land = net.global_switch(gi, g1, j)
-        out[via_group, :2] = minimal(net, ss, land, j)[:, :2]
-        out[via_group, 2:] = minimal(net, land, dd)
+        rows = np.flatnonzero(via_group)
+        # minimal(ss, land, j)[:, :2] and minimal(land, dd): both cross groups (gi differs from g1, g2)
+        a = net.global_switch(g1, gi, j)
+        out[rows, 0] = np.where(a != ss, net.local_link(ss, a), -1)
+        out[rows, 1] = net.global_link(g1, gi, j)
+        j2 = (land + dd) % net.L
+        a, b = net.global_switch(gi, g2, j2), net.global_switch(g2, gi, j2)
+        out[rows, 2] = np.where(a != land, net.local_link(land, a), -1)
+        out[rows, 3] = net.global_link(gi, g2, j2)
+        out[rows, 4] = np.where(b != dd, net.local_link(b, dd), -1)
     inside = (gs == gd) & (s != d)
     if inside.any():  # same group: via a random third switch of the group
         ss, dd = s[inside], d[inside]
