@@ -17,7 +17,9 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     ops of the recorded steps (least squares on relative error; bandwidth alone when all ops have one size);
   - `[[gemm_table]]` points with `training = true`: each GEMM shape's median span inside training
     (ops no collective overlapped); the kernel model prefers them over the microbenchmarks' points;
-  - node_share `compute_contention`: GEMM and attention time inside training over the time the
+  - node_share `attention_fwd_efficiency`, `attention_bwd_efficiency`: causal attention inside
+    training, median over the recorded ops (replace the microbenchmark's);
+  - node_share `compute_contention`: GEMM time inside training over the time the
     microbenchmark-fitted profile gives them, summed over the ops no collective overlapped;
     `overlap_slowdown` = the same ratio over the ops a collective overlapped (most of their span),
     relative to compute_contention (replaces the microbenchmark's, which a short all-reduce beside
@@ -334,19 +336,28 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                     f"measured: median span {t * 1e6:.1f} us of {len(secs)} such GEMM(s) no collective overlapped "
                     f"in recorded training steps, {src}")), ""]))
         lines = []
-        # GEMMs and attention: inside training against the microbenchmarks
-        modeled = [(row, _micro_time(km, row)) for _, row in rows if row["kind"] in MODELED]
+        # attention: its efficiency inside training (of the rank's peak) replaces the microbenchmark's
+        for phase, bwd in (("fwd", False), ("bwd", True)):
+            att = [row for _, row in rows if row["kind"] == "attention" and row["name"].endswith(".bwd") == bwd
+                   and row.get("covered", 0) < COVERED and row["flops"] > 0]
+            if att:
+                eff = statistics.median(row["flops"] / (prof.peak_flops * row["seconds"]) for row in att)
+                lines.append(f"attention_{phase}_efficiency = " + _entry(eff, (
+                    f"measured: causal attention {'backward' if bwd else 'forward'} inside recorded training steps, "
+                    f"median over {len(att)} ops no collective overlapped, of the peak scaled by compute_scale, {src}")))
+        # GEMMs: inside training against the microbenchmarks
+        modeled = [(row, _micro_time(km, row)) for _, row in rows if row["kind"] == "gemm"]
         alone = [(row, t) for row, t in modeled if row.get("covered", 0) < COVERED]
         over = [(row, t) for row, t in modeled if row.get("covered", 0) >= COVERED]
         contention = sum(r["seconds"] for r, _ in alone) / sum(t for _, t in alone) if alone else 1.0
         if alone:
             lines.append("compute_contention = " + _entry(contention, (
-                f"measured: GEMM and attention time of {len(alone)} ops no collective overlapped in recorded "
+                f"measured: GEMM time of {len(alone)} ops no collective overlapped in recorded "
                 f"training steps, over their microbenchmark-fitted time, {src}")))
         if len(over) >= 3:
             slow = max(1.0, sum(r["seconds"] for r, _ in over) / sum(t for _, t in over) / contention)
             lines.append("overlap_slowdown = " + _entry(slow, (
-                f"measured: GEMM and attention time of {len(over)} ops a collective overlapped in recorded training "
+                f"measured: GEMM time of {len(over)} ops a collective overlapped in recorded training "
                 f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src}")))
         table = prof.collectives()
         ratios = []
@@ -401,12 +412,8 @@ def _cost_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float,
 
 
 def _micro_time(km, row: dict) -> float:
-    """Seconds the microbenchmark-fitted kernel model gives a recorded GEMM or attention op."""
-    p = km.profile
-    if row["kind"] == "gemm":
-        return km.gemm_time(row["m"], row["n"], row["k"], row["layout"] or "NN")
-    eff = p.attention_bwd_efficiency if row["name"].endswith(".bwd") else p.attention_fwd_efficiency
-    return max(row["flops"] / (p.peak_flops * eff), row["bytes"] / p.hbm_bandwidth) + p.launch_s
+    """Seconds the microbenchmark-fitted kernel model gives a recorded GEMM."""
+    return km.gemm_time(row["m"], row["n"], row["k"], row["layout"] or "NN")
 
 
 def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None) -> Fit:

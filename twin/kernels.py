@@ -12,10 +12,10 @@
   where the profile measured the kind (and role) inside recorded training steps (`op_cost`, CPU), its
   measured line latency + bytes / bandwidth, which holds every cost of the real kernels (several
   passes over memory, eager dispatch, fp32 temporaries) that the roofline leaves out.
-- On CPU, GEMMs and attention run `compute_contention` times slower inside training than in their
-  microbenchmarks (measured: the ranks share the cores with each other and with gloo's threads); a
-  GEMM near a shape recorded inside training steps (`gemm_table` point with `training`) takes that
-  point's rate instead.
+- On CPU, GEMMs run `compute_contention` times slower inside training than in their microbenchmarks
+  (measured: the ranks share the cores with each other and with gloo's threads); a GEMM near a shape
+  recorded inside training steps (`gemm_table` point with `training`) takes that point's rate
+  instead, and attention's efficiency is the one measured inside training where it was recorded.
 Every op also pays a fixed launch cost, and, where the profile measured it (CPU), the host time
 the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping,
 issuing collectives), which the rank's compute stream cannot hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
@@ -125,5 +125,5 @@ class KernelModel:
         if op.kind == "gemm":
             return self.gemm_time(op.m, op.n, op.k, op.layout)
         if op.kind == "attention":
-            return self.attention_time(op) * self.profile.compute_contention
+            return self.attention_time(op)
         return self.memory_bound_time(op)
