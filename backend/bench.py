@@ -459,13 +459,13 @@ def main(config: dict) -> None:
             row, result["steps"] = bench_steps(config["model"], ctx, config.get("batch"), int(config.get("steps", 4)))
             if row is not None:
                 result["ops"].append(row)
-                _say(rank, f"executor host time per compute op ({row['model']}): median {row['seconds'] * 1e6:.1f} us, "
-                           f"mean {row['mean_s'] * 1e6:.1f} us over {row['ops']} gaps per rank (no collective in flight)")
+                _say(rank, f"executor host time per compute op ({row['model']}): median {row['seconds'] * 1e6:.1f} us,\n"
+                           f"  mean {row['mean_s'] * 1e6:.1f} us over {row['ops']} gaps per rank (no collective in flight)")
             by_kind: dict[str, float] = {}
             for r in result["steps"]:
                 by_kind[r["kind"]] = by_kind.get(r["kind"], 0.0) + r["seconds"]
-            _say(rank, f"{len(result['steps'])} ops of a training step, seconds by kind: "
-                       + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(by_kind.items())))
+            _say(rank, f"{len(result['steps'])} ops of a training step, time by kind:\n"
+                       + "\n".join(f"  {k:<15} {v * 1e3:9.1f} ms" for k, v in sorted(by_kind.items())))
         comm = Comm(ctx)
         axes = [a for a in AXES if grid.axis_size(a) > 1]
         if config.get("comm", True):

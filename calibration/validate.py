@@ -164,11 +164,17 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     }
 
 
-def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str | None = None) -> dict:
-    """validate_run over several runs, plus the grid ranking (Spearman, predicted vs measured)."""
+def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str | None = None,
+                  progress=None) -> dict:
+    """validate_run over several runs, plus the grid ranking (Spearman, predicted vs measured).
+    progress(what, done, total) is called before each run (twin.progress.Steps)."""
     if not run_dirs:
         raise TwinError("twin validate needs at least one run directory (from `backend run --out DIR`)")
-    runs = [validate_run(d, system, profile) for d in run_dirs]
+    runs = []
+    for i, d in enumerate(run_dirs):
+        if progress is not None:
+            progress(f"validating {Path(d).name}", i, len(run_dirs))
+        runs.append(validate_run(d, system, profile))
     pred = [r["iteration"]["predicted_s"] for r in runs]
     meas = [r["iteration"]["measured_s"] for r in runs]
     return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,

@@ -43,3 +43,15 @@ def test_a_bar_with_an_estimate_unless_quiet_or_json(command, bar):
         r = CliRunner().invoke(app, COMMANDS[command] + [off])
         assert r.exit_code == 0, r.output
         assert bar.getvalue() == "", (off, bar.getvalue())
+
+
+def test_validate_shows_a_bar_over_its_runs_unless_quiet(bar, tmp_path):
+    from fake_run import fake_run
+    runs = [str(fake_run(tmp_path / grid, grid)) for grid in ("1x1x1x1", "2x1x1x1")]
+    r = CliRunner().invoke(app, ["validate", *runs])
+    assert r.exit_code == 0, r.output
+    assert "left ~" in bar.getvalue() and "validating" in bar.getvalue(), bar.getvalue()
+    bar.seek(0)
+    bar.truncate()
+    assert CliRunner().invoke(app, ["validate", *runs, "--quiet"]).exit_code == 0
+    assert bar.getvalue() == ""

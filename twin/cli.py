@@ -436,12 +436,15 @@ def validate_cmd(
     profile: ProfileOpt = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write a plotly scatter of predicted vs measured per op here.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Simulate what `backend run` ran and compare: iteration, per op by kind, memory, grid ranking."""
     import json
 
     from calibration.validate import scatter_html, validate_runs
-    rep = validate_runs([str(d) for d in run_dirs], system, profile)
+    from twin.progress import Steps, quiet_default
+    with Steps(quiet_default(False, quiet)) as steps:
+        rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
     cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "per-op median |err|", "compute ops |err|",
             "memory measured (MiB)", "predicted (MiB)")
     t = table(*cols, title="twin vs backend", keep=("grid",), right=cols[1:])
