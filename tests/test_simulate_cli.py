@@ -125,3 +125,18 @@ def test_timeline_figure_bars_and_segments():
     assert tuple(bar.base) == (0.5,) and tuple(bar.x) == (0.25,) and bar.orientation == "h"
     many = [Span(r % 4, f"op{r}", "gemm", "compute", float(r), 0.5) for r in range(MAX_BARS + 1)]
     assert {t.type for t in timeline_figure(many).data} == {"scattergl"}
+
+
+def test_an_impossible_full_trace_is_refused_before_the_grid_search(tmp_path, monkeypatch):
+    import twin.simulate as sim
+
+    def no_search(*a, **k):
+        raise AssertionError("the grid search ran before the trace was refused")
+
+    monkeypatch.setattr(sim, "choose_grid", no_search)
+    r = runner.invoke(app, ["simulate", "--system", "frontier", "--full", "--trace", str(tmp_path / "t")])
+    assert r.exit_code == 2
+    assert "a trace of this run would hold" in r.output and "Traceback" not in r.output
+    assert sim.min_ops_per_rank(sim.prepare("perlmutter", "gpt-1b", 16, 16)) <= min(
+        len(sim.program_for(sim.prepare("perlmutter", "gpt-1b", 16, 16), g).ops)
+        for g in (sim.Grid(2, 2, 2, 2), sim.Grid(1, 4, 4, 1), sim.Grid(16, 1, 1, 1), sim.Grid(1, 1, 1, 16)))

@@ -20,7 +20,7 @@ from twin.engine import simulate_program
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
-from twin.program import Options, Program
+from twin.program import Options, Program, build_program
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.search import Candidate, lower_bound, program_for, rank_grids, study_key
 from twin.study import Study, check_grid, collective_model, prepare
@@ -50,6 +50,12 @@ def check_trace_size(ops_per_rank: int, ranks: int) -> None:
         raise TwinError(f"a trace of this run would hold {spans:,} events ({ranks:,} ranks x {ops_per_rank:,} ops, "
                         f"about {spans * TRACE_EVENT_BYTES / 1e9:.1f} GB), more than the {MAX_TRACE_SPANS:,} the twin "
                         "records: trace without --full (one representative rank) or a smaller job")
+
+
+def min_ops_per_rank(study: Study) -> int:
+    """Ops of the study's program on one GPU: no grid has fewer (a grid adds collectives and splits
+    no compute op away), so a trace too large at this count is too large on every grid."""
+    return len(build_program(study.model, Grid(1, 1, 1, 1), study.options, study.batch, study.seq_len).ops)
 
 
 # After the analytical top `simulate_top`, the search checks the lower bound of the next SCAN grids of
@@ -192,6 +198,8 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
     result = None
     say = progress or (lambda stage: None)  # progress(stage name), e.g. twin.progress.Stages
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
+        if record and full:  # refuse an impossible trace before the search, not after it
+            check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
         best, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
         g = best.grid
