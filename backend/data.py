@@ -111,7 +111,50 @@ class Batch:
     targets: torch.Tensor
 
 
-class ShardedLoader:
+class StepLoader:
+    """What the loaders share: the position is just the next step (`state_dict`/`load_state_dict`
+    save and restore it), `next()` returns that step's micro-batches and advances, and a rank's
+    rows split into `micro_batches` equal micro-batches. A subclass sets global_batch, seq_len,
+    micro_batches, seed and step, and defines `batches(step, device)` and `source_name`."""
+
+    global_batch: int
+    seq_len: int
+    micro_batches: int
+    seed: int
+    step: int
+
+    @property
+    def source_name(self) -> str:
+        raise NotImplementedError
+
+    def batches(self, step: int, device: torch.device | str = "cpu") -> list[Batch]:
+        raise NotImplementedError
+
+    def split(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[Batch]:
+        """A rank's rows (sequences, seq_len) as its micro-batches."""
+        per = inputs.shape[0] // self.micro_batches
+        return [Batch(inputs[j * per:(j + 1) * per].contiguous(), targets[j * per:(j + 1) * per].contiguous())
+                for j in range(self.micro_batches)]
+
+    def next(self, device: torch.device | str = "cpu") -> list[Batch]:
+        """The micro-batches of the current step; advances the position."""
+        out = self.batches(self.step, device)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "source": self.source_name,
+                "global_batch": self.global_batch, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "global_batch", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"data position was saved with {key}={state[key]}, this run has "
+                                f"{getattr(self, key)}")
+        self.step = int(state["step"])
+
+
+class ShardedLoader(StepLoader):
     """Deterministic, resumable batches for one rank.
 
     global_batch: sequences per step over all ranks; seq_len: tokens per sequence;
@@ -155,24 +198,8 @@ class ShardedLoader:
             targets = np.stack([mask_rows(np.asarray(self.source.tokens[o - min(h, o):o + s + 1])[None],
                                           self.goldfish_k, h, context=min(h, o))[0] for o in mine])
         import torch  # here, so that checking a data file does not import torch
-        inputs, targets = torch.from_numpy(rows[:, :-1]).to(device), torch.from_numpy(targets).to(device)
-        per = b // self.micro_batches
-        return [Batch(inputs[j * per:(j + 1) * per].contiguous(), targets[j * per:(j + 1) * per].contiguous())
-                for j in range(self.micro_batches)]
+        return self.split(torch.from_numpy(rows[:, :-1]).to(device), torch.from_numpy(targets).to(device))
 
-    def next(self, device: torch.device | str = "cpu") -> list[Batch]:
-        """The micro-batches of the current step; advances the position."""
-        out = self.batches(self.step, device)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "source": self.source.name,
-                "global_batch": self.global_batch, "seq_len": self.seq_len}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "global_batch", "seq_len"):
-            if state[key] != getattr(self, key):
-                raise DataError(f"data position was saved with {key}={state[key]}, this run has "
-                                f"{getattr(self, key)}")
-        self.step = int(state["step"])
+    @property
+    def source_name(self) -> str:
+        return self.source.name

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from backend.data import Batch, DataError
+from backend.data import Batch, DataError, StepLoader
 from twin.common import TwinError
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def encode_examples(pairs: list[tuple[str, str]], tokenizer, seq_len: int, vocab
     return Examples(inputs, targets, truncated)
 
 
-class ExampleLoader:
+class ExampleLoader(StepLoader):
     """Deterministic, resumable batches of examples for one rank (ShardedLoader's interface).
 
     global_batch: examples per step over all ranks; shard, shards: this rank's shard z + G_z*d of G_z*G_data.
@@ -211,26 +211,12 @@ class ExampleLoader:
 
         b = self.global_batch // self.shards
         mine = self.indices(step)[self.shard * b:(self.shard + 1) * b]
-        inputs = torch.from_numpy(self.examples.inputs[mine]).to(device)
-        targets = torch.from_numpy(self.examples.targets[mine]).to(device)
-        per = b // self.micro_batches
-        return [Batch(inputs[j * per:(j + 1) * per].contiguous(), targets[j * per:(j + 1) * per].contiguous())
-                for j in range(self.micro_batches)]
+        return self.split(torch.from_numpy(self.examples.inputs[mine]).to(device),
+                          torch.from_numpy(self.examples.targets[mine]).to(device))
 
-    def next(self, device: torch.device | str = "cpu") -> list[Batch]:
-        out = self.batches(self.step, device)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "source": f"{len(self.examples)} examples",
-                "global_batch": self.global_batch, "seq_len": self.seq_len}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "global_batch", "seq_len"):
-            if state[key] != getattr(self, key):
-                raise DataError(f"data position was saved with {key}={state[key]}, this run has {getattr(self, key)}")
-        self.step = int(state["step"])
+    @property
+    def source_name(self) -> str:
+        return f"{len(self.examples)} examples"
 
 
 def load_examples(path: str, spec: ModelSpec, model_dir: str | None, eos: int | None = None) -> Examples:

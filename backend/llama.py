@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.layers import IGNORE, rope_tables
-from backend.model import GPT, _Params
+from backend.model import GPT, _Params, add_linears
 from twin.grid import AXES
 from twin.model import ModelSpec
-from twin.program import EMBEDDING_AXES, NORM_AXIS, embedding_dims, linear_dims
+from twin.program import EMBEDDING_AXES, NORM_AXIS, embedding_dims
 
 
 class Llama(GPT):
@@ -74,13 +74,8 @@ class Llama(GPT):
             for ln in ("ln1", "ln2"):
                 setattr(blk, ln, _rms(features, dev))
                 self.keys[f"L{i}.{ln}"] = [getattr(blk, ln).weight]
-            for name, k, n, transposed in spec.linear_shapes():
-                kl, nl, _, _ = linear_dims(grid, k, n, transposed)
-                self.shapes[f"L{i}.{name}"] = (kl, nl)
-                lin = _Params()
-                lin.weight = nn.Parameter(torch.zeros(kl * nl // gz, device=dev))
-                setattr(blk, name, lin)
-                self.keys[f"L{i}.{name}"] = [lin.weight]
+            for key, weight in add_linears(blk, spec, grid, i, self.shapes, dev).items():
+                self.keys[key] = [weight]
             self.blocks.append(blk)
         self.lnf = _rms(features, dev)
         self.keys["lnf"] = [self.lnf.weight]

@@ -80,12 +80,7 @@ class GPT(nn.Module):
             blk = _Params()
             for ln in ("ln1", "ln2"):
                 setattr(blk, ln, _norm(features, dev))
-            for name, k, n, transposed in spec.linear_shapes():
-                kl, nl, _, _ = linear_dims(grid, k, n, transposed)
-                self.shapes[f"L{i}.{name}"] = (kl, nl)
-                lin = _Params()
-                lin.weight = nn.Parameter(torch.zeros(kl * nl // gz, device=dev))
-                setattr(blk, name, lin)
+            add_linears(blk, spec, grid, i, self.shapes, dev)
             self.blocks.append(blk)
         self.lnf = _norm(features, dev)
         # weight keys of the program -> parameters
@@ -265,6 +260,22 @@ def make_model(spec: ModelSpec, ctx: ParallelContext, **kw) -> GPT:
         from backend.llama import Llama
         return Llama(spec, ctx, **kw)
     return GPT(spec, ctx, **kw)
+
+
+def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[str, tuple[int, int]],
+                device) -> dict[str, nn.Parameter]:
+    """Give block `blk` this rank's zero shards of layer `layer`'s linear weights (the k/G_x x n/G_y
+    block, or its transposed split, flattened and cut over z); records each weight key's local (k, n)
+    in `shapes` and returns weight key -> parameter."""
+    out = {}
+    for name, k, n, transposed in spec.linear_shapes():
+        kl, nl, _, _ = linear_dims(grid, k, n, transposed)
+        shapes[f"L{layer}.{name}"] = (kl, nl)
+        lin = _Params()
+        lin.weight = nn.Parameter(torch.zeros(kl * nl // grid.z, device=device))
+        setattr(blk, name, lin)
+        out[f"L{layer}.{name}"] = lin.weight
+    return out
 
 
 def _norm(features: int, device) -> nn.Module:
