@@ -58,6 +58,18 @@ def checkpoint_dir(path: str | Path) -> Path:
     return latest
 
 
+def read_checkpoint(path: str | Path) -> tuple[Path, dict, ModelSpec, Grid]:
+    """(step directory, meta.json, model spec, grid) of the checkpoint at `path` (checkpoint_dir)."""
+    from backend import checkpoint
+
+    ckpt = checkpoint_dir(path)
+    meta = checkpoint.read_meta(ckpt)
+    try:
+        return ckpt, meta, ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
+    except (TypeError, KeyError) as e:
+        raise TwinError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
+
+
 def load_weights(path: str | Path, model: str | None = None) -> Weights:
     """Gather the full weights of the checkpoint at `path` (a step directory or a checkpoint root).
 
@@ -67,12 +79,7 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
     from backend.dist import ParallelContext
     from backend.model import GPT, full_shapes, shard_map
 
-    ckpt = checkpoint_dir(path)
-    meta = checkpoint.read_meta(ckpt)
-    try:
-        spec, grid = ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
-    except (TypeError, KeyError) as e:
-        raise TwinError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
+    ckpt, meta, spec, grid = read_checkpoint(path)
     if getattr(spec, "is_llama", False):
         raise TwinError(f"checkpoint {ckpt} is of a Llama ({spec.name}): backend generate decodes GPT checkpoints; "
                         "write it as a Hugging Face directory with `backend export` and decode it with transformers")

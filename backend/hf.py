@@ -372,21 +372,13 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
     require_safetensors()
     from safetensors.torch import save_file
 
-    from backend import checkpoint
-    from backend.generate import checkpoint_dir
+    from backend.generate import read_checkpoint
     from backend.llama import hf_shapes
     from twin.common import check_output, write_atomic
-    from twin.grid import Grid
-    from twin.model import ModelSpec
 
     if dtype not in DTYPES:
         raise HFError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    ckpt = checkpoint_dir(checkpoint_path)
-    meta = checkpoint.read_meta(ckpt)
-    try:
-        spec, grid = ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
-    except (TypeError, KeyError) as e:
-        raise HFError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
+    ckpt, meta, spec, grid = read_checkpoint(checkpoint_path)
     if not getattr(spec, "is_llama", False):
         raise HFError(f"checkpoint {ckpt} is of {spec.name!r}, a GPT: only Llama checkpoints export to Hugging Face")
     out = check_output(out, "--out", folder=True)
