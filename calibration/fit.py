@@ -24,11 +24,16 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     `overlap_slowdown` = the same ratio over the ops a collective overlapped (most of their span),
     relative to compute_contention (replaces the microbenchmark's, which a short all-reduce beside
     one GEMM barely moves);
-  - `[[collective_training]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth
-    over the recorded collectives' spans (issue, or the end of the previous one of the axis, to
-    completion). Inside training a collective costs more than alone: gloo's threads compete with the
-    ranks' compute for the cores, and the span holds the wait for the group's last member (ranks
-    drift apart when more ranks than cores time-slice). The twin prefers these lines;
+  - `[[collective_training]]`: per kind, axis, group size and stride, seconds = latency + bytes /
+    bandwidth over the recorded collectives' spans (issue, or the end of the previous one of the
+    axis, to completion), least squares on seconds so that the line keeps their summed time. Inside
+    training a collective costs more than alone: gloo's threads compete with the ranks' compute for
+    the cores, and the span holds the wait for the group's last member (ranks drift apart when more
+    ranks than cores time-slice). Each axis has its own line because each plays its own part in the
+    schedule (x all-reduces block the next op, z all-gathers are prefetched, the data all-reduces
+    leave in one burst whose spans start when the one before ends): pooled by group size alone, the
+    data burst's near-0 spans pulled the x all-reduces' line to 82 us flat (2x1x1x1 predicted -50 %).
+    The twin prefers these lines (the axis' own, then another tensor axis');
   - node_share `collective_slowdown`: the median over the recorded collectives of their span over
     their `[[collective_table]]` time alone; it scales the lines measured alone for the kinds and
     group sizes no recorded step ran.
@@ -361,26 +366,28 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                 f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src}")))
         table = prof.collectives()
         ratios = []
-        lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, p, stride) -> (file, real bytes, s)
+        lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, axis, p, stride) -> (file, real bytes, s)
         for r, row in rows:
             if row["kind"] not in COLLECTIVES:
                 continue
             grid = Grid.parse(r["grid"])
             p, stride = grid.axis_size(row["axis"]), grid.stride(row["axis"])
             real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
-            lines_of.setdefault((row["kind"], p, stride), []).append((r, real, row["seconds"]))
+            lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, row["seconds"]))
             iso = table.time(row["kind"], row["axis"], p, row["bytes"], stride) if table is not None else None
             if iso:
                 ratios.append(row["seconds"] / iso)
-        for (kind, p, stride), pts in sorted(lines_of.items()):
+        for (kind, axis, p, stride), pts in sorted(lines_of.items()):
             a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
-            fit.residuals.append(_residual(f"{ranks} rank(s): {kind} over {p} (stride {stride}) in training", res))
+            fit.residuals.append(_residual(f"{ranks} rank(s): {kind} over {axis} {p} (stride {stride}) in training", res))
             files = "; ".join(sorted({describe(r) for r, _, _ in pts}))
-            how = (f"fitted: {len(pts)} {kind}s of recorded training steps, {min(x for _, x, _ in pts):.0f}-"
-                   f"{max(x for _, x, _ in pts):.0f} B, worst residual {max(map(abs, res)):.0%}, {files}")
+            how = (f"fitted (least squares on seconds: their sum kept): {len(pts)} {kind}s over {axis} of recorded "
+                   f"training steps, {min(x for _, x, _ in pts):.0f}-{max(x for _, x, _ in pts):.0f} B, summed "
+                   f"span {sum(t for _, _, t in pts) * 1e3:.1f} ms, median residual {statistics.median(map(abs, res)):.0%}, "
+                   f"{files}")
             trained.append("\n".join([
-                "[[collective_training]]", f'kind = "{kind}"', f"group_size = {p}", f"stride = {stride}",
-                f"ranks = {ranks}", "latency_s = " + _entry(max(a, 1e-9), how),
+                "[[collective_training]]", f'kind = "{kind}"', f'axis = "{axis}"', f"group_size = {p}",
+                f"stride = {stride}", f"ranks = {ranks}", "latency_s = " + _entry(max(a, 1e-9), how),
                 "bandwidth = " + _entry(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
                 ""]))
         if ratios:
@@ -395,11 +402,30 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
 
 
 def _collective_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:
-    """fit_line, or with a single size, latency alone."""
-    if len(set(nbytes)) >= 2:
-        return fit_line(nbytes, seconds)
-    t = statistics.median(seconds)
-    return t, 0.0, [t / s - 1.0 for s in seconds]
+    """(latency a >= 0, seconds per byte b >= 0, relative residuals) of seconds ~ a + b bytes over the
+    collectives of recorded training steps, least squares on seconds (not on relative error): the
+    fitted line then gives back their summed time, which is what an iteration pays (where the free fit
+    has a term below 0, the one-term fit that keeps the sum: seconds ~ bytes x sum/sum, or the mean). A span inside
+    training can be near 0 (a collective of a burst that completed while the one before it ran, as
+    the data-axis all-reduces at the end of a step do: the span starts when the previous one ends),
+    and a relative fit lets such spans pull the whole line to 0."""
+    X, T = np.asarray(nbytes, float), np.asarray(seconds, float)
+    best = None
+    for fix in ((None, "a", "b") if len(set(nbytes)) >= 2 else ("b",)):
+        if fix is None:
+            (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(X), X], axis=1), T, rcond=None)
+        elif fix == "a":
+            a, b = 0.0, float(T.sum() / X.sum()) if np.any(X) else 0.0  # keeps the sum too
+        else:
+            a, b = float(T.mean()), 0.0
+        if a < 0 or b < 0:
+            continue
+        err = float(np.sum((a + b * X - T) ** 2))
+        if best is None or err < best[0]:
+            best = (err, float(a), float(b))
+    assert best is not None  # the constant fit (b = 0) always has a >= 0
+    _, a, b = best
+    return a, b, [((a + b * x) / t - 1.0) if t > 0 else 0.0 for x, t in zip(X, T)]
 
 
 def _cost_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:

@@ -73,7 +73,10 @@ class OpCost:
 @dataclass(frozen=True)
 class CollectivePoint:
     """A measured collective: seconds = latency_s + bytes / bandwidth (real payload bytes, bytes/s),
-    for `kind` over groups of `group_size` (rank stride `stride`) while `ranks` ranks share the node."""
+    for `kind` over groups of `group_size` (rank stride `stride`) while `ranks` ranks share the node.
+    `axis`: the grid axis it was measured on inside training ("" when measured alone, or any axis):
+    each axis plays its own part in the schedule (x all-reduces block the next GEMM, z all-gathers are
+    prefetched, data all-reduces leave in one burst at the end), which changes what it costs."""
 
     kind: str
     group_size: int
@@ -81,6 +84,7 @@ class CollectivePoint:
     latency_s: float
     bandwidth: float
     stride: int = 0
+    axis: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,19 @@ class CollectiveTable:
 
     def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
         """Seconds for one collective, or None when no point of this kind and group size was measured:
-        the line measured inside training where there is one, else the line measured alone x slowdown."""
+        the line measured inside training where there is one (of this axis first, then of another
+        tensor axis, then of any; the nearest stride among them), else the line measured alone x
+        slowdown (the nearest stride)."""
         from twin.program import ACT_BYTES
         real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
+
+        def role(p: CollectivePoint) -> int:
+            return 0 if p.axis in ("", axis) else 1 if "data" not in (p.axis, axis) else 2
+
         for points, factor in ((self.training, 1.0), (self.points, self.slowdown)):
             pts = [p for p in points if p.kind == kind and p.group_size == group_size]
             if pts:
-                pt = min(pts, key=lambda p: (p.stride != stride, abs(p.stride - stride)))
+                pt = min(pts, key=lambda p: (role(p), p.stride != stride, abs(p.stride - stride)))
                 return factor * (pt.latency_s + real / pt.bandwidth)
         return None
 
@@ -279,7 +289,7 @@ def load_profile(name_or_path: str) -> Profile:
                                        _int(path, f"{where}.ranks", row.get("ranks"), 1),
                                        _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
                                        _value(path, f"{where}.bandwidth", row.get("bandwidth"), sources),
-                                       _int(path, f"{where}.stride", row.get("stride", 0), 0)))
+                                       _int(path, f"{where}.stride", row.get("stride", 0), 0), row.get("axis", "")))
     act = data.get("activation_bytes", 2)
     if act not in (1, 2, 4, 8):
         raise TwinError(f"profile {path}: activation_bytes must be 1, 2, 4 or 8, got {act!r}")

@@ -276,7 +276,7 @@ OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
-                       optional={"stride": Int(0, 1 << 24)})
+                       optional={"stride": Int(0, 1 << 24), "axis": Text(("x", "y", "z", "data"))})
 
 PROFILE = Table(
     required={

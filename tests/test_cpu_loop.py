@@ -1,0 +1,77 @@
+"""The CPU loop's iteration model: collectives inside training per axis, and the committed quiet loop
+(calibration/measurements/cpu-2026-12-01b: bench files and the 35 gpt-small runs' report) reproduced
+offline by the profile fitted from its bench files."""
+
+import glob
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from calibration.fit import _collective_line, fit_profile
+from calibration.validate import spearman
+from twin.profile import CollectivePoint, CollectiveTable
+
+LOOP = Path(__file__).resolve().parent.parent / "calibration" / "measurements" / "cpu-2026-12-01b"
+
+
+def test_collective_line_keeps_the_summed_span_of_a_burst():
+    """Data-axis all-reduces leave in one burst at the end of a step: a span starts when the previous
+    one ends, so some are near 0. The line must give back their sum, not be pulled to 0 by them."""
+    nbytes = [1 << 20, 1 << 20, 1 << 18, 1 << 20, 1 << 18, 1 << 20]
+    spans = [3e-3, 3e-5, 1e-3, 8e-3, 2e-5, 2e-3]
+    a, b, _ = _collective_line(nbytes, spans)
+    assert sum(a + b * x for x in nbytes) == pytest.approx(sum(spans), rel=1e-6)
+    assert a >= 0 and b >= 0
+
+
+def test_training_lines_are_looked_up_by_axis_first():
+    """An axis' own line; else another tensor axis' line; a data-axis line only for the data axis
+    first; lines measured alone (slowdown) only where no training line has the kind and group size."""
+    x = CollectivePoint("all_reduce", 2, 2, 1e-3, 1e9, 1, "x")
+    data = CollectivePoint("all_reduce", 2, 2, 5e-3, 1e9, 1, "data")
+    alone = CollectivePoint("all_gather", 2, 2, 1e-4, 1e9, 1)
+    t = CollectiveTable((alone,), 4, (x, data), slowdown=2.0)
+    assert t.time("all_reduce", "x", 2, 0.5e6) == pytest.approx(1e-3 + 1e-3)   # 2-byte program count, fp32
+    assert t.time("all_reduce", "y", 2, 0.5e6) == pytest.approx(1e-3 + 1e-3)   # the other tensor axis' line
+    assert t.time("all_reduce", "data", 2, 1e6) == pytest.approx(5e-3 + 1e-3)  # data bytes are real bytes
+    assert t.time("all_gather", "z", 2, 0.5e6) == pytest.approx(2.0 * (1e-4 + 1e-3))
+    assert t.time("reduce_scatter", "z", 2, 1e6) is None
+
+
+def test_the_committed_cpu_loop_is_reproduced_offline():
+    """The profile fitted from the quiet loop's bench files, against its 35 measured gpt-small runs.
+
+    Bounds, from what limits them: the same grid's ops inside `backend bench`'s recorded steps and
+    inside its validation run, minutes apart on the same machine, differ by 0.57x-1.33x in summed
+    GEMM time (run over bench: 2x1x1x1 1.33x, 1x1x2x1 1.24x, 8x1x1x1 0.65x, 1x1x8x1 0.57x; printed by
+    benchmarks/cpu_iteration.py from the runs' traces), so no model fitted to the bench holds every
+    grid within 15 % of one run. Measured with this fit:
+    median |error| 8.5 %, 27 of 35 within 15 %, Spearman 0.905; asserted with margin for a
+    refit's rounding: median under 11 %, at least 24 within 15 %, Spearman at least 0.88."""
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options
+    from twin.simulate import simulate_grid
+    from twin.study import prepare
+    import tempfile
+    report = json.loads((LOOP / "report.json").read_text())
+    fit = fit_profile(sorted(glob.glob(str(LOOP / "bench-*.json"))), "cpu")
+    with tempfile.TemporaryDirectory() as d:
+        prof = Path(d) / "cpu.toml"
+        prof.write_text(fit.toml)
+        pred, meas = [], []
+        for run in report["runs"]:
+            spec = load_model(run["model"])
+            grid = Grid.parse(run["grid"])
+            options = Options(**{k: v for k, v in run["options"].items() if k in Options.__dataclass_fields__})
+            study = prepare("cpu", spec, grid.size, run["batch"], spec.seq_len, options, profile=str(prof),
+                            gemm_tuning=False)
+            pred.append(simulate_grid(study, grid).iteration_time_s)
+            meas.append(run["iteration"]["measured_s"])
+    errs = [abs(p / m - 1) for p, m in zip(pred, meas)]
+    assert len(errs) == 35
+    assert statistics.median(errs) < 0.11, statistics.median(errs)
+    assert sum(e <= 0.15 for e in errs) >= 24, sorted(errs)
+    assert spearman(pred, meas) >= 0.88, spearman(pred, meas)
