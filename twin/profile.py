@@ -104,8 +104,10 @@ class CollectiveTable:
     def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
         """Seconds for one collective, or None when no point of this kind and group size was measured:
         the line measured inside training where there is one (of this axis first, then of another
-        tensor axis, then of any; the nearest stride among them), else the line measured alone x
-        slowdown (the nearest stride)."""
+        tensor axis; the nearest stride among them), else the line measured alone x slowdown (the
+        nearest stride). A data-axis collective never takes a tensor axis' training line, nor the
+        reverse: the data all-reduces leave in one burst at the end of the step, where gloo overlaps
+        them with each other, while a tensor axis' all-reduce blocks the op after it."""
         from twin.program import ACT_BYTES
         real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
 
@@ -113,7 +115,7 @@ class CollectiveTable:
             return 0 if p.axis in ("", axis) else 1 if "data" not in (p.axis, axis) else 2
 
         for points, factor in ((self.training, 1.0), (self.points, self.slowdown)):
-            pts = [p for p in points if p.kind == kind and p.group_size == group_size]
+            pts = [p for p in points if p.kind == kind and p.group_size == group_size and role(p) < 2]
             if pts:
                 pt = min(pts, key=lambda p: (role(p), p.stride != stride, abs(p.stride - stride)))
                 return factor * (pt.latency_s + real / pt.bandwidth)
