@@ -171,16 +171,21 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
     `backend run`): what the microbenchmarks cannot see, measured where it happens.
 
     Returns (host row, step rows):
-    - host {op: "host", model, ops, seconds, mean_s, all_gaps_s}: the executor's host time per compute
-      op, the median gap between consecutive compute ops of each step's compute stream during which no
-      collective of the rank was in flight (a gap that holds a collective, often a wait for it, is
-      communication, which the twin charges apart; on a tensor-parallel grid most gaps hold one),
-      median over steps, mean over ranks. all_gaps_s: the median of every gap; mean_s: the mean gap;
+    - host {op: "host", model, ops, seconds, mean_s, all_gaps_s, free_mean_s}: the executor's host
+      time per compute op, the median gap between consecutive compute ops of each step's compute
+      stream during which no collective of the rank was in flight (a gap that holds a collective,
+      often a wait for it, is communication, which the twin charges apart; on a tensor-parallel grid
+      most gaps hold one), median over steps, mean over ranks. free_mean_s: the mean of those gaps
+      (what they sum to per op: a few are long, when more ranks than cores time-slice);
+      all_gaps_s: the median of every gap; mean_s: the mean gap;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
-      covered}: its span, median over steps then mean over ranks, and `covered`, the median fraction
-      of a compute op's span during which a collective of its rank was in flight (0 for collectives).
-      A collective's span runs from its issue (or the end of the previous one of its stream) to its
-      completion, so it holds the wait for the group's last member.
+      covered, wake_s (collectives)}: its span, median over steps then mean over ranks, and `covered`,
+      the median fraction of a compute op's span during which a collective of its rank was in flight
+      (0 for collectives). A collective's span runs from its issue (or the end of the previous one of
+      its stream) to its completion, so it holds the wait for the group's last member. `wake_s`: from
+      its completion to the start of the compute op that waited for it (the next compute op, where
+      this collective completed last in the gap before it; 0 where no compute op waited): the rank's
+      thread wakes up after gloo's, which takes a time slice when more ranks than cores share the node.
     (None, []) when the backend has no program executor."""
     try:
         import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
@@ -199,6 +204,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
     free: list[float] = []  # gaps no collective overlapped
     per_op: dict[str, list[float]] = {}
     cover: dict[str, list[float]] = {}
+    wake: dict[str, list[float]] = {}  # collective -> delay from its completion to the compute op that waited on it
     for step in range(warmup + steps):
         tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
         rec = Recorder(device=ctx.device) if step >= warmup else NULL_RECORDER
@@ -208,30 +214,42 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
         spans = rec.spans(ctx.rank)
         comp = sorted((sp for sp in spans if sp.stream == "compute"), key=lambda sp: sp.start_s)
         colls = [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
+        waited: dict[str, float] = {}
         for a, b in zip(comp, comp[1:]):
             gap = max(0.0, b.start_s - (a.start_s + a.duration_s))
             gaps.append(gap)
             if gap > 0 and _covered(Span(ctx.rank, "gap", "gap", "compute", a.start_s + a.duration_s, gap), colls) == 0:
                 free.append(gap)
+            # the collective that completed last inside the gap is the one the compute op waited for
+            done = [c for c in colls if a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s]
+            if done:
+                last = max(done, key=lambda c: c.start_s + c.duration_s)
+                waited[last.name] = b.start_s - (last.start_s + last.duration_s)
         for sp in spans:
             per_op.setdefault(sp.name, []).append(sp.duration_s)
             cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else _covered(sp, colls))
+            if sp.kind in COLLECTIVE_KINDS:
+                wake.setdefault(sp.name, []).append(waited.get(sp.name, 0.0))
     net.recorder = NULL_RECORDER
     rows = []
     for op in program.ops:  # the same ops on every rank (one program): agree op by op, in program order
         times = sorted(per_op.get(op.name, [0.0]))
         cov = sorted(cover.get(op.name, [0.0]))
+        woke = sorted(wake.get(op.name, [0.0]))
         rows.append({"name": op.name, "kind": op.kind, "role": op.role, "stream": op.stream,
                      "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
                      "k": op.k, "layout": op.layout or "", "seconds": times[len(times) // 2],
-                     "covered": cov[len(cov) // 2]})
+                     "covered": cov[len(cov) // 2], "wake_s": woke[len(woke) // 2]})
     group = _world()
     if group is not None:
-        t = torch.tensor([[r["seconds"], r["covered"]] for r in rows], dtype=torch.float64)
+        t = torch.tensor([[r["seconds"], r["covered"], r["wake_s"]] for r in rows], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         t /= dist.get_world_size()
-        for r, (sec, cov) in zip(rows, t.tolist()):
-            r["seconds"], r["covered"] = sec, cov
+        for r, (sec, cov, woke) in zip(rows, t.tolist()):
+            r["seconds"], r["covered"], r["wake_s"] = sec, cov, woke
+    for r in rows:
+        if r["kind"] not in COLLECTIVE_KINDS:
+            del r["wake_s"]
     rows = [r for r in rows if r["seconds"] > 0]
     if not gaps:
         return None, rows
@@ -240,9 +258,10 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
     median, mean = gaps[len(gaps) // 2], sum(gaps) / len(gaps)
     # every rank must take part in the means below: a rank without free gaps uses all of them
     host_s = free[len(free) // 2] if len(free) >= 5 else median
+    free_mean = sum(free) / len(free) if len(free) >= 5 else mean
     host = {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(free) if len(free) >= 5 else len(gaps),
             "seconds": _mean_over_ranks(host_s), "mean_s": _mean_over_ranks(mean),
-            "all_gaps_s": _mean_over_ranks(median)}
+            "all_gaps_s": _mean_over_ranks(median), "free_mean_s": _mean_over_ranks(free_mean)}
     return host, rows
 
 

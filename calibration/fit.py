@@ -6,8 +6,9 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
 - `[[node_share]]`: per-op overhead `launch_s` = eager forward+backward cost per op of a tiny autograd
   op; per-rank memory bandwidth from the elementwise-add sizes (seconds = dispatch + bytes / bandwidth,
   least squares on relative error); `overlap_slowdown` = median GEMM slowdown while an all-reduce runs
-  (at least 1); `host_op_s` = the executor's host time per compute op (median gap between consecutive
-  compute ops of a few training steps of the model on the grid), where bench measured it.
+  (at least 1); `host_op_s` = the executor's host time per compute op (mean gap between consecutive
+  compute ops with no collective in flight, in a few training steps of the model on the grid; the
+  median in files written before bench measured the mean), where bench measured it.
 - `[[collective_table]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth over
   the measured payloads (least squares on relative error, both terms kept >= 0).
 - From the recorded training steps (`steps` rows; what ops cost inside training, where ranks share
@@ -26,7 +27,9 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     one GEMM barely moves);
   - `[[collective_training]]`: per kind, axis, group size and stride, seconds = latency + bytes /
     bandwidth over the recorded collectives' spans (issue, or the end of the previous one of the
-    axis, to completion), least squares on seconds so that the line keeps their summed time. Inside
+    axis, to completion; plus, where bench measured it, `wake_s` less host_op_s: the time the compute op
+    that waited for it took to resume after its completion, beyond the host time the twin charges that
+    op), least squares on seconds so that the line keeps their summed time. Inside
     training a collective costs more than alone: gloo's threads compete with the ranks' compute for
     the cores, and the span holds the wait for the group's last member (ranks drift apart when more
     ranks than cores time-slice). Each axis has its own line because each plays its own part in the
@@ -35,8 +38,11 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     data burst's near-0 spans pulled the x all-reduces' line to 82 us flat (2x1x1x1 predicted -50 %).
     The twin prefers these lines (the axis' own, then another tensor axis');
   - node_share `collective_slowdown`: the median over the recorded collectives of their span over
-    their `[[collective_table]]` time alone; it scales the lines measured alone for the kinds and
-    group sizes no recorded step ran.
+    their `[[collective_table]]` time alone; `axis_slowdown`: per axis, their summed span (with the
+    wake-up above) over their summed time alone. They scale the lines measured alone for the kinds
+    and group sizes no recorded step ran: the axis' own factor where its collectives were recorded
+    (an axis' part in the schedule sets it: 1.6-1.9 for the x all-reduces that block the next op,
+    4-5 for the z all-gathers that overlap compute, about 0.8 for the data burst), else the median.
 Scalars the measurements do not reach (peak, tiles, attention efficiency, layout penalties) are
 copied from a base profile with their sources. Every fitted number's source names its measurement file.
 """
@@ -221,9 +227,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                                                       f"({len(over)} axes, at least 1), {src}") if over
                                                else "no overlap measured with this many ranks: 1"),
                 "compute_scale = " + _compute_scale(square, ranks, most, src)]
-                + (["host_op_s = " + _entry(statistics.median(row["seconds"] for row in hosts),
-                                            f"measured: median gap between consecutive compute ops of the executor "
-                                            f"({hosts[0].get('model', 'the model')} training steps), {src}")] if hosts else [])
+                + ([_host_line(hosts, src)] if hosts else [])
                 + _attention(group, ranks, base_data["peak_flops"]["value"], _scale_value(square, ranks, most), src)
                 + [""]))
         for r in group:
@@ -366,6 +370,7 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                 f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src}")))
         table = prof.collectives()
         ratios = []
+        per_axis: dict[str, list[float]] = {}  # axis -> [inside training, alone] seconds summed
         lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, axis, p, stride) -> (file, real bytes, s)
         for r, row in rows:
             if row["kind"] not in COLLECTIVES:
@@ -373,23 +378,35 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
             grid = Grid.parse(r["grid"])
             p, stride = grid.axis_size(row["axis"]), grid.stride(row["axis"])
             real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
-            lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, row["seconds"]))
+            # the compute op that waited for it resumes `wake_s` after its completion, of which the twin
+            # charges that op's host time already (prof.host_op_s)
+            woke = max(0.0, row.get("wake_s", 0.0) - prof.host_op_s)
+            lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, row["seconds"] + woke))
             iso = table.time(row["kind"], row["axis"], p, row["bytes"], stride) if table is not None else None
             if iso:
                 ratios.append(row["seconds"] / iso)
+                both = per_axis.setdefault(row["axis"], [0.0, 0.0])
+                both[0] += row["seconds"] + woke
+                both[1] += iso
         for (kind, axis, p, stride), pts in sorted(lines_of.items()):
             a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
             fit.residuals.append(_residual(f"{ranks} rank(s): {kind} over {axis} {p} (stride {stride}) in training", res))
             files = "; ".join(sorted({describe(r) for r, _, _ in pts}))
+            woken = any("wake_s" in row for r, row in rows if row["kind"] == kind and row["axis"] == axis)
             how = (f"fitted (least squares on seconds: their sum kept): {len(pts)} {kind}s over {axis} of recorded "
                    f"training steps, {min(x for _, x, _ in pts):.0f}-{max(x for _, x, _ in pts):.0f} B, summed "
-                   f"span {sum(t for _, _, t in pts) * 1e3:.1f} ms, median residual {statistics.median(map(abs, res)):.0%}, "
-                   f"{files}")
+                   f"span{' and wake-up of the op that waited' if woken else ''} {sum(t for _, _, t in pts) * 1e3:.1f} ms, "
+                   f"median residual {statistics.median(map(abs, res)):.0%}, {files}")
             trained.append("\n".join([
                 "[[collective_training]]", f'kind = "{kind}"', f'axis = "{axis}"', f"group_size = {p}",
                 f"stride = {stride}", f"ranks = {ranks}", "latency_s = " + _entry(max(a, 1e-9), how),
                 "bandwidth = " + _entry(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
                 ""]))
+        if per_axis:
+            lines.append("axis_slowdown = { " + ", ".join(f"{a} = {_num(t / iso)}" for a, (t, iso) in sorted(per_axis.items()))
+                         + f', source = "measured: per axis, the summed span (and wake-up of the op that waited, where '
+                         f'measured) of the collectives of recorded training steps over their summed fitted time alone, '
+                         f'{_quote(src)}" }}')
         if ratios:
             lines.append("collective_slowdown = " + _entry(statistics.median(ratios), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "
@@ -399,6 +416,20 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         block = [ln for ln in block if ln.split(" =")[0] not in keys]
         shares[share_at[ranks]] = "\n".join(block + lines + [""])
     return trained + costs
+
+
+def _host_line(hosts: list[dict], src: str) -> str:
+    """node_share host_op_s: the mean gap between consecutive compute ops with no collective in flight
+    (`free_mean_s`: the twin charges it to every compute op, so it must sum as the gaps do; a few gaps
+    are long when more ranks than cores time-slice), median over the files; files written before
+    bench measured it give the median gap instead."""
+    model = hosts[0].get("model", "the model")
+    if all("free_mean_s" in row for row in hosts):
+        return "host_op_s = " + _entry(statistics.median(row["free_mean_s"] for row in hosts), (
+            f"measured: mean gap between consecutive compute ops of the executor with no collective in flight "
+            f"({model} training steps), {src}"))
+    return "host_op_s = " + _entry(statistics.median(row["seconds"] for row in hosts), (
+        f"measured: median gap between consecutive compute ops of the executor ({model} training steps), {src}"))
 
 
 def _collective_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:

@@ -50,9 +50,11 @@ def test_the_committed_cpu_loop_is_reproduced_offline():
     inside its validation run, minutes apart on the same machine, differ by 0.57x-1.33x in summed
     GEMM time (run over bench: 2x1x1x1 1.33x, 1x1x2x1 1.24x, 8x1x1x1 0.65x, 1x1x8x1 0.57x; printed by
     benchmarks/cpu_iteration.py from the runs' traces), so no model fitted to the bench holds every
-    grid within 15 % of one run. Measured with this fit: median |error| 9.3 %, 26 of 35 within
-    15 %, Spearman 0.911 (the fit before per-axis lines: 16.2 %, 16, 0.834); asserted with a margin
-    for a refit's rounding: median under 11 %, at least 24 within 15 %, Spearman at least 0.88."""
+    grid within 15 % of one run. Measured with this fit: median |error| 8.3 %, 25 of 35 within
+    15 %, Spearman 0.938 (the fit before per-axis lines: 16.2 %, 16, 0.834); asserted with a margin
+    for a refit's rounding: median under 11 %, at least 23 within 15 %, Spearman at least 0.9.
+    (These bench files predate bench's wake_s and free_mean_s: the fit falls back to the median
+    gap and spans alone, as it does for any older file.)"""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
@@ -76,5 +78,33 @@ def test_the_committed_cpu_loop_is_reproduced_offline():
     errs = [abs(p / m - 1) for p, m in zip(pred, meas)]
     assert len(errs) == 35
     assert statistics.median(errs) < 0.11, statistics.median(errs)
-    assert sum(e <= 0.15 for e in errs) >= 24, sorted(errs)
-    assert spearman(pred, meas) >= 0.88, spearman(pred, meas)
+    assert sum(e <= 0.15 for e in errs) >= 23, sorted(errs)
+    assert spearman(pred, meas) >= 0.9, spearman(pred, meas)
+
+
+def test_wake_up_and_mean_host_gap_are_fitted(tmp_path):
+    """bench's wake_s (a collective's completion to the start of the op that waited for it) adds to
+    the collective's in-training line, less the host time the twin charges that op; host_op_s is the
+    mean gap (free_mean_s), and axis_slowdown the axis' summed time inside training over alone."""
+    import copy
+    from test_calibration import MEASUREMENT, write
+    from twin.profile import load_profile
+    data = copy.deepcopy(MEASUREMENT)
+    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
+                        "seconds": 2e-4, "mean_s": 9e-4, "free_mean_s": 3e-4})
+    base = {"role": "", "stream": "x", "axis": "x", "flops": 0.0, "covered": 0.0, "kind": "all_reduce"}
+    sizes = (1 << 12, 1 << 18, 1 << 20)  # program bytes (2 per element): 2x on the wire in fp32
+    data["steps"] = [{**base, "name": f"ar{i}", "bytes": b, "seconds": 1e-3 + 2 * b / 1e9, "wake_s": 8e-4}
+                     for i, b in enumerate(sizes)]
+    path = tmp_path / "wake.toml"
+    path.write_text(fit_profile([write(tmp_path, data, "wake.json")], "wake").toml)
+    prof = load_profile(str(path))
+    assert prof.host_op_s == pytest.approx(3e-4) and "mean gap" in prof.sources["host_op_s"]
+    p2 = prof.for_ranks(2)
+    t = p2.collectives()
+    assert t.time("all_reduce", "x", 2, 1 << 16) == pytest.approx(1e-3 + 5e-4 + 2 * (1 << 16) / 1e9, rel=1e-6)
+    alone = sum(2e-4 + 2 * b / 1e9 for b in sizes)  # MEASUREMENT's line measured alone
+    inside = sum(1e-3 + 5e-4 + 2 * b / 1e9 for b in sizes)
+    assert p2.axis_slowdown == {"x": pytest.approx(inside / alone, rel=1e-4)}
+    assert t.time("all_gather", "x", 2, 1 << 16) == pytest.approx(inside / alone * (2e-4 + 2 * (1 << 16) / 1e9),
+                                                                  rel=1e-4)

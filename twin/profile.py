@@ -55,6 +55,8 @@ class NodeShare:
     # alone, the median over the recorded ones (1, 1: not measured)
     compute_contention: float = 1.0
     collective_slowdown: float = 1.0
+    # the same per axis, where training steps recorded collectives of it: {axis: factor}
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -100,21 +102,23 @@ class CollectiveTable:
     activation_bytes: int = 2
     training: tuple[CollectivePoint, ...] = ()  # measured inside recorded training steps: preferred
     slowdown: float = 1.0   # a point measured alone counts this many times its time inside training
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
 
     def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
         """Seconds for one collective, or None when no point of this kind and group size was measured:
         the line measured inside training where there is one (of this axis first, then of another
         tensor axis; the nearest stride among them), else the line measured alone x slowdown (the
-        nearest stride). A data-axis collective never takes a tensor axis' training line, nor the
-        reverse: the data all-reduces leave in one burst at the end of the step, where gloo overlaps
-        them with each other, while a tensor axis' all-reduce blocks the op after it."""
+        nearest stride), of the axis' own slowdown where training steps recorded collectives of the
+        axis. A data-axis collective never takes a tensor axis' training line, nor the reverse: the
+        data all-reduces leave in one burst at the end of the step, where gloo overlaps them with
+        each other, while a tensor axis' all-reduce blocks the op after it."""
         from twin.program import ACT_BYTES
         real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
 
         def role(p: CollectivePoint) -> int:
             return 0 if p.axis in ("", axis) else 1 if "data" not in (p.axis, axis) else 2
 
-        for points, factor in ((self.training, 1.0), (self.points, self.slowdown)):
+        for points, factor in ((self.training, 1.0), (self.points, self.axis_slowdown.get(axis, self.slowdown))):
             pts = [p for p in points if p.kind == kind and p.group_size == group_size and role(p) < 2]
             if pts:
                 pt = min(pts, key=lambda p: (role(p), p.stride != stride, abs(p.stride - stride)))
@@ -154,6 +158,7 @@ class Profile:
     compute_contention: float = 1.0   # GEMM and attention times x this (measured inside training)
     collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
     collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -177,7 +182,7 @@ class Profile:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
-                      collective_slowdown=share.collective_slowdown)
+                      collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
@@ -190,7 +195,7 @@ class Profile:
         if not self.collective_table and not self.collective_training:
             return None
         return CollectiveTable(self.collective_table, self.activation_bytes, self.collective_training,
-                               self.collective_slowdown)
+                               self.collective_slowdown, self.axis_slowdown)
 
     def op_cost_for(self, kind: str, role: str) -> OpCost | None:
         """The measured cost line of an op kind and role (after for_ranks), else of the kind, else None."""
@@ -272,7 +277,8 @@ def load_profile(name_or_path: str) -> Profile:
                                   for key in ("attention_fwd_efficiency", "attention_bwd_efficiency",
                                               "host_op_s")),
                                 *(_value(path, f"{where}.{key}", row[key], sources) if key in row else default
-                                  for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0)))))
+                                  for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0))),
+                                _axis_slowdown(path, where, row.get("axis_slowdown"), sources)))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"
@@ -299,6 +305,24 @@ def load_profile(name_or_path: str) -> Profile:
                    gemm_table=tuple(table), activation_bytes=act, node_share=tuple(shares),
                    collective_table=tuple(colls["collective_table"]),
                    collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources, **kw)
+
+
+def _axis_slowdown(path: Path, where: str, entry, sources: dict[str, str]) -> dict[str, float]:
+    """A node_share's `axis_slowdown = { x = ..., data = ..., source = "..." }` (absent: {})."""
+    if entry is None:
+        return {}
+    if not isinstance(entry, dict) or not entry.get("source"):
+        raise TwinError(f"profile {path}: {where}.axis_slowdown must be {{ x = ..., source = \"...\" }}")
+    sources[f"{where}.axis_slowdown"] = entry["source"]
+    out = {}
+    for axis, v in entry.items():
+        if axis == "source":
+            continue
+        if axis not in ("x", "y", "z", "data") or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise TwinError(f"profile {path}: {where}.axis_slowdown.{axis} must be a positive factor of axis x, y, z "
+                            f"or data, got {v!r}")
+        out[axis] = float(v)
+    return out
 
 
 def _rows(path: Path, data: dict, key: str) -> list[dict]:

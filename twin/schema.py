@@ -269,7 +269,9 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "attention_bwd_efficiency": Sourced(SCALE),
                                  "host_op_s": Sourced(Positive(1.0)),
                                  "compute_contention": Sourced(SCALE),
-                                 "collective_slowdown": Sourced(SCALE)})
+                                 "collective_slowdown": Sourced(SCALE),
+                                 "axis_slowdown": Table(required={"source": Text(nonempty=True)},
+                                                        optional={a: SCALE for a in ("x", "y", "z", "data")})})
 OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),
                               "latency_s": Sourced(Positive(1.0)), "bandwidth": Sourced(RATE)},
                     optional={"role": Text()})
@@ -311,7 +313,7 @@ MEASUREMENT = Table(
         "gemm": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "layout": Text(("NN", "NT", "TN")),
                                        "seconds": SECONDS}, extra=True)),
         "ops": ListOf(Table(required={"op": Text(nonempty=True), "numel": BYTES, "bytes": BYTES, "seconds": SECONDS},
-                            extra=True)),
+                            optional={"free_mean_s": SECONDS}, extra=True)),
         "collectives": ListOf(Table(required={"axis": Text(AXES), "kind": Text(COLLECTIVE_KINDS),
                                               "group_size": Int(2, 1 << 24), "bytes": Int(1, 1 << 50),
                                               "seconds": SECONDS},
@@ -326,7 +328,8 @@ MEASUREMENT = Table(
         "steps": ListOf(Table(required={"name": Text(nonempty=True), "kind": Text(nonempty=True),
                                         "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
                                         "seconds": SECONDS, "covered": Number(0, 1)},
-                              optional={"role": Text(), "axis": Text(AXES + ("",)), "m": Int(0, 1 << 30),
+                              optional={"role": Text(), "axis": Text(AXES + ("",)), "wake_s": Number(0, 1e6),
+                                        "m": Int(0, 1 << 30),
                                         "n": Int(0, 1 << 30), "k": Int(0, 1 << 30),
                                         "layout": Text(("NN", "NT", "TN", ""))}, extra=True)),
     },
