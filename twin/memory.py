@@ -6,9 +6,11 @@ Static state per parameter of the rank's shard, by precision (`activation_bytes`
   per parameter without sharding the optimizer state);
 - fp32 (4, the backend on CPU, backend/optim.py): fp32 parameter shards, fp32 gradients, AdamW's two
   fp32 moments: 16 bytes.
-Activations are counted at `activation_bytes` per element. The peak is where the backward pass starts
-on the last block (backend/executor.py, which drops each buffer after its last use): the rank then
-holds, term by term,
+Activations are counted at `activation_bytes` per element. In fp32, the backend's own policy, the
+peak is the one measured on the backend's executor (`_backend_peak`: a GELU or layer-norm backward of
+the first or last layer, with the gradients made so far; 35 gpt-small CPU grids within 2.3 %).
+In bf16 (GPUs, not yet measured) the peak is taken where the backward pass starts on the last block
+(backend/executor.py, which drops each buffer after its last use): the rank then holds, term by term,
 - activations: what every block saved (or, recomputing, every block's input) and the last block's
   stash, plus the backward working set: the gradient of the GELU output (tokens x ffn/G_y; a Llama's:
   the gradient of gate and up, tokens x 2 ffn/G_y), alive
@@ -101,11 +103,13 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
     gathered = activation_bytes * (in_flight + cached) if grid.z > 1 else 0
 
-    weight, grad, opt = FP32_BYTES if activation_bytes >= 4 else (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    if activation_bytes >= 4:  # the backend's own policy (fp32): the peak it was measured to reach
+        return _backend_peak(model, grid, options, m, n_local, per_block, block_input, block_weights,
+                             activation_bytes, gloo)
+    weight, grad, opt = WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
     logits = LOGIT_BYTES * m * model.padded_vocab(gy) // gy
     # the gradient reductions' peak (gloo, data > 1): static state + a flat fp32 copy of the gradients
     copies = GRAD_BYTES * n_local if gloo and grid.data > 1 else 0
-    extra = max(0, copies - (activations + gathered + logits))
     return Memory(
         parameters=weight * n_local,
         gradients=grad * n_local,
@@ -113,8 +117,74 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
         activations=activations,
         gathered_weights=gathered,
         logits=logits,
-        reduction_buffers=extra,
+        reduction_buffers=max(0, copies - (activations + gathered + logits)),
     )
+
+
+def _backend_peak(model: ModelSpec, grid: Grid, options: Options, m: int, n_local: int, per_block: int,
+                  block_input: int, block_weights: list[int], act: int, gloo: bool) -> Memory:
+    """The peak of backend/executor.py in fp32 (bytes): the largest of
+    - layer i's backward, for every i, at its GELU (SwiGLU) backward: the inputs that layers below i
+      saved (their whole stash without recomputation), layer i's stash, the working set (the GELU's
+      output gradient and the input gradient it is producing, the gradient flowing down the residual
+      stream), layer i's z-gathered weights (with the next layer's prefetched when there is one), and
+      the gradients accumulated so far: the optimizer sets them to None, the executor creates each at
+      its first wgrad, so the layers below i, layer i's but its mlp_down, and the embedding table
+      that only the embedding's backward reaches (a GPT's positions, a Llama's embedding) have none
+      yet (all have them from the second micro-batch on);
+    - the same layer at its second layer norm's backward, where the MLP's stash is gone but four
+      residual-stream tensors (tokens x h/G_x) are alive: the norm's output gradient, the gradient
+      flowing down, the input gradient it is producing and one temporary; with G_x small and G_y
+      large (the residual stream wide, the MLP thin) this one is higher;
+    - the loss: every layer's saved inputs, the fp32 logits and the probabilities of their gradient;
+    - on gloo with G_data > 1, the gradient reductions: every gradient and a flat fp32 copy of them.
+    Measured with torch's memory tracker on 35 gpt-small grids (calibration/measurements, `twin
+    validate`): the peak is at a GELU backward, of the first layer (gradients dominate) or the last
+    (saved inputs dominate)."""
+    h, gx, gy, layers = model.hidden, grid.x, grid.y, model.layers
+    # the MLP's stash (GELU's input and output; SwiGLU's gate|up and output) and its working set at the
+    # GELU (SwiGLU) backward: the output gradient and the input gradient (GELU: one kernel; SwiGLU's
+    # autograd: d(gate|up) and two temporaries of width ffn)
+    ffn = model.ffn // gy
+    mlp, mlp_work = (3 * ffn, 5 * ffn) if model.is_llama else (2 * ffn, 2 * ffn)
+    if model.is_llama:  # rope's input is dropped after it: q, k and v are held once, rotated
+        per_block -= act * m * model.qkv_width // gy
+    gelu = per_block + act * m * mlp_work + block_input   # at the GELU (SwiGLU) backward
+    norm = per_block - act * m * mlp + 4 * block_input   # at the second layer norm's backward
+    stash, working = per_block, max(gelu, norm) - per_block
+    saved = block_input if options.recompute else per_block
+    tensor = grid.tensor_size
+    block = sum(k * n for _, k, n, _ in model.linear_shapes()) // tensor
+    down = block_weights[-1] // grid.z
+    table = (model.padded_vocab(gy) if model.is_llama else model.seq_len) * h // tensor
+    weight, grad, opt = FP32_BYTES
+    wgrad = block_weights[-1] * (2 if gloo else 1)  # mlp_down's full wgrad (and gloo's copy) before its reduce-scatter
+    cached = min(options.cache_layers, layers) * sum(block_weights)
+
+    def gathered(prefetch: bool) -> int:
+        if grid.z == 1:
+            return 0
+        ahead = max(block_weights) if prefetch and options.oag else 0
+        return act * (sum(block_weights[:-1]) + ahead + wgrad + cached)
+
+    best = None
+    for i in sorted({0, min(1, layers - 1), layers - 1}):  # linear in i past the first: the ends suffice
+        grads = n_local if options.micro_batches > 1 else max(0, n_local - (i + 1) * block + down - table)
+        point = (grad * grads, i * saved + stash + working, gathered(i > 0), 0, 0)
+        if best is None or sum(point) > sum(best):
+            best = point
+    logits = LOGIT_BYTES * m * model.padded_vocab(gy) // gy
+    loss = (grad * n_local if options.micro_batches > 1 else 0, layers * saved, 0, 2 * logits, 0)
+    if sum(loss) > sum(best):
+        best = loss
+    if gloo and grid.data > 1:  # every gradient and its flat copy, activations gone
+        reduction = (grad * n_local, 0, 0, 0, GRAD_BYTES * n_local)
+        if sum(reduction) > sum(best):
+            best = reduction
+    grads, activations, gath, logit_bytes, copies = best
+    return Memory(parameters=weight * n_local, gradients=grads, optimizer=opt * n_local,
+                  activations=activations, gathered_weights=gath, logits=logit_bytes,
+                  reduction_buffers=copies)
 
 
 def check_fits(mem: Memory, capacity_bytes: float, what: str = "") -> None:
