@@ -2,11 +2,17 @@
 
 Every op is recorded under the program's name (twin/program.py) with the program's kind, stream,
 axis, bytes and GEMM sizes, and its start and duration. Timing: CUDA events on the current stream on
-GPU (resolved lazily, when spans are read), time.perf_counter on CPU. A compute op is timed around
-its kernel; an asynchronous collective from its issue to its completion, stamped by a callback on
-its work's future (on GPU an event on the stream it ran on), not when it is waited for. A collective
-issued while the previous one of its stream is still running starts when that one ends: the spans
-of one stream never overlap.
+GPU (resolved lazily, when spans are read), time.perf_counter on CPU. What a span means:
+- a compute op: from the call of its kernel to its return (wall time). On CPU the span also carries
+  `cpu_us`, the CPU time the rank's thread ran inside it (time.thread_time): where ranks outnumber
+  cores the scheduler deschedules a rank in the middle of whichever op it is running, and that op's
+  wall span absorbs another rank's time slice; `cpu_us` is the op's own cost, wall - cpu the time
+  the rank waited for a core (calibration/validate.py uses both);
+- an asynchronous collective: from its issue to its completion, stamped by a callback on its work's
+  future (on GPU an event on the stream it ran on), not when it is waited for. It includes the time
+  the collective waits for the group's last member to issue it. A collective issued while the
+  previous one of its stream is still running starts when that one ends: the spans of one stream
+  never overlap.
 
     rec = Recorder(enabled=True, device=torch.device("cpu"))
     with rec.op("L0.qkv.fwd.gemm", "gemm", "compute", m=64, n=96, k=32, layout="NN"):
@@ -42,6 +48,7 @@ class Record:
     args: dict = field(default_factory=dict)
     _start: object = None   # float seconds (CPU) or a CUDA event
     _end: object = None
+    _cpu: float | None = None  # CPU compute ops: the thread's CPU time (s) at the start, then its span
 
     def key(self) -> tuple:
         """What identifies the op across twin and backend (name, kind, stream, axis, bytes, GEMM sizes)."""
@@ -77,6 +84,7 @@ class Recorder:
         if not self.enabled:
             return None
         rec = Record(name, kind, stream, axis, int(bytes), m, n, k, layout, args, self._now())
+        self._start_cpu(rec)
         self.records.append(rec)
         return rec
 
@@ -86,12 +94,20 @@ class Recorder:
             return None
         rec = Record(op.name, op.kind, op.stream, op.axis, op.bytes, op.m, op.n, op.k, op.layout,
                      {"index": op.index, **args}, self._now())
+        self._start_cpu(rec)
         self.records.append(rec)
         return rec
+
+    def _start_cpu(self, rec: Record) -> None:
+        """A compute op on CPU runs on this thread: note its CPU clock (a collective runs on gloo's)."""
+        if not self.cuda and rec.stream == "compute":
+            rec._cpu = time.thread_time()
 
     def end(self, rec: Record | None) -> None:
         if rec is not None:
             rec._end = self._now()
+            if rec._cpu is not None:
+                rec._cpu = time.thread_time() - rec._cpu
 
     def end_on_completion(self, rec: Record, work) -> None:
         """End `rec` when the collective `work` completes (a callback on its future)."""
@@ -137,6 +153,8 @@ class Recorder:
             stream_end[r.stream] = end
             args = {**span_args(r.kind, r.stream, index.get(r.name, i), r.axis, r.bytes, r.m, r.n, r.k, r.layout),
                     **r.args}
+            if r._cpu is not None and r._end is not None:
+                args["cpu_us"] = round(min(max(r._cpu, 0.0), end - start) * 1e6, 3)
             out.append(Span(rank, r.name, r.kind, r.stream, start, end - start, args))
         return out
 

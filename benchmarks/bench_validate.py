@@ -3,6 +3,8 @@
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01 \\
         --profile calibration/profiles/cpu.toml            # the whole loop (gpt-small, 1-8 ranks)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, about a minute
+    python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
+        --profile calibration/profiles/cpu.toml   # step 4 only, on runs already made (offline, seconds)
 
 1. `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM shapes of every
    valid grid with that many ranks, small ops, each collective over group sizes 2, 4 and 8, and a
@@ -70,6 +72,22 @@ def summary_line(label: str, runs: list[dict]) -> str:
             f"{sum(o <= 0.2 for o in ops)} within 20 %; memory worst {100 * max(mem) if mem else float('nan'):.1f} %")
 
 
+def kinds_line(runs: list[dict]) -> str:
+    """Which op kinds carry the per-op error: per kind, the median over runs of the kind's median
+    signed error (+: the twin slower) and of its median |error|; for collectives, the share of their
+    measured spans spent waiting for the group's last member."""
+    import statistics
+    kinds = sorted({k for r in runs for k in r["ops"]["by_kind"]})
+    parts = []
+    for k in kinds:
+        rows = [r["ops"]["by_kind"][k] for r in runs if k in r["ops"]["by_kind"]]
+        part = (f"{k} {100 * statistics.median(x.get('median_error', float('nan')) for x in rows):+.0f} % "
+                f"(|{100 * statistics.median(x['median_abs_error'] for x in rows):.0f} %|")
+        waits = [x["peer_wait_share"] for x in rows if "peer_wait_share" in x]
+        parts.append(part + (f", {100 * statistics.median(waits):.0f} % peer wait)" if waits else ")"))
+    return "per kind: " + "; ".join(parts)
+
+
 def load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -90,6 +108,7 @@ def main() -> int:
     ap.add_argument("--calibrate-only", action="store_true", help="stop after step 2 (bench and calibrate)")
     ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps")
     ap.add_argument("--ci", action="store_true", help="gpt-tiny, two grids of 2 ranks, 4 steps (the test's size)")
+    ap.add_argument("--runs", help="validate the run directories in this folder (step 4 only; needs --profile)")
     a = ap.parse_args()
     if a.quick:
         a.model, a.ranks, a.steps, a.min_time = "gpt-tiny", "1,2", 4, 0.02
@@ -105,6 +124,11 @@ def main() -> int:
     py = sys.executable
     t_start = time.perf_counter()
     print(f"load average at the start: {load()} ({os.cpu_count()} cores)", flush=True)
+    if a.runs:
+        if not profile.exists():
+            sys.exit(f"--runs needs a profile to validate against: {profile} does not exist (give --profile)")
+        runs = sorted(d for d in Path(a.runs).iterdir() if (d / "log.jsonl").exists())
+        return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
     from backend.bench import grids_of
     print("1. backend bench", flush=True)
@@ -140,7 +164,13 @@ def main() -> int:
         sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
             "--warmup", "1", "--out", str(d)], 600)
         runs.append(d)
+    return validate(runs, profile, out, work, a, t_start, t_bench, ranks)
 
+
+def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start: float, t_bench: float,
+             ranks: list[int]) -> int:
+    """Step 4: `twin validate` of the runs; the report and the summary lines."""
+    py = sys.executable
     print("4. twin validate", flush=True)
     report, html = work / "report.json", work / "report.html"
     print(sh([py, "-m", "twin.cli", "validate", *map(str, runs), "--profile", str(profile),
@@ -156,6 +186,7 @@ def main() -> int:
                        ("other grids (out of sample)", [r for r in rep["runs"] if r["grid"] not in benched])):
         if sel:
             print(summary_line(label, sel))
+    print(kinds_line(rep["runs"]))
     its = [abs(r["iteration"]["error"]) for r in rep["runs"]]
     ops = [r["ops"]["median_abs_error"] for r in rep["runs"]]
     mem = [abs(r["memory"]["error"]) for r in rep["runs"] if r["memory"]["error"] is not None]

@@ -5,12 +5,22 @@ rank, with model, grid and switches in its metadata; log.jsonl: the step times; 
 measured memory peak per rank), simulates the same run (model, grid, batch, switches, GEMMs in the
 program's layout as the backend runs them) on a system with a kernel profile, and compares:
 - iteration: predicted time against the median measured step time (steps after the first two);
-- per op: for each op name, predicted duration against the median over ranks of the measured span;
+- per op: for each op name, predicted duration against the median over ranks of the measured one;
   error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|.
-  A compute op's predicted span holds the host time before it (the profile's host_op_s), the measured
-  span only the kernel: the host time is taken off before comparing. A collective's measured span runs
-  from its issue (or the end of the previous collective of its stream) to its completion, as the
-  twin's does;
+  Like is compared with like:
+  - a compute op: the twin shares the node's cores among its ranks as a fluid, every op of a rank
+    `stretch` times slower; the scheduler time-slices them instead, and a descheduled rank's wall
+    span lands on whichever op it was running (one op of 1 ms takes 10 ms, the next 1 ms). So the
+    measured figure is the op's on-CPU time (the trace's `cpu_us`; in a trace without it, the
+    fastest rank's wall span of the same op, which every rank runs on the same shapes) times its
+    rank's stretch, wall over on-CPU time summed over the rank's compute ops: the rank's total is
+    kept, spread over its ops as a fluid share would. The wall and on-CPU medians are reported too.
+    The twin's predicted span holds the host time before the op (the profile's host_op_s), the
+    measured span only the kernel: the host time is taken off before comparing;
+  - a collective: its measured span runs from its issue (or the end of the previous collective of
+    its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
+    member to issue it (on aligned clocks: the latest start among the group's ranks), reported per
+    kind as `peer_wait_share`;
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
 iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
@@ -27,6 +37,7 @@ from twin.grid import Grid
 from twin.program import Options
 
 SKIP_STEPS = 2  # warm-up steps left out of the measured iteration time
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -94,6 +105,60 @@ def read_run(run_dir: str | Path) -> dict:
     return {"dir": str(d), "meta": meta, "steps": steps, "summary": summary, "spans": read_trace(trace)}
 
 
+def measured_ops(spans: list, grid: Grid, time_sliced: bool = True) -> dict:
+    """Per op name, what was measured (seconds, one value per rank): `wall` spans, `cpu` on-CPU times
+    and the `fluid` spans compared with the twin (see the module docstring); plus `stretch` (rank ->
+    wall over on-CPU time of its compute ops), `cpu_source` and, per collective, `wait` (time its
+    rank waited for the group's last member to issue it). time_sliced: the ranks ran on CPU cores
+    (False on GPUs, whose kernels are not descheduled: the fluid span is the wall span)."""
+    wall: dict[str, list[float]] = {}
+    for s in spans:
+        wall.setdefault(s.name, []).append(s.duration_s)
+    recorded = any("cpu_us" in s.args for s in spans if s.kind not in COLLECTIVES)
+    fastest = {name: min(times) for name, times in wall.items()}
+
+    def cpu_of(s) -> float:
+        if not time_sliced:
+            return s.duration_s
+        if recorded:
+            return min(s.args.get("cpu_us", s.duration_s * 1e6) / 1e6, s.duration_s)
+        return fastest[s.name]
+
+    stretch: dict[int, float] = {}
+    for rank in {s.rank for s in spans}:
+        comp = [s for s in spans if s.rank == rank and s.kind not in COLLECTIVES]
+        on_cpu = sum(cpu_of(s) for s in comp)
+        stretch[rank] = max(sum(s.duration_s for s in comp) / on_cpu, 1.0) if on_cpu > 0 else 1.0
+    cpu: dict[str, list[float]] = {}
+    fluid: dict[str, list[float]] = {}
+    wait: dict[str, list[float]] = {}
+    starts = {(s.name, s.rank): s.start_s for s in spans if s.kind in COLLECTIVES}
+    for s in spans:
+        if s.kind not in COLLECTIVES:
+            c = cpu_of(s)
+            cpu.setdefault(s.name, []).append(c)
+            fluid.setdefault(s.name, []).append(c * stretch[s.rank])
+            continue
+        fluid.setdefault(s.name, []).append(s.duration_s)
+        axis = s.args.get("axis")
+        if axis in ("x", "y", "z", "data") and s.rank < grid.size:
+            last = max(starts.get((s.name, r), s.start_s) for r in _group(grid, s.rank, axis))
+            wait.setdefault(s.name, []).append(min(max(last - s.start_s, 0.0), s.duration_s))
+    source = ("recorded (cpu_us)" if recorded else "fastest rank's wall span") if time_sliced else "wall span (GPU)"
+    return {"wall": wall, "cpu": cpu, "fluid": fluid, "wait": wait, "stretch": stretch, "cpu_source": source}
+
+
+def _group(grid: Grid, rank: int, axis: str) -> list[int]:
+    """The ranks of `rank`'s group along `axis`."""
+    c = list(grid.coords(rank))
+    i = ("x", "y", "z", "data").index(axis)
+    out = []
+    for v in range((grid.x, grid.y, grid.z, grid.data)[i]):
+        c[i] = v
+        out.append(c[0] + grid.x * (c[1] + grid.y * (c[2] + grid.z * c[3])))
+    return out
+
+
 def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None = None) -> dict:
     """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
     from twin.memory import memory_per_gpu
@@ -114,15 +179,13 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     warm = [s["step_time_s"] for s in steps if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in steps]
     measured_it = statistics.median(warm)
 
-    measured: dict[str, list[float]] = {}
-    kinds: dict[str, str] = {}
-    for s in run["spans"]:
-        measured.setdefault(s.name, []).append(s.duration_s)
-        kinds[s.name] = s.kind
+    got = measured_ops(run["spans"], grid, time_sliced=meta.get("device", "cpu") == "cpu")
+    measured = got["fluid"]
+    kinds = {s.name: s.kind for s in run["spans"]}
     predicted: dict[str, list[float]] = {}
     host = study.kernels.profile.host_op_s
     for s in res.spans:
-        host_s = 0.0 if s.kind in ("all_gather", "reduce_scatter", "all_reduce") else host
+        host_s = 0.0 if s.kind in COLLECTIVES else host
         predicted.setdefault(s.name, []).append(max(s.duration_s - host_s, 0.0))
     ops = []
     for name, times in measured.items():
@@ -130,15 +193,29 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             continue
         m, p = statistics.median(times), statistics.median(predicted[name])
         if m > 0:
-            ops.append({"name": name, "kind": kinds[name], "measured_s": m, "predicted_s": p, "error": p / m - 1})
+            op = {"name": name, "kind": kinds[name], "measured_s": m, "predicted_s": p, "error": p / m - 1,
+                  "wall_s": statistics.median(got["wall"][name])}
+            if name in got["cpu"]:
+                op["cpu_s"] = statistics.median(got["cpu"][name])
+            if name in got["wait"]:
+                op["peer_wait_s"] = statistics.median(got["wait"][name])
+            ops.append(op)
     per_kind = {}
     for kind in sorted({o["kind"] for o in ops}):
-        errs = [abs(o["error"]) for o in ops if o["kind"] == kind]
+        sel = [o for o in ops if o["kind"] == kind]
+        errs = [abs(o["error"]) for o in sel]
         per_kind[kind] = {"ops": len(errs), "median_abs_error": statistics.median(errs),
                           "p90_abs_error": _percentile(errs, 0.9),
-                          "measured_s": sum(o["measured_s"] for o in ops if o["kind"] == kind),
-                          "predicted_s": sum(o["predicted_s"] for o in ops if o["kind"] == kind)}
-    compute = [abs(o["error"]) for o in ops if o["kind"] not in ("all_gather", "reduce_scatter", "all_reduce")]
+                          "median_error": statistics.median(o["error"] for o in sel),
+                          "measured_s": sum(o["measured_s"] for o in sel),
+                          "predicted_s": sum(o["predicted_s"] for o in sel),
+                          "wall_s": sum(o["wall_s"] for o in sel)}
+        if kind in COLLECTIVES:
+            per_kind[kind]["peer_wait_share"] = (sum(o.get("peer_wait_s", 0.0) for o in sel)
+                                                 / max(per_kind[kind]["wall_s"], 1e-12))
+        else:
+            per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
+    compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
     from twin.trace import trace_breakdown
     idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
     mem_pred = memory_per_gpu(spec, grid, options, batch, spec.seq_len, study.profile.activation_bytes)
@@ -155,6 +232,9 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                       "idle_predicted_s": res.breakdown_s["idle"],
                       "host_per_op_predicted_s": host},
         "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
+                "cpu_source": got["cpu_source"],
+                # wall over on-CPU time of each rank's compute ops (1: a core to itself), median over ranks
+                "stretch": statistics.median(got["stretch"].values()) if got["stretch"] else None,
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,
                 "by_kind": per_kind},

@@ -1,0 +1,71 @@
+"""What a recorded span means on CPU, and how `twin validate` compares an op with the twin's:
+on-CPU time spread over the rank's compute ops as a fluid share of the cores, collectives span to
+span with the time spent waiting for the group's last member."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from calibration.validate import measured_ops
+from twin.grid import Grid
+from twin.trace import Span
+
+
+def test_a_compute_span_carries_its_on_cpu_time():
+    """A compute op that is off the CPU for part of its span (here: asleep, as a descheduled rank
+    is) records less CPU time than wall time; a collective records none (it runs on gloo's thread)."""
+    from backend.recorder import Recorder
+
+    rec = Recorder()
+    with rec.op("L0.gelu.fwd", "elementwise"):
+        time.sleep(0.03)
+    with rec.op("L0.qkv.fwd.gemm", "gemm", m=1, n=1, k=1, layout="NN"):
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:  # on the CPU the whole span
+            pass
+    r = rec.begin("L0.qkv.fwd.ar_x", "all_reduce", "x", axis="x", bytes=8)
+    rec.end(r)
+    asleep, busy, coll = rec.spans(0)
+    assert asleep.duration_s >= 0.03 and asleep.args["cpu_us"] < 0.5 * asleep.duration_s * 1e6
+    assert 0.0199e6 <= busy.args["cpu_us"] <= busy.duration_s * 1e6 + 1e-3  # its 20 ms of CPU, whatever the load
+    assert "cpu_us" not in coll.args
+
+
+def _span(rank, name, kind, start, wall, cpu=None, axis=None):
+    args = {"kind": kind}
+    if cpu is not None:
+        args["cpu_us"] = cpu * 1e6
+    if axis:
+        args["axis"] = axis
+    return Span(rank, name, kind, axis or "compute", start, wall, args)
+
+
+def test_descheduled_time_is_spread_over_the_rank_as_a_fluid_share():
+    """Rank 1 lost 9 ms to another rank inside `b`: its wall spans are 1 ms and 10 ms, its on-CPU
+    times 1 ms each. Compared with the twin, each of its ops takes 1 ms x (11 / 2) = 5.5 ms: the
+    rank's total is kept, the arbitrary attribution to `b` is not."""
+    spans = [_span(0, "a", "gemm", 0.000, 0.001, 0.001), _span(0, "b", "gemm", 0.001, 0.001, 0.001),
+             _span(1, "a", "gemm", 0.000, 0.001, 0.001), _span(1, "b", "gemm", 0.001, 0.010, 0.001)]
+    got = measured_ops(spans, Grid(1, 1, 1, 2))
+    assert got["stretch"] == {0: 1.0, 1: pytest.approx(5.5)}
+    assert got["fluid"]["a"] == pytest.approx([0.001, 0.0055]) and got["fluid"]["b"] == pytest.approx([0.001, 0.0055])
+    assert sum(got["fluid"]["a"][1:] + got["fluid"]["b"][1:]) == pytest.approx(0.011)  # rank 1's total
+    assert got["wall"]["b"] == [0.001, 0.010] and got["cpu_source"] == "recorded (cpu_us)"
+    # a trace written before cpu_us: the fastest rank's wall span stands for the op's on-CPU time
+    old = [Span(s.rank, s.name, s.kind, s.stream, s.start_s, s.duration_s, {"kind": s.kind}) for s in spans]
+    got = measured_ops(old, Grid(1, 1, 1, 2))
+    assert got["cpu"]["b"] == [0.001, 0.001] and got["cpu_source"] == "fastest rank's wall span"
+    # GPU kernels are not time-sliced: the wall span is compared as it is
+    assert measured_ops(old, Grid(1, 1, 1, 2), time_sliced=False)["fluid"]["b"] == [0.001, 0.010]
+
+
+def test_a_collective_waits_for_its_groups_last_member():
+    """An all-reduce over x issued at 0 ms on rank 0 and at 3 ms on rank 1 (both complete at 5 ms):
+    rank 0 waited 3 ms for its peer; the spans themselves are compared as recorded."""
+    spans = [_span(0, "ar", "all_reduce", 0.000, 0.005, axis="x"), _span(1, "ar", "all_reduce", 0.003, 0.002, axis="x"),
+             _span(2, "ar", "all_reduce", 0.000, 0.001, axis="x"), _span(3, "ar", "all_reduce", 0.000, 0.001, axis="x")]
+    got = measured_ops(spans, Grid(2, 1, 1, 2))
+    assert got["wait"]["ar"] == pytest.approx([0.003, 0.0, 0.0, 0.0])
+    assert got["fluid"]["ar"] == [0.005, 0.002, 0.001, 0.001]
