@@ -209,8 +209,9 @@ def test_the_loop_end_to_end(tmp_path):
     """bench -> calibrate -> run -> validate on two grids of gpt-tiny with 2 ranks (about 20 s).
 
     What it asserts, measured on the 2-core development VM while other jobs loaded it (load average
-    15-20): memory, which does not depend on the load, came out -0.1 % (1x1x1x2) and -10 % (2x1x1x1)
-    from torch's memory tracker, so it must stay within 15 %. Iteration times swing 10x with the
+    14-20): memory, which does not depend on the load, came out -0.1 % (1x1x1x2) and -0.2 % (2x1x1x1)
+    from torch's memory tracker (-10 % on 2x1x1x1 before the fp32 peak was modelled as measured), so it
+    must stay within 3 %; every compute span carries its on-CPU time. Iteration times swing 10x with the
     machine's load (0.05-0.5 s per step for the same run): the predicted/measured ratio was 0.013-0.43,
     so only a broken unit (ms for s: 1000x) is caught, by a bound of 1/200 to 10."""
     out = tmp_path / "loop"
@@ -224,7 +225,8 @@ def test_the_loop_end_to_end(tmp_path):
         ratio = run["iteration"]["predicted_s"] / run["iteration"]["measured_s"]
         assert 1 / 200 < ratio < 10, (run["grid"], ratio)
         assert run["ops"]["matched"] > 20 and run["memory"]["measured_bytes"] > 0
-        assert abs(run["memory"]["error"]) < 0.15, (run["grid"], run["memory"])
+        assert abs(run["memory"]["error"]) < 0.03, (run["grid"], run["memory"])
+        assert run["ops"]["cpu_source"] == "recorded (cpu_us)" and run["ops"]["stretch"] >= 1
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")
