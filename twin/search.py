@@ -271,25 +271,7 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
     return out + rest
 
 
-BIG_BYTES = 2.0**40  # payload at which a collective's latency is negligible (bytes)
-_TRANSFER: dict[tuple[bytes, int, int], dict[str, float]] = {}
-
-
-def transfer_per_byte(study: Study, p: int, stride: int) -> dict[str, float]:
-    """Seconds per payload byte of each collective kind for a group of size p and rank stride
-    `stride`, alone on the machine (its probe grid), latency excluded: time(2^40 bytes) / 2^40. A
-    collective's time is a minimum over algorithms of latency + bytes / rate, so time(n) >= n x this
-    for every n up to 2^40."""
-    key = (machine_key(study), p, stride)
-    out = _TRANSFER.get(key)
-    if out is None:
-        grid, axis = _probe_grid(p, stride, study.system.gpus_per_node)
-        model = collective_model(study, grid)
-        out = _TRANSFER[key] = {k: model.time(k, axis, BIG_BYTES, concurrent=frozenset()) / BIG_BYTES
-                                for k in ("all_gather", "reduce_scatter", "all_reduce")}
-    return out
-
-
+KEEP_GRIDS = 24  # programs and collective models kept: a search bounds up to 16 grids, then simulates some
 _PROGRAMS: dict[tuple[bytes, str], object] = {}
 
 
@@ -302,35 +284,68 @@ def program_for(study: Study, grid: Grid):
     if prog is None:
         prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
     _PROGRAMS[key] = prog
-    if len(_PROGRAMS) > 4:
+    if len(_PROGRAMS) > KEEP_GRIDS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
     return prog
 
 
-def lower_bound(study: Study, grid: Grid) -> float:
-    """A lower bound on the simulated iteration time of `grid` (seconds): the grid's program run with
-    every collective at its contention-free transfer time (`transfer_per_byte`: no latency, no other
-    axis running, the probe's few groups instead of all of them) and compute not slowed by overlap.
-    It bounds the simulation from below as long as contention never speeds a collective up: start
-    and end times only grow with op durations (each op starts at the latest of its stream's previous
-    op and its dependencies). With durations that do not depend on what else runs, the engine's run
-    is that longest path through the program, so it is computed directly (`critical_path_s`)."""
+_MODELS: dict[tuple[bytes, str], object] = {}
+
+
+def model_for(study: Study, grid: Grid):
+    """The study's collective model on `grid` (twin.study.collective_model), the last few kept for the
+    process: a grid's lower bound asks it for contention-free times, the simulation of the grid then
+    asks the same model (its flow sets and rates already computed)."""
+    key = (machine_key(study), str(grid))
+    model = _MODELS.pop(key, None)
+    if model is None:
+        model = collective_model(study, grid)
+    _MODELS[key] = model
+    if len(_MODELS) > KEEP_GRIDS:
+        _MODELS.pop(next(iter(_MODELS)))
+    return model
+
+
+_BOUNDS: dict[tuple[bytes, str], float] = {}
+
+
+def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
+    """A lower bound on the simulated iteration time of `grid` (seconds): the longest path through the
+    grid's program when each op takes the least time the engine can give it: a compute op its time
+    alone (the engine only slows compute, by the profile's overlap slowdown >= 1, while a collective
+    runs), a collective its time on the grid's own collective model with no other axis in flight
+    (`time(kind, axis, bytes, concurrent=frozenset())`: every group of its axis at once, latency,
+    algorithm choice and all, exactly as the simulation computes it, minus the other axes' traffic).
+
+    Why it bounds the engine's symmetric run from below: the engine starts each op when its stream's
+    previous op and its deps are done, and an op runs at least its least time, so by induction over
+    program order every op ends no earlier than on the longest path (`critical_path_s`). That needs
+    the collective model to never make a collective faster because other axes run: in the flow model
+    adding flows cannot raise the slowest rate of a set of flows under max-min fairness (the link
+    that first freezes the slowest flow alone fills no later with more flows on it), the routes of
+    an axis do not depend on what else runs, and a collective's time is a minimum over algorithms of
+    latency + bytes / its slowest rate. A flow split into sub-flows (adaptive routing) sums its
+    sub-flows' rates, where the argument is not a proof: `benchmarks/search_exhaustive.py` checks it
+    (every time the simulations asked under contention against the contention-free one) together with
+    the bound itself on every grid of several studies. Kept per study and grid for the process."""
+    key = (study_key(study), str(grid))
+    if collectives is None and key in _BOUNDS:
+        return _BOUNDS[key]
     prog = program_for(study, grid)
-    ops, km = prog.ops, study.kernels
-    per_byte = {a: transfer_per_byte(study, grid.axis_size(a), grid.stride(a)) for a in AXES if grid.axis_size(a) > 1}
-
-    def seconds(op) -> float:
-        if not op.is_collective:
-            return km.op_time(op)
-        if op.axis not in per_byte or op.bytes <= 0:
-            return 0.0
-        return op.bytes * per_byte[op.axis][op.kind]
-
-    durations = [seconds(op) for op in ops]
+    km = study.kernels
+    model = collectives if collectives is not None else model_for(study, grid)
+    none = frozenset()
+    slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
+    durations = [model.time(op.kind, op.axis, op.bytes, concurrent=none) if op.is_collective
+                 else slow * km.op_time(op) for op in prog.ops]
     t = critical_path_s(prog, durations)
     if t is None:  # not in program order (an edited program): the engine handles any order
         from twin.engine import simulate_program
         t = simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
+    if collectives is None:
+        if len(_BOUNDS) >= 4096:
+            _BOUNDS.pop(next(iter(_BOUNDS)))
+        _BOUNDS[key] = t
     return t
 
 

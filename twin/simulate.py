@@ -22,8 +22,8 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import Candidate, lower_bound, program_for, rank_grids, study_key
-from twin.study import Study, check_grid, collective_model, prepare
+from twin.search import Candidate, lower_bound, model_for, program_for, rank_grids, study_key
+from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
 
@@ -58,15 +58,14 @@ def min_ops_per_rank(study: Study) -> int:
     return len(build_program(study.model, Grid(1, 1, 1, 1), study.options, study.batch, study.seq_len).ops)
 
 
-# After the analytical top `simulate_top`, the search checks the lower bound of the next SCAN grids of
-# the ranking and simulates those whose bound is below the fastest simulated time. The exhaustive check
-# (benchmarks/search_exhaustive.py, every valid grid simulated) found the fastest grid at analytical
-# rank 0 to 12 (counting from 0) in its studies; SCAN leaves room beyond that. The bound held for every
-# grid of three of its four studies (simulated / bound >= 1.001) but not on Alps' x=8 grids (down to
-# 0.928: groups that cross 4-GPU nodes ran faster in the full grid than alone in their probe), so a
-# grid is ruled out only when BOUND_SLACK x its bound reaches the fastest time.
+# After the analytical top `simulate_top`, the search bounds the next SCAN grids of the ranking from
+# below (twin.search.lower_bound: the grid's own collective model without the other axes' traffic,
+# compute without overlap slowdown) and simulates them in the order of their bounds while a bound is
+# below the fastest simulated time: a grid whose bound reaches it cannot be faster. The exhaustive
+# check (benchmarks/search_exhaustive.py: every valid grid simulated) says where in the analytical
+# ranking the fastest grid sits; SCAN leaves room beyond what it found.
 SCAN = 16
-BOUND_SLACK = 0.9
+BOUND_TOLERANCE_S = 1e-6  # the engine rounds each re-rated remainder to the ns; the bound does not
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
 
 
@@ -117,7 +116,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
-    cm = collectives if collectives is not None else collective_model(study, grid)
+    cm = collectives if collectives is not None else model_for(study, grid)
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                            overlap_slowdown=study.profile.overlap_slowdown, record=record)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
@@ -146,36 +145,48 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
     """Every valid grid ranked by the analytical model (twin.search.rank_grids); the best
-    `simulate_top` simulated; of the next SCAN in the ranking, those whose lower bound
-    (twin.search.lower_bound) is below the fastest simulated time simulated too (in ranking order,
-    so the fastest so far only improves). Returns the best `top` of the ranking and any grid
-    simulated beyond them, in ranking order."""
+    `simulate_top` simulated; the next SCAN in the ranking bounded from below
+    (twin.search.lower_bound) and simulated in the order of their bounds while a bound is below the
+    fastest simulated time (the others cannot beat it). Returns the best `top` of the ranking and any
+    grid simulated beyond them, in ranking order."""
+    ranked = _search(study, top, simulate_top, collectives)
+    return ranked[:top] + [c for c in ranked[top:] if c.simulated_s is not None]
+
+
+def _search(study: Study, top: int, simulate_top: int, collectives) -> list[Candidate]:
+    """The ranking of `search`, its simulated grids with their results and its bounded ones with their bounds."""
     scan = 0 if collectives is not None else SCAN
     ranked = rank_grids(study, collectives, keep=max(top, simulate_top + scan))
-    best, last = math.inf, 0
-    for i, c in enumerate(ranked[:simulate_top + scan]):
-        if i >= simulate_top:
-            c.bound_s = lower_bound(study, c.grid)
-            last = i + 1
-            if BOUND_SLACK * c.bound_s >= best:
-                continue  # cannot beat the fastest simulated grid
-        r = simulate_grid(study, c.grid, collectives=collectives)
-        c.result, c.simulated_s = r, r.iteration_time_s
-        best = min(best, r.iteration_time_s)
-        last = i + 1
-    return ranked[:top] + [c for c in ranked[top:last] if c.simulated_s is not None]
+    head, pool = ranked[:simulate_top], ranked[simulate_top:simulate_top + scan]
+    best = math.inf
+    for c in head:
+        best = min(best, _simulate(study, c, collectives))
+    for c in pool:
+        c.bound_s = lower_bound(study, c.grid)
+    for c in sorted(pool, key=lambda c: (c.bound_s, str(c.grid))):
+        if c.bound_s - BOUND_TOLERANCE_S >= best:
+            break  # neither this grid nor any with a larger bound can beat the fastest simulated grid
+        best = min(best, _simulate(study, c, collectives))
+    return ranked
+
+
+def _simulate(study: Study, c: Candidate, collectives) -> float:
+    r = simulate_grid(study, c.grid, collectives=collectives)
+    c.result, c.simulated_s = r, r.iteration_time_s
+    return r.iteration_time_s
 
 
 def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated (its Candidate, with its symmetric-mode
     result), and a line saying how it was chosen."""
-    cands = search(study, top=1, simulate_top=simulate_top, collectives=collectives)
-    sims = [c for c in cands if c.simulated_s is not None]
+    ranked = _search(study, 1, simulate_top, collectives)
+    sims = [c for c in ranked if c.simulated_s is not None]
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
-    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in cands)
-    return best, (f"auto: fastest simulated of the analytical top {len(sims)} "
-                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)})"
-                  + (f"; {bounded} more ruled out by their lower bound" if bounded else ""))
+    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in ranked)
+    looked = simulate_top + (0 if collectives is not None else SCAN)
+    return best, (f"auto: fastest simulated of the analytical top {min(looked, len(ranked))} "
+                  f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)}"
+                  + (f"; {bounded} more ruled out by their lower bound" if bounded else "") + ")")
 
 
 def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
