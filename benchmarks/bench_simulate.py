@@ -1,6 +1,6 @@
 """How fast the simulator is, against a baseline measured in the same run (a report, not a test).
 
-    python benchmarks/bench_simulate.py [--baseline DIR] [--repeat N] [--quick] [--machine]
+    python benchmarks/bench_simulate.py [--baseline DIR] [--repeat N] [--quick] [--only WORD] [--machine]
 
 Each figure is a whole `twin` process (imports included), as a user runs it:
 1. `twin simulate --system frontier` (gpt-320b on 32,768 GCDs, grid auto) and with the grid fixed;
@@ -100,10 +100,14 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another checkout to run the same commands in")
     ap.add_argument("--repeat", type=int, default=3, help="runs per command and checkout (median reported)")
     ap.add_argument("--quick", action="store_true", help="the two simulate commands only")
+    ap.add_argument("--only", action="append", default=[], metavar="WORD",
+                    help="only the figures whose name has WORD (e.g. auto, search, full); repeatable")
     ap.add_argument("--machine", action="store_true", help="also the whole-machine full-mode run (minutes)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     a = ap.parse_args()
     cases = CASES[:2] if a.quick else CASES + ([MACHINE] if a.machine else [])
+    if a.only:
+        cases = [c for c in cases if any(w in c[0] for w in a.only)]
     roots = [("this", HERE)] + ([("baseline", a.baseline.resolve())] if a.baseline else [])
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     for name, args, target in cases:
