@@ -12,18 +12,21 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   shapes (m = sequences x local heads, n = tokens, k = head size), forward and backward;
 - `ops` rows {op, numel, bytes, seconds}: a small elementwise op at several sizes (per-op overhead
   plus memory bandwidth), one forward+backward of a tiny autograd op (eager per-op overhead), and
-  `host` {op: "host", model, ops, mean_s, seconds}: the executor's host time per compute op, the median
-  gap between consecutive compute ops of a few training steps of the model on the grid (what the
-  rank's Python spends between kernels: dispatch, buffer bookkeeping, issuing collectives);
+  `host` {op: "host", model, ops, mean_s, seconds, free_mean_s}: the executor's host time per compute
+  op, the median (and mean: free_mean_s) gap between consecutive compute ops with no collective in
+  flight, in a few training steps of the model on the grid (what the rank's Python spends between
+  kernels: dispatch, buffer bookkeeping, issuing collectives);
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
   through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;
 - `overlap` rows {m, n, k, axis, alone_s, overlapped_s, slowdown}: a GEMM alone and while an
   all-reduce runs on the axis;
-- `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered}: every
-  op of the model's program as a few recorded training steps on the grid ran it (median span), with
-  the share of a compute op's span that a collective overlapped: what ops cost inside training, where
-  the ranks share the cores with each other and with gloo's threads (see bench_steps).
+- `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered,
+  wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
+  (median span), with the share of a compute op's span that a collective overlapped, and for a
+  collective the time the compute op that waited for it took to start after its completion: what ops
+  cost inside training, where the ranks share the cores with each other and with gloo's threads (see
+  bench_steps).
 Bandwidths follow nccl-tests: algbw = payload / time; busbw = algbw * 2(p-1)/p for all-reduce and
 (p-1)/p for all-gather and reduce-scatter (GB/s = 1e9 B/s).
 """
