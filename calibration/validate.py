@@ -269,7 +269,11 @@ def scatter_html(report: dict) -> str:
     for kind in sorted({o["kind"] for o in ops}):
         sel = [o for o in ops if o["kind"] == kind]
         fig.add_trace(go.Scatter(x=[o["measured_s"] * 1e3 for o in sel], y=[o["predicted_s"] * 1e3 for o in sel],
-                                 mode="markers", name=kind, text=[f"{o['run']} {o['name']}" for o in sel],
+                                 mode="markers", name=kind,
+                                 text=[f"{o['run']} {o['name']}<br>wall span {o.get('wall_s', o['measured_s']) * 1e3:.3f} ms"
+                                       + (f", on-CPU {o['cpu_s'] * 1e3:.3f} ms" if "cpu_s" in o else "")
+                                       + (f", peer wait {o['peer_wait_s'] * 1e3:.3f} ms" if "peer_wait_s" in o else "")
+                                       for o in sel],
                                  hovertemplate="%{text}<br>measured %{x:.3f} ms<br>predicted %{y:.3f} ms"))
     if ops:
         lo = min(min(o["measured_s"], o["predicted_s"]) for o in ops if o["predicted_s"] > 0) * 1e3
