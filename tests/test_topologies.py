@@ -1,5 +1,6 @@
 """System specs, the dragonfly graph, routing, placement, and the `twin systems` / `twin topology` commands."""
 
+import copy
 import re
 
 import numpy as np
@@ -227,3 +228,37 @@ def test_networkx_views_agree_with_the_arrays():
     r = route(alps, [a], [b], mode="minimal")
     assert nx_lat <= alps.latency[r.path(0)].sum() + 1e-12
     assert len(nx.shortest_path(g, a, b)) - 1 <= len(r.path(0))
+
+
+def _adaptive_by_definition(net, s, d, demand, seed, batch=128, detours=4, hop_weight=0.1):
+    """adaptive() as first written (one numpy pass per batch over padded candidates): the fast one must
+    choose exactly the same paths."""
+    n = len(s)
+    cap_ext = np.append(net.capacity, np.inf)
+    dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
+    cand = np.concatenate([np.pad(minimal(net, s, d, j), ((0, 0), (0, 2)), constant_values=-1)[:, :, None]
+                           for j in range(max(net.L, 1))]
+                          + [valiant(net, s, d, seed + 7919 * k)[:, :, None] for k in range(detours)], axis=2)
+    load = np.zeros(net.n_links + 1)
+    out = np.empty((n, 5), dtype=np.int64)
+    for idx in np.array_split(np.random.default_rng(seed + 1).permutation(n), max(1, -(-n // batch))):
+        c = cand[idx]
+        cost = (1 + hop_weight * (c >= 0).sum(1)) * ((load[c] + dem[idx, None, None]) / cap_ext[c]).max(1)
+        out[idx] = c[np.arange(len(idx)), :, cost.argmin(1)]
+        np.add.at(load, out[idx].ravel(), np.repeat(dem[idx], 5))
+    return out
+
+
+@pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
+def test_adaptive_routing_chooses_as_its_definition(name):
+    from topologies.routing import adaptive
+    net = build_network(load_system(name))
+    rng = np.random.default_rng(4)
+    for n, uneven in [(1, False), (300, False), (6000, False), (3000, True)]:
+        s, d = rng.integers(0, net.n_switches, n), rng.integers(0, net.n_switches, n)
+        s[:n // 10] = d[:n // 10]   # some flows stay on their switch
+        demand = rng.choice([1.25e9, 3e9, 0.7e9], n) if n > 1 else None
+        if uneven:  # switch links of unequal capacity take the general path
+            net = copy.copy(net)
+            net.capacity = net.capacity * rng.choice([1.0, 0.5, 2.0], net.n_links)
+        assert np.array_equal(adaptive(net, s, d, demand, seed=n), _adaptive_by_definition(net, s, d, demand, n))

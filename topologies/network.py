@@ -24,11 +24,14 @@ t mod switches_per_group.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import numpy as np
 
 from topologies.system import SystemSpec
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL = range(7)
 LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global")
@@ -201,6 +204,8 @@ class Network:
         Built on first use: the full Frontier takes about 2 s and 400 MB (benchmarks/bench_topology.py),
         so routing and the flow model use the arrays instead. A DiGraph suffices: no two links join the same pair of vertices (the
         cables between two groups sit on distinct switches while global_links_per_pair <= switches)."""
+        import networkx as nx  # imported here: the twin's commands never need it (about 0.1 s)
+
         G = nx.DiGraph(system=self.system.name)
         G.add_nodes_from(range(self.nic0), kind="gpu")
         G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
@@ -213,6 +218,8 @@ class Network:
     def switch_graph(self) -> nx.Graph:
         """The dragonfly alone: switches (named sw<group>.<switch>, with `group`) and undirected
         local and global cables (`kind`, `bandwidth` in bytes/s per direction). Small enough to draw."""
+        import networkx as nx
+
         G = nx.Graph(system=self.system.name)
         for v in range(self.sw0, self.n_vertices):
             G.add_node(self.vertex_name(v), group=(v - self.sw0) // max(self.S, 1))

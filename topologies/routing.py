@@ -112,21 +112,44 @@ def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
     """(flows, 5) switch-to-switch link matrix of Valiant paths via a random intermediate group
     (or, inside one group or with two groups only, via a random intermediate switch)."""
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    return _valiant_paths(net, s, d, *_valiant_draws(net, s, d, seed))
+
+
+def _valiant_draws(net: Network, s: np.ndarray, d: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
+    """The random choices of `valiant` per flow (0 where a flow draws none): the intermediate group
+    (an index among the G-2 groups other than both ends), the cable to it, the intermediate switch
+    (inside one group). Drawn apart from the paths so that adaptive routing can lay them out in
+    any order; the draws are those valiant has always made, in flow order."""
     rng = np.random.default_rng(seed)
+    n, G, S = len(s), net.groups, net.S
+    gs, gd = s // S, d // S
+    gi, j, mid = (np.zeros(n, dtype=np.int64) for _ in range(3))
+    via_group = (gs != gd) & (G > 2)
+    if via_group.any():
+        k = int(via_group.sum())
+        gi[via_group] = rng.integers(0, G - 2, k)
+        j[via_group] = rng.integers(0, net.L, k)
+    inside = (gs == gd) & (s != d)
+    if inside.any():
+        mid[inside] = rng.integers(0, S, int(inside.sum()))
+    return gi, j, mid
+
+
+def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j: np.ndarray,
+                   mid: np.ndarray) -> np.ndarray:
+    """(flows, 5) Valiant paths from switch s to switch d given the draws of `_valiant_draws`."""
     n, G, S = len(s), net.groups, net.S
     out = np.full((n, _HOPS), -1, dtype=np.int64)
     gs, gd = s // S, d // S
     via_group = (gs != gd) & (G > 2)
     if via_group.any():
-        ss, dd, g1, g2 = s[via_group], d[via_group], gs[via_group], gd[via_group]
-        # an intermediate group distinct from both ends: draw from G-2 and skip the two ends
+        rows = np.flatnonzero(via_group)
+        ss, dd, g1, g2, gi, j = s[rows], d[rows], gs[rows], gd[rows], gi[rows], j[rows]
+        # an intermediate group distinct from both ends: the draw from G-2 skips the two ends
         lo, hi = np.minimum(g1, g2), np.maximum(g1, g2)
-        gi = rng.integers(0, G - 2, len(ss))
         gi = gi + (gi >= lo)
         gi = gi + (gi >= hi)
-        j = rng.integers(0, net.L, len(ss))
         land = net.global_switch(gi, g1, j)
-        rows = np.flatnonzero(via_group)
         # minimal(ss, land, j)[:, :2] and minimal(land, dd): both cross groups (gi differs from g1, g2)
         a = net.global_switch(g1, gi, j)
         out[rows, 0] = np.where(a != ss, net.local_link(ss, a), -1)
@@ -139,7 +162,7 @@ def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
     inside = (gs == gd) & (s != d)
     if inside.any():  # same group: via a random third switch of the group
         ss, dd = s[inside], d[inside]
-        mid = gs[inside] * S + rng.integers(0, S, len(ss))
+        mid = gs[inside] * S + mid[inside]
         detour = (mid != ss) & (mid != dd)
         out[inside, 0] = np.where(detour, net.local_link(ss, np.where(detour, mid, dd)), net.local_link(ss, dd))
         out[inside, 1] = np.where(detour, net.local_link(np.where(detour, mid, ss), dd), -1)
@@ -147,6 +170,14 @@ def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
     if two.any():
         out[two, :3] = minimal(net, s[two], d[two])
     return out
+
+
+def _uniform_capacity(net: Network) -> float | None:
+    """The capacity (bytes/s) every switch-to-switch link has, or None if they differ."""
+    cap = net.capacity[net.b_loc:]
+    if len(cap) and cap[0] > 0 and np.isfinite(cap[0]) and (cap == cap[0]).all():
+        return float(cap[0])
+    return None
 
 
 def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, detours: int = 4,
@@ -163,37 +194,58 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     full utilization: with a flat cost below saturation a whole batch would pile onto one path."""
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
     n = len(s)
-    cap_ext = np.append(net.capacity, np.inf)
-    dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
-    # Everything a batch needs is laid out in placement order once, so that a batch reads slices:
-    # the loop then costs a few numpy calls per batch (the load it reads changes between batches).
-    order = np.random.default_rng(seed + 1).permutation(n)
-    L = max(net.L, 1)
-    cand = np.full((n, _HOPS, L + detours), -1, dtype=np.int64)  # (flows, hops, candidates); -1 -> the sentinel link
-    cand[:, :3, :L] = _minimal_all(net, s[order], d[order], L)   # minimal paths are per flow: placed in order
-    for k in range(detours):  # Valiant draws are made in flow order, then placed
-        cand[:, :, L + k] = valiant(net, s, d, seed + 7919 * k)[order]
-    cap = cap_ext[cand]                            # capacity of every candidate link (inf: no link)
-    factor = 1 + hop_weight * (cand >= 0).sum(1)   # (flows, candidates)
-    dem = np.ascontiguousarray(dem[order])
-    load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last: capacity inf)
     out = np.empty((n, _HOPS), dtype=np.int64)
+    if n == 0:
+        return out
+    dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
+    # The loop over batches is sequential (each batch reads the load the earlier ones placed), so it
+    # must cost a few small numpy calls per batch: everything else is laid out beforehand, in
+    # placement order, chunk by chunk (a chunk's candidates stay in cache).
+    order = np.random.default_rng(seed + 1).permutation(n)
+    draws = [[x[order] for x in _valiant_draws(net, s, d, seed + 7919 * k)] for k in range(detours)]
+    s, d, dem = s[order], d[order], np.ascontiguousarray(dem[order])
+    L = max(net.L, 1)
+    K = L + detours
+    cap = _uniform_capacity(net)
+    # Utilization of a hop = (load + demand) / capacity, -1 (no hop) reads a sentinel link. With one
+    # capacity C for every switch link, max over hops of (load + dem) / C = (max load + dem) / C
+    # exactly (rounding is monotone), so a batch reads the load alone; the sentinel's load is -inf
+    # (a path always has a hop unless every candidate is empty: s = d). Else the sentinel's capacity
+    # is infinite and the batch also reads capacities.
+    load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last)
+    if cap is None:
+        cap_ext = np.append(net.capacity, np.inf)
+    else:
+        load[-1] = -np.inf
     parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
     size, extra = divmod(n, parts)
+    bounds = np.concatenate([[0], np.cumsum(np.where(np.arange(parts) < extra, size + 1, size))])
     rows = np.arange(size + 1)
-    a = 0
-    for k in range(parts):
-        b = a + size + (k < extra)
-        c = cand[a:b]
-        util = load[c]
-        util += dem[a:b, None, None]
-        util /= cap[a:b]
-        cost = factor[a:b] * util.max(1)
-        choice = c[rows[:b - a], :, cost.argmin(1)]
-        out[a:b] = choice
-        # -1 (no hop) adds to the sentinel, whose capacity is infinite: no effect on any cost
-        np.add.at(load, choice.ravel(), np.repeat(dem[a:b], _HOPS))
-        a = b
+    chunk = max(1, 8192 // max(size, 1))           # batches per chunk of laid-out candidates
+    for k0 in range(0, parts, chunk):
+        A, B = int(bounds[k0]), int(bounds[min(k0 + chunk, parts)])
+        cand = np.full((_HOPS, B - A, K), -1, dtype=np.int64)     # (hops, flows, candidates)
+        cand[:3, :, :L] = np.moveaxis(_minimal_all(net, s[A:B], d[A:B], L), 1, 0)
+        for k, (gi, j, mid) in enumerate(draws):
+            cand[:, :, L + k] = _valiant_paths(net, s[A:B], d[A:B], gi[A:B], j[A:B], mid[A:B]).T
+        factor = 1 + hop_weight * (cand >= 0).sum(0)  # (flows, candidates)
+        for k in range(k0, min(k0 + chunk, parts)):
+            a, b = int(bounds[k]) - A, int(bounds[k + 1]) - A
+            c = cand[:, a:b]
+            if cap is None:
+                util = load[c]
+                util += dem[A + a:A + b, None]
+                util /= cap_ext[c]
+                cost = util.max(0)
+            else:
+                cost = load[c].max(0)
+                cost += dem[A + a:A + b, None]
+                cost /= cap
+            cost *= factor[a:b]
+            choice = c[:, rows[:b - a], cost.argmin(1)].T
+            out[A + a:A + b] = choice
+            # -1 (no hop) adds to the sentinel, which no cost reads: no effect
+            np.add.at(load, choice.ravel(), np.repeat(dem[A + a:A + b], _HOPS))
     res = np.empty_like(out)
     res[order] = out
     return res

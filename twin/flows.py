@@ -97,6 +97,7 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     U = len(rem)
+    tol = 1 + rtol
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
     flows = np.flatnonzero(~empty)                     # unfrozen flows
@@ -104,23 +105,31 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     lk = local[links]                                  # local link id of each of their entries
     fcap = cap_flow[flows]
     cnt = per_link[used]                               # unfrozen flows per link (first round)
+    starts = ptr[:-1][flows]                           # first entry of each flow (first round)
     while len(flows):
-        starts = np.zeros(len(flows), dtype=np.int64)
-        np.cumsum(flen[:-1], out=starts[1:])
+        if starts is None:
+            starts = np.zeros(len(flows), dtype=np.int64)
+            np.cumsum(flen[:-1], out=starts[1:])
         if cnt is None:
             cnt = np.bincount(lk, minlength=U)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
         # per flow: smallest share on its path (and its own cap)
-        fmin = np.minimum(np.minimum.reduceat(share[lk], starts), fcap)
+        share_e = share[lk]
+        fmin = np.minimum(np.minimum.reduceat(share_e, starts), fcap)
+        capped = fcap <= fmin * tol
+        if capped.all():  # every flow at its own cap: the last round, no bottleneck to find
+            rate[flows] = fmin
+            break
+        # a link is a bottleneck if its share is at most tol x the smallest fmin of its flows, that
+        # is (rounding is monotone) if no flow on it has tol x fmin below the link's share
         fmin_e = np.repeat(fmin, flen)
-        # per link: smallest fmin among its flows; a link at that share is a bottleneck
-        lmin = np.full(U, np.inf)
-        np.minimum.at(lmin, lk, fmin_e)
-        bottleneck = (cnt > 0) & (share <= lmin * (1 + rtol))
-        hit = np.maximum.reduceat(bottleneck[lk], starts) | (fcap <= fmin * (1 + rtol))
+        slower = np.zeros(U, dtype=bool)
+        slower[lk[share_e > fmin_e * tol]] = True
+        bottleneck = (cnt > 0) & ~slower
+        hit = np.maximum.reduceat(bottleneck[lk], starts) | capped
         if not hit.any():  # numerical safety: freeze the globally tightest flows
-            hit = fmin <= fmin.min() * (1 + rtol)
+            hit = fmin <= fmin.min() * tol
         if not hit.any():  # cannot happen with valid inputs; never spin
             raise ValueError("max_min_rates: no flow could be frozen (non-finite rates)")
         if hit.all():  # the last round (often the only one): nothing left to update
@@ -132,5 +141,5 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
         np.maximum(rem, 0.0, out=rem)
         keep, keep_e = ~hit, ~done_e
         flows, flen, fcap, lk = flows[keep], flen[keep], fcap[keep], lk[keep_e]
-        cnt = None
+        cnt = starts = None
     return rate
