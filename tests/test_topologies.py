@@ -250,6 +250,19 @@ def _adaptive_by_definition(net, s, d, demand, seed, batch=128, detours=4, hop_w
 
 
 @pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
+def test_cable_tables_give_the_minimal_paths_of_the_formulas(name):
+    from topologies.routing import _minimal_all
+    net = build_network(load_system(name))
+    rng = np.random.default_rng(3)
+    s, d = rng.integers(0, net.n_switches, 4000), rng.integers(0, net.n_switches, 4000)
+    s[:100] = d[:100]
+    d[100:300] = s[100:300] - s[100:300] % net.S + rng.integers(0, net.S, 200)   # same group
+    every = _minimal_all(net, s, d, max(net.L, 1))
+    for j in range(max(net.L, 1)):
+        assert np.array_equal(every[:, :, j], minimal(net, s, d, j))
+
+
+@pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
 def test_adaptive_routing_chooses_as_its_definition(name):
     from topologies.routing import adaptive
     net = build_network(load_system(name))

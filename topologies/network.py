@@ -121,6 +121,20 @@ class Network:
         g, h, j = np.asarray(g), np.asarray(h), np.asarray(j)
         return g * self.S + ((h - (h > g)) * self.L + j) % self.S
 
+    @cached_property
+    def cable_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The link formulas of minimal paths as lookup tables (the same integers, fewer numpy passes):
+        (G*G, L) switch inside group g holding g's cable j to group h, at row g*G + h; (G*G, L) that
+        global link (rows g = h unused); (S*S,) local link from switch a to b of group 0 at a*S + b,
+        -1 for a = b (group k's is that + k*S*(S-1))."""
+        G, S, L = self.groups, self.S, max(self.L, 1)
+        g, h, j = np.meshgrid(np.arange(G), np.arange(G), np.arange(L), indexing="ij")
+        port = self.global_switch(g, h, j) - g * S
+        cable = np.where(g != h, self.global_link(g, h, j), -1)
+        a, b = np.divmod(np.arange(S * S), max(S, 1))
+        local = np.where(a != b, self.local_link(a, b) - self.b_loc, -1)
+        return port.reshape(G * G, L), cable.reshape(G * G, L), local
+
     # -- arrays ---------------------------------------------------------------------------------
     def _build_arrays(self) -> None:
         s, df, g = self.system, self.system.dragonfly, self.gpn

@@ -91,20 +91,24 @@ def minimal(net: Network, s, d, j=None) -> np.ndarray:
 
 
 def _minimal_all(net: Network, s: np.ndarray, d: np.ndarray, L: int) -> np.ndarray:
-    """(flows, 3, L): minimal(net, s, d, j) for every cable j < L at once (the same link indices)."""
+    """(flows, 3, L): minimal(net, s, d, j) for every cable j < L at once (the same link indices, read
+    from the network's cable tables)."""
     out = np.full((len(s), 3, L), -1, dtype=np.int64)
-    gs, gd = s // net.S, d // net.S
+    S, G = net.S, net.groups
+    gs, gd = s // S, d // S
     same = gs == gd
     i = same & (s != d)
     out[i, 1, :] = net.local_link(s[i], d[i])[:, None]
-    x = ~same
-    if x.any():
-        s, d, gs, gd = s[x, None], d[x, None], gs[x, None], gd[x, None]
-        jj = np.arange(L, dtype=np.int64)[None, :]
-        a, b = net.global_switch(gs, gd, jj), net.global_switch(gd, gs, jj)
-        first = np.where(a != s, net.local_link(s, a), -1)
-        last = np.where(b != d, net.local_link(b, d), -1)
-        out[x] = np.stack([first, net.global_link(gs, gd, jj), last], 1)
+    x = np.flatnonzero(~same)
+    if len(x):
+        port, cable, local = net.cable_tables
+        s, d, gs, gd = s[x], d[x], gs[x], gd[x]
+        there = gs * G + gd
+        a = local[((s % S) * S)[:, None] + port[there, :L]]           # (flows, L) first local hop, -1 none
+        b = local[port[gd * G + gs, :L] * S + (d % S)[:, None]]      # last local hop
+        out[x, 0] = np.where(a >= 0, a + (net.b_loc + gs * (S * (S - 1)))[:, None], -1)
+        out[x, 1] = cable[there, :L]
+        out[x, 2] = np.where(b >= 0, b + (net.b_loc + gd * (S * (S - 1)))[:, None], -1)
     return out
 
 
