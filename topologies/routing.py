@@ -269,14 +269,16 @@ def network_key(net: Network) -> bytes:
 
 
 def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str = "minimal",
-          seed: int = 0, demand=None) -> Routes:
+          seed: int = 0, demand=None, key: bytes | None = None) -> Routes:
     """Routes of flows from GPU src to GPU dst (machine-wide GPU ids).
 
     Inside a node a flow takes the direct GPU-GPU link. Across nodes it leaves through the NIC of
     GPU src_nic_gpu (default: src itself; another GPU of src's node models a library channel that
     uses that GPU's NIC, reached over the node fabric) and enters through the NIC of dst_nic_gpu.
     `demand` (bytes/s, scalar or per flow) is what adaptive routing assumes each flow wants.
-    The result is shared with any later call that asks the same (treat it as read-only).
+    The result is shared with any later call that asks the same (treat it as read-only): keyed by a
+    digest of the arguments, or by `key`, a digest of what determines them all (the caller's: it
+    saves hashing the arrays).
     """
     if mode not in MODES:
         raise InputError(f"unknown routing mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -286,7 +288,10 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
     n = len(src)
     dem_key = None if demand is None or mode != "adaptive" else \
         np.broadcast_to(np.asarray(demand, dtype=float), (n,))
-    key = digest(network_key(net), mode, seed if mode != "minimal" else 0, src, dst, sv, dv, dem_key)
+    if key is None:
+        key = digest(network_key(net), mode, seed if mode != "minimal" else 0, src, dst, sv, dv, dem_key)
+    else:
+        key = digest("caller", key)
     hit = ROUTES.get(key)
     if hit is not None:
         return hit

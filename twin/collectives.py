@@ -168,11 +168,11 @@ class CollectiveModel:
                      self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
         hit = FLOWS.get(key)
         if hit is None:
-            hit = self._build_ring_flows(gpus)
+            hit = self._build_ring_flows(gpus, key)
             FLOWS.put(key, hit)
         return hit
 
-    def _build_ring_flows(self, gpus: np.ndarray) -> _FlowSet:
+    def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> _FlowSet:
         R, q = gpus.shape
         nxt = np.roll(gpus, -1, axis=1)
         node = gpus // self.system.gpus_per_node
@@ -213,7 +213,8 @@ class CollectiveModel:
         sub = [np.repeat(c, spread) for c in cols[:4]]
         caps = np.repeat(cols[6].astype(float) / spread, spread)
         demand = np.minimum(caps, self.system.nic_bandwidth / np.repeat(spread, spread))
-        routes = route(self.net, *sub, mode=self.routing, seed=self.seed, demand=demand)
+        # `key` determines every argument: routing need not hash the arrays
+        routes = route(self.net, *sub, mode=self.routing, seed=self.seed, demand=demand, key=key)
         return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, R)
 
     def _algorithm(self, axis: str, algorithm: str) -> str:
