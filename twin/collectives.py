@@ -256,8 +256,10 @@ class CollectiveModel:
             out: dict[str, list[float]] = {a: [] for a in sets}
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
-                rates = max_min_rates(Routes.concat([f.routes for f in allf]), self.capacity,
-                                      np.concatenate([f.caps for f in allf]))
+                routes = Routes.concat([f.routes for f in allf])
+                # the routes' key (from the flow sets' keys) determines the caps too
+                rates = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in allf]),
+                                      key=routes.key)
                 off = 0
                 for (a, v), f in zip(sets.items(), allf):
                     if k < len(v):

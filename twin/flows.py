@@ -53,7 +53,7 @@ def _csr(paths) -> tuple[np.ndarray, np.ndarray]:
 
 
 def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarray | None = None,
-                  rtol: float = 1e-9) -> np.ndarray:
+                  rtol: float = 1e-9, key: bytes | None = None) -> np.ndarray:
     """Max-min fair rate of each flow, bytes/s.
 
     paths: an object with CSR arrays `ptr`, `links` (topologies.routing.Routes) or a sequence of
@@ -63,7 +63,8 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     A flow with an empty path and no cap gets np.inf.
     Raises ValueError on a NaN or negative capacity or cap (which would defeat the loop's exit test).
     The same question asked twice in a process (the same paths, capacities of the links they use,
-    caps) gets the same answer from a memo; treat the array returned as read-only.
+    caps) gets the same answer from a memo; treat the array returned as read-only. `key`, a digest
+    that determines both the paths and the caps (the caller's), saves hashing them.
     """
     ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
@@ -71,7 +72,9 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     cap_flow = np.full(n, np.inf) if caps is None else np.broadcast_to(np.asarray(caps, dtype=float), (n,)).copy()
     if np.isnan(cap_flow).any() or (cap_flow < 0).any():
         raise ValueError("max_min_rates: per-flow caps must be non-negative numbers (inf for none)")
-    key = digest(getattr(paths, "key", None) or digest(ptr, links), array_key(cap_link), cap_flow, rtol)
+    if key is None:
+        key = digest(getattr(paths, "key", None) or digest(ptr, links), cap_flow)
+    key = digest(key, array_key(cap_link), rtol)
     hit = RATES.get(key)
     if hit is not None:
         return hit
