@@ -29,7 +29,11 @@ Modes. Symmetric: one representative rank whose groups have one member. Every ra
 program and the collective model gives one time per axis for all its groups at once (the slowest
 group's), so every placement, regular or scattered, has a single placement class and one rank stands
 for all. Full: every rank, each with an optional compute slowdown factor (stragglers); a collective
-starts when its last member arrives. Both agree on a symmetric case (to rounding of re-rates, ns).
+starts when its last member arrives. Ranks that behave alike (twin.symmetry: equal factors, groups
+of alike ranks) are one class, simulated once: a stream here stands for a class of ranks (a group
+stream for a class of groups, whose members are classes), and sums over ranks weigh each class by
+its size. Without stragglers that is one class, so full mode gives exactly the symmetric result;
+with `merge_alike=False` every rank is its own class (the same to the rounding of re-rates, ns).
 
 Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops. A wait
 of the compute stream ends when the op it waited for last completes; the wait is attributed by
@@ -52,6 +56,7 @@ from simpy.events import Timeout
 
 from twin.grid import AXES, Grid
 from twin.program import Program
+from twin.symmetry import RankClasses, one_class_per_rank, rank_classes
 
 NS = 1e9  # nanoseconds per second
 
@@ -67,6 +72,7 @@ class EngineResult:
     simulated_ops: int               # op executions over all simulated ranks (a collective counts per member)
     ranks: int                       # simulated ranks
     spans: list[tuple[int, int, float, float]] = field(default_factory=list)  # (rank, op, start_s, dur_s)
+    classes: int = 1                 # classes of ranks that behave alike, each simulated once (twin.symmetry)
 
 
 _BIT = {a: 1 << k for k, a in enumerate(AXES)}
@@ -359,7 +365,7 @@ class _GroupStream:
 def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
-                     record: bool = False) -> EngineResult:
+                     record: bool = False, merge_alike: bool = True) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -369,30 +375,35 @@ def simulate_program(program: Program, compute_s: list[float],
     slowdown: rank -> factor >= 1 on its compute times (full mode; stragglers).
     overlap_slowdown: compute runs this many times slower while a collective of its rank is in flight.
     record: keep spans (rank, op index, start s, duration s) of every op for traces and plots.
+    merge_alike: in full mode, simulate each class of ranks that behave alike once (twin.symmetry;
+        the result is every rank's); False runs rank by rank (for tests).
     """
     grid: Grid = program.grid
-    nranks = grid.size if full else 1
     slowdown = slowdown or {}
     if slowdown and not full:
         raise ValueError("per-rank slowdown factors need full mode")
-    sim = _Sim(program, nranks, record, collective_s)
-    base_ns = [t * NS for t in compute_s]
     by_stream: dict[str, list[int]] = {s: [] for s in ("compute",) + AXES}
     for op in program.ops:
         by_stream[op.stream].append(op.index)
+    axes = tuple(a for a in AXES if by_stream[a])
+    nranks = grid.size if full else 1
+    if not full:
+        classes = RankClasses([[0]], [1.0], {a: [[0]] for a in axes}, {a: [0] for a in axes})
+    elif merge_alike:
+        classes = rank_classes(grid, slowdown, axes)
+    else:
+        classes = one_class_per_rank(grid, slowdown, axes)
+    nsim = len(classes)
+    sim = _Sim(program, nsim, record, collective_s)
+    base_ns = [t * NS for t in compute_s]
     todo = {k: [(i, sim.deps[i]) for i in ops] for k, ops in by_stream.items()}
-    sim.compute = [_ComputeStream(sim, r, by_stream["compute"], todo["compute"], base_ns, slowdown.get(r, 1.0),
-                                  overlap_slowdown) for r in range(nranks)]
+    sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],
+                                  overlap_slowdown) for c in range(nsim)]
     groups: list[_GroupStream] = []
-    for axis in AXES:
-        if not by_stream[axis]:
-            continue
-        members = grid.groups(axis) if full else [[0]]
-        for m in members:
-            g = _GroupStream(sim, axis, m, by_stream[axis], todo[axis])
-            groups.append(g)
-            for r in m:
-                sim.group_of[axis][r] = g
+    for axis in axes:
+        streams = [_GroupStream(sim, axis, m, by_stream[axis], todo[axis]) for m in classes.groups[axis]]
+        groups += streams
+        sim.group_of[axis] = {c: streams[k] for c, k in enumerate(classes.group_of[axis])}
     for ops in by_stream.values():
         for k, i in enumerate(ops):
             sim.pos[i] = k
@@ -413,11 +424,12 @@ def simulate_program(program: Program, compute_s: list[float],
         raise RuntimeError(f"deadlock: stream {getattr(s, 'axis', 'compute')} stopped at op "
                            f"{sim.ops[s.ops[s.pc]].name}")
     end = sim.end_ns
-    compute = sum(s.compute_ns for s in sim.compute) / nranks
-    exposed = {a: sum(s.exposed[a] for s in sim.compute) / nranks for a in AXES}
+    size = [len(r) for r in classes.ranks]  # ints: the sums below are exact
+    compute = sum(k * s.compute_ns for k, s in zip(size, sim.compute)) / nranks
+    exposed = {a: sum(k * s.exposed[a] for k, s in zip(size, sim.compute)) / nranks for a in AXES}
     idle = end - compute - sum(exposed.values())
-    ops = len(by_stream["compute"]) * nranks + sum(len(g.ops) * len(g.members) for g in groups)
-    spans = [(r, i, t / NS, d / NS) for r, i, t, d in sim.spans]
+    ops = (len(by_stream["compute"]) + sum(len(by_stream[a]) for a in axes)) * nranks
+    spans = [(r, i, t / NS, d / NS) for c, i, t, d in sim.spans for r in classes.ranks[c]]
     return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
                         exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
-                        simulated_ops=ops, ranks=nranks, spans=spans)
+                        simulated_ops=ops, ranks=nranks, spans=spans, classes=nsim)
