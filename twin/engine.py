@@ -1,15 +1,14 @@
-"""The discrete-event engine (simpy): one training iteration of a program on many ranks.
+"""The discrete-event engine: one training iteration of a program on many ranks.
 
 Streams. Each simulated rank has a compute stream; each group of each communication axis has one
 stream shared by its members (all members run the same collectives of that axis in program order, so
 a group's stream stands for the axis stream of every member). An op starts when its stream has
 finished the previous op and every op in its `deps` is done (for a collective: done on every member,
 so it starts when its last member arrives); a collective then completes for the whole group at once.
-Streams are small state machines, not simpy processes: a pending completion is an entry (the stream)
-in the bucket of its due time; each distinct due time has one simpy Timeout, which runs its bucket in
-scheduling order, simpy's own order on ties (entries added while it runs, zero-time ops, run last as
-zero-delay Timeouts would). Ranks mostly finish an op at the same nanosecond, so a few thousand simpy
-events carry millions of ops. No Python object is made per rank and op: done flags are a bytearray
+Streams are small state machines, not simpy processes (simpy's generators and events cost several
+times a plain loop's time per event): a pending completion is an entry (the stream) in the bucket of
+its due time; a heap holds the distinct due times, and the loop runs each time's bucket in scheduling
+order (entries added while it runs, zero-time ops, run last: simpy's order on ties). No Python object is made per rank and op: done flags are a bytearray
 per op (a group's members' flags for one op sit together), a group's start and blocker of each op
 are int arrays, a stream kind's (op, deps) list is shared. No cyclic GC during a run (only cost).
 
@@ -22,7 +21,7 @@ stream's live entry is the one at (stream.due, stream.slot), the others are stal
 earlier finish schedules a new entry; a later one does not (the pending entry fires early, sees work
 left, and schedules the rest), which saves entries when rates change several times.
 
-Time is kept in integer nanoseconds (simpy's clock holds ints), so no remaining time of 1e-18 s can
+Time is kept in integer nanoseconds, so no remaining time of 1e-18 s can
 stall the clock; each scheduled delay is rounded to the nearest nanosecond.
 
 Modes. Symmetric: one representative rank whose groups have one member. Every rank runs the same
@@ -51,8 +50,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
-import simpy
-from simpy.events import Timeout
+from heapq import heappop, heappush
 
 from twin.grid import AXES, Grid
 from twin.program import Program
@@ -85,7 +83,8 @@ class _Sim:
 
     def __init__(self, program: Program, nranks: int, record: bool,
                  collective_s: Callable[[int, frozenset], float]):
-        self.env = simpy.Environment()
+        self.now = 0                                    # the clock (ns)
+        self.heap: list[int] = []                       # due times (ns) that have a bucket
         self.ops, self.n = program.ops, len(program.ops)
         self.deps = [op.deps for op in self.ops]
         self.axis_of = [op.axis for op in self.ops]
@@ -118,26 +117,25 @@ class _Sim:
         self.waiters.setdefault(key, []).append(stream)
 
     def schedule(self, due: int, stream) -> None:
-        """Call stream.on_done() at `due` (ns) unless the stream schedules again before. One simpy
-        Timeout per distinct time: its bucket keeps scheduling order (simpy's order on ties). The stream's
-        latest entry is the one at (stream.due, stream.slot): the caller sets stream.due = due."""
+        """Call stream.on_done() at `due` (ns) unless the stream schedules again before. One bucket per
+        distinct time keeps scheduling order. The stream's latest entry is the one at
+        (stream.due, stream.slot): the caller sets stream.due = due. (Inlined in the hot paths below.)"""
         b = self.buckets.get(due)
         if b is None:
             b = self.buckets[due] = []
-            Timeout(self.env, due - self.env.now).callbacks.append(self.fire)
+            heappush(self.heap, due)
         stream.slot = len(b)
         b.append(stream)
 
-    def fire(self, _event) -> None:
-        now = self.env.now
-        b = self.buckets[now]
-        k = 0
-        while k < len(b):  # entries added at this very time (zero delays) run after the others, as in simpy
-            s = b[k]
-            if s.slot == k and s.due == now:
-                s.on_done()
-            k += 1
-        del self.buckets[now]
+    def run(self) -> None:
+        """Run the buckets in time order until none is left."""
+        heap, buckets = self.heap, self.buckets
+        while heap:
+            self.now = now = heappop(heap)
+            for k, s in enumerate(buckets[now]):  # entries added at this very time (zero delays) run last
+                if s.slot == k and s.due == now:
+                    s.on_done()
+            del buckets[now]
 
     def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
         """Attribute the compute stream's wait [t1, t2] (ns), which ended when `op` completed, by walking
@@ -178,8 +176,7 @@ class _Sim:
 
 class _ComputeStream:
     __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "due", "work",
-                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "slot",
-                 "env")
+                 "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "slot")
 
     def __init__(self, sim: _Sim, rank: int, ops: list[int], todo: list, base_ns: list[float], slow: float,
                  overlap: float):
@@ -189,30 +186,42 @@ class _ComputeStream:
         self.due = self.seg = self.start = self.prev_end = 0
         self.waited: int | None = None  # the op it last waited for
         self.compute_ns, self.exposed = 0, {a: 0 for a in AXES}
-        self.running, self.slot, self.env = False, -1, sim.env
+        self.running, self.slot = False, -1
 
     def advance(self) -> None:
         if self.running or self.pc == self.end:
             return
         sim = self.sim
         i, deps = self.todo[self.pc]
-        done, rank = sim.done, self.rank
-        for d in deps:
-            if not done[d][rank]:
-                self.waited = d
-                sim.wait(rank * sim.n + d, self)
-                return
-        now = self.env.now
+        rank = self.rank
+        if deps:
+            done = sim.done
+            for d in deps:
+                if not done[d][rank]:
+                    self.waited = d
+                    key = rank * sim.n + d
+                    ws = sim.waiters.get(key)
+                    if ws is None:
+                        sim.waiters[key] = [self]
+                    else:
+                        ws.append(self)
+                    return
+        now = sim.now
         if self.waited is not None:
             if now > self.prev_end:
-                sim.blame(self.rank, self.prev_end, now, self.waited, self.exposed)
+                sim.blame(rank, self.prev_end, now, self.waited, self.exposed)
             self.waited = None
         self.running = True
         self.start = self.seg = now
         self.work = w = self.base[i]
-        self.factor = f = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
+        self.factor = f = self.slow * (self.overlap if sim.busy[rank] else 1.0)
         self.due = due = now + int(w * f + 0.5)
-        sim.schedule(due, self)
+        b = sim.buckets.get(due)  # sim.schedule(due, self), inlined
+        if b is None:
+            b = sim.buckets[due] = []
+            heappush(sim.heap, due)
+        self.slot = len(b)
+        b.append(self)
 
     def rerate(self) -> None:
         """The rank's communication state changed: carry the remaining work over at the new rate.
@@ -220,7 +229,7 @@ class _ComputeStream:
         if not self.running:
             return
         sim = self.sim
-        now = sim.env.now
+        now = sim.now
         self.work = max(0.0, self.work - (now - self.seg) / self.factor)
         self.seg = now
         self.factor = self.slow * (self.overlap if sim.busy[self.rank] else 1.0)
@@ -231,25 +240,26 @@ class _ComputeStream:
 
     def on_done(self) -> None:
         sim = self.sim
-        now = self.env.now
+        now = sim.now
         left = self.work * self.factor - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = due = now + int(left + 0.5)
             sim.schedule(due, self)
             return
-        i = self.ops[self.pc]
+        i, rank = self.ops[self.pc], self.rank
         self.compute_ns += now - self.start
         if sim.record:
-            sim.spans.append((self.rank, i, self.start, now - self.start))
+            sim.spans.append((rank, i, self.start, now - self.start))
         if now > sim.end_ns:
             sim.end_ns = now
         self.prev_end, self.running = now, False
         self.pc += 1
-        ws = sim.waiters.pop(self.rank * sim.n + i, None)
-        sim.done[i][self.rank] = 1
-        if ws:
-            for s in ws:
-                s.advance()
+        sim.done[i][rank] = 1
+        if sim.waiters:
+            ws = sim.waiters.pop(rank * sim.n + i, None)
+            if ws:
+                for s in ws:
+                    s.advance()
         self.advance()
 
 
@@ -286,13 +296,17 @@ class _GroupStream:
                     if not flags[r]:
                         self.dk, self.mk = dj, mk
                         self.blk = key = r * sim.n + d
-                        sim.wait(key, self)
+                        ws = sim.waiters.get(key)  # sim.wait(key, self), inlined
+                        if ws is None:
+                            sim.waiters[key] = [self]
+                        else:
+                            ws.append(self)
                         return
                     mk += 1
                 mk = 0
                 dj += 1
             self.dk = self.mk = 0
-        now = sim.env.now
+        now = sim.now
         axis = self.axis
         self.starts[self.pc] = now
         self.blockers[self.pc] = self.blk
@@ -300,12 +314,21 @@ class _GroupStream:
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
-        self.dur = dur = sim.coll_ns(i, sim.conc[axis])
+        key = (i, sim.conc[axis])
+        dur = sim._coll_ns.get(key)
+        if dur is None:
+            dur = sim.coll_ns(*key)
+        self.dur = dur
         self.due = due = now + int(dur + 0.5)
-        sim.schedule(due, self)
+        b = sim.buckets.get(due)  # sim.schedule(due, self), inlined
+        if b is None:
+            b = sim.buckets[due] = []
+            heappush(sim.heap, due)
+        self.slot = len(b)
+        b.append(self)
         sim.running[axis][self] = None
-        sim.inflight[axis] += 1
-        if sim.inflight[axis] == 1:
+        k = sim.inflight[axis] = sim.inflight[axis] + 1
+        if k == 1:
             sim.axis_changed(axis)
         busy, compute = sim.busy, sim.compute
         for r in self.members:
@@ -317,7 +340,7 @@ class _GroupStream:
 
     def rerate(self) -> None:
         sim = self.sim
-        now = sim.env.now
+        now = sim.now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
         self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis])
@@ -328,7 +351,7 @@ class _GroupStream:
 
     def on_done(self) -> None:
         sim = self.sim
-        now = sim.env.now
+        now = sim.now
         left = self.frac * self.dur - (now - self.seg)
         if left >= 0.5:  # slowed down since scheduled: not finished yet
             self.due = due = now + int(left + 0.5)
@@ -344,8 +367,8 @@ class _GroupStream:
         self.pc += 1
         axis = self.axis
         del sim.running[axis][self]
-        sim.inflight[axis] -= 1
-        if sim.inflight[axis] == 0:
+        k = sim.inflight[axis] = sim.inflight[axis] - 1
+        if k == 0:
             sim.axis_changed(axis)
         busy, compute, flags, waiters, n = sim.busy, sim.compute, sim.done[i], sim.waiters, sim.n
         for r in members:
@@ -414,7 +437,7 @@ def simulate_program(program: Program, compute_s: list[float],
             s.advance()
         for g in groups:
             g.advance()
-        sim.env.run()
+        sim.run()
     finally:
         if gc_on:
             gc.enable()
