@@ -7,13 +7,15 @@ Each case is a whole process (imports included) that calls `twin.simulate.simula
 with stragglers drawn from a fixed seed; it prints wall and CPU seconds, the process's peak resident
 memory, simulated ops (op executions summed over all ranks) per second of the whole process, and the
 classes of alike ranks the engine simulated (twin.symmetry; "-" in a checkout without it):
-1. gpt-5b on 4,096 GCDs (grid 2x2x2x512), no straggler (one class: the symmetric run);
-2. the same with 16 random stragglers (compute x1.25);
-3. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
+1. gpt-5b on 4,096 GCDs (grid 2x2x2x512) in symmetric mode (the reference of peak memory);
+2. full mode, no straggler (one class: the symmetric run);
+3. the same with 16 random stragglers (compute x1.25);
+4. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
    the engine runs rank by rank (the engine's cost per op);
 with --machine, gpt-320b on all 32,768 Frontier GCDs (grid 2x32x64x8, about 196 M ops):
-4. no straggler; 5. 16 random stragglers; 6. every rank its own factor (rank by rank; minutes).
-Memory per simulated rank: (peak of a rank-by-rank case - peak of the no-straggler case) / ranks.
+5. symmetric; 6. no straggler; 7. 16 random stragglers; 8. every rank its own factor (rank by rank;
+   about 10 minutes: give --timeout).
+Memory per simulated rank: (peak of a rank-by-rank case - peak of the symmetric run) / ranks.
 Every case runs in this checkout and, with --baseline, in another (e.g. `git worktree add /tmp/base
 COMMIT`), alternately; ratios are this / baseline. The machine may be shared: the load average is
 printed before and after; CPU seconds are steadier than wall seconds under load.
@@ -43,7 +45,7 @@ if c["stragglers"] == "every":
 else:
     slow = {rng.randrange(n): 1.25 for _ in range(c["stragglers"])}
 t = time.perf_counter()
-r = simulate("frontier", c["model"], n, c["grid"], full=True, slowdown=slow or None)
+r = simulate("frontier", c["model"], n, c["grid"], full=c.get("full", True), slowdown=slow or None)
 sim_s = time.perf_counter() - t
 try:
     from twin.grid import Grid
@@ -58,11 +60,13 @@ print(json.dumps({"ops": r.simulated_ops, "iteration_s": r.iteration_time_s, "si
 GPT5B = {"model": "gpt-5b", "gpus": 4096, "grid": "2x2x2x512"}
 GPT320B = {"model": "gpt-320b", "gpus": 32768, "grid": "2x32x64x8"}
 CASES = [
+    ("gpt-5b 4,096 GCDs, symmetric mode (memory reference)", {**GPT5B, "stragglers": 0, "full": False}, "-"),
     ("gpt-5b 4,096 GCDs, no straggler", {**GPT5B, "stragglers": 0}, ">= 1 M ops/s"),
     ("gpt-5b 4,096 GCDs, 16 stragglers", {**GPT5B, "stragglers": 16}, ">= 1 M ops/s"),
     ("gpt-5b 4,096 GCDs, every rank its own factor", {**GPT5B, "stragglers": "every"}, ">= 1 M ops/s"),
 ]
 MACHINE = [
+    ("gpt-320b 32,768 GCDs, symmetric mode (memory reference)", {**GPT320B, "stragglers": 0, "full": False}, "-"),
     ("gpt-320b 32,768 GCDs, no straggler", {**GPT320B, "stragglers": 0}, "< 300 s, < 12 GB"),
     ("gpt-320b 32,768 GCDs, 16 stragglers", {**GPT320B, "stragglers": 16}, "< 300 s, < 12 GB"),
     ("gpt-320b 32,768 GCDs, every rank its own factor", {**GPT320B, "stragglers": "every"}, "< 300 s, < 12 GB"),
@@ -125,11 +129,13 @@ def main() -> None:
                 print(f"   {key:9s} {results[key][0]['error']}")
                 continue
             peaks[key, k] = s["rss"]
+            rate = f"{s['ops'] / s['wall'] / 1e6:6.2f} M ops/s" if case.get("full", True) else "     symmetric"
             print(f"   {key:9s} {s['wall']:7.2f} s wall {s['cpu']:7.2f} s CPU {s['rss'] / 2**30:5.2f} GiB "
-                  f"{s['ops'] / s['wall'] / 1e6:6.2f} M ops/s  classes {s['classes'] if s['classes'] else '-'}  "
+                  f"{rate}  classes {s['classes'] if s['classes'] else '-'}  "
                   f"iteration {s['iteration_s']:.9f} s")
-            if case["stragglers"] == "every" and (key, k - 2) in peaks:
-                print(f"   {key:9s} memory per simulated rank {(s['rss'] - peaks[key, k - 2]) / case['gpus'] / 1024:.1f} KiB")
+            if case["stragglers"] == "every" and (key, k - 3) in peaks:
+                print(f"   {key:9s} memory per simulated rank {(s['rss'] - peaks[key, k - 3]) / case['gpus'] / 1024:.1f} KiB "
+                      "(over the symmetric run's peak)")
         if a.baseline and figs["this"] and figs["baseline"]:
             t, b = figs["this"], figs["baseline"]
             print(f"   ratio     {t['wall'] / b['wall']:7.2f} x wall {t['cpu'] / b['cpu']:7.2f} x CPU (this / baseline); "
