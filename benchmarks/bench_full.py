@@ -12,7 +12,8 @@ classes of alike ranks the engine simulated (twin.symmetry; "-" in a checkout wi
 3. the same with 16 random stragglers (compute x1.25);
 4. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
    the engine runs rank by rank (the engine's cost per op);
-with --machine, gpt-320b on all 32,768 Frontier GCDs (grid 2x32x64x8, about 196 M ops):
+with --machine, Frontier's default study (gpt-320b on all 32,768 GCDs, `twin simulate --system
+frontier --grid 2x32x64x8 --full`, about 196 M ops):
 5. symmetric; 6. no straggler; 7. 16 random stragglers; 8. every rank its own factor (rank by rank;
    about 10 minutes: give --timeout).
 Memory per simulated rank: (peak of a rank-by-rank case - peak of the symmetric run) / ranks.
@@ -58,7 +59,7 @@ print(json.dumps({"ops": r.simulated_ops, "iteration_s": r.iteration_time_s, "si
 """
 
 GPT5B = {"model": "gpt-5b", "gpus": 4096, "grid": "2x2x2x512"}
-GPT320B = {"model": "gpt-320b", "gpus": 32768, "grid": "2x32x64x8"}
+GPT320B = {"model": None, "gpus": 32768, "grid": "2x32x64x8"}  # frontier's default study: gpt-320b, its batch
 CASES = [
     ("gpt-5b 4,096 GCDs, symmetric mode (memory reference)", {**GPT5B, "stragglers": 0, "full": False}, "-"),
     ("gpt-5b 4,096 GCDs, no straggler", {**GPT5B, "stragglers": 0}, ">= 1 M ops/s"),
