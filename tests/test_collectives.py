@@ -162,3 +162,34 @@ def test_inter_node_cap_per_nic_reads_the_table_alike():
     assert b <= a * (1 + 1e-9)
     with pytest.raises(TwinError):
         CollectiveModel(frontier, grid, inter_node_cap="link")
+
+
+@pytest.mark.parametrize("name, grid", [("frontier", Grid(2, 4, 8, 16)), ("perlmutter", Grid(4, 2, 8, 8)),
+                                        ("alps", Grid(4, 4, 4, 4))])
+def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
+    """The rates of concurrent axes are computed per group of axes that share links; they must equal
+    the max-min of all their flows together, to the bit."""
+    import numpy as np
+
+    from topologies.routing import Routes
+    from twin import collectives
+    from twin.flows import _max_min
+
+    cm = CollectiveModel(load_system(name), grid)
+    axes = frozenset(a for a in ("x", "y", "z", "data") if grid.axis_size(a) > 1)
+    split = 0
+    for sub in [axes, axes - {"y"}, axes - {"z"}, frozenset({"x", "data"})]:
+        for algorithm in ("ring", "hierarchical"):
+            sets = {a: cm._phases(a, cm._algorithm(a, algorithm))[0] for a in sorted(sub)}
+            for k in range(max(len(v) for v in sets.values())):
+                allf = [v[min(k, len(v) - 1)] for v in sets.values()]
+                split += len(collectives._sharing_links(allf, cm.net.n_links)) > 1
+                routes = Routes.concat([f.routes for f in allf])
+                rates = _max_min(routes.ptr, routes.links, cm.capacity, np.concatenate([f.caps for f in allf]), 1e-9)
+                off = 0
+                for (a, v), f in zip(sets.items(), allf):
+                    if k < len(v):
+                        whole = float(f.bus_rates(rates[off:off + len(f.routes)]).min())
+                        assert cm._bus_rates(sub, algorithm)[a][k] == whole
+                    off += len(f.routes)
+    assert split  # some of these sets did split (x inside nodes, data through each GPU's own NIC)

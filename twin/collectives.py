@@ -76,10 +76,17 @@ class _FlowSet:
                  caps: np.ndarray, n_rings: int):
         self.routes, self.parent, self.ring, self.weight = routes, parent, ring, weight
         self.caps, self.n_rings = caps, n_rings
+        self._used = None
 
     @property
     def nbytes(self) -> int:
         return self.routes.nbytes + sum(a.nbytes for a in (self.parent, self.ring, self.weight, self.caps))
+
+    def links_used(self, n_links: int) -> np.ndarray:
+        """The links any of these flows cross (sorted; n_links: the network's link count)."""
+        if self._used is None:
+            self._used = np.flatnonzero(np.bincount(self.routes.links, minlength=n_links))
+        return self._used
 
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
         """Bus rate of each ring (bytes/s): min over its flows of weight x rate (sum of sub-flows)."""
@@ -87,6 +94,19 @@ class _FlowSet:
         out = np.full(self.n_rings, np.inf)
         np.minimum.at(out, self.ring, self.weight * flow_rate)
         return out
+
+
+def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
+    """The flow sets split into groups that share no link with each other (indices, in order)."""
+    group = list(range(len(sets)))
+    for i in range(len(sets)):
+        mask = np.zeros(n_links, dtype=bool)
+        mask[sets[i].links_used(n_links)] = True
+        for j in range(i + 1, len(sets)):
+            if group[j] != group[i] and mask[sets[j].links_used(n_links)].any():
+                old = group[j]
+                group = [group[i] if g == old else g for g in group]
+    return [[i for i in range(len(sets)) if group[i] == g] for g in dict.fromkeys(group)]
 
 
 _CAPACITY: dict[tuple, tuple] = {}  # (id(net), inter_node_cap) -> (net, capacity, channel cap)
@@ -249,22 +269,31 @@ class CollectiveModel:
 
     def _bus_rates(self, axes: frozenset, algorithm: str) -> dict[str, list[float]]:
         """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together
-        with `algorithm`. Phase k of an axis overlaps the others' phase min(k, last)."""
+        with `algorithm`. Phase k of an axis overlaps the others' phase min(k, last).
+
+        Axes whose flows share no link with the others' (rings inside nodes against rings whose
+        members each use their own NIC, say) are separate max-min problems: their rates are those
+        of each group alone (progressive filling never looks across a link that no flow shares;
+        twin.flows), so each group is asked on its own and the memo answers what was asked before."""
         key = (axes, algorithm)
         if key not in self._rates:
             sets = {a: self._phases(a, self._algorithm(a, algorithm))[0] for a in sorted(axes)}
             out: dict[str, list[float]] = {a: [] for a in sets}
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
-                routes = Routes.concat([f.routes for f in allf])
-                # the routes' key (from the flow sets' keys) determines the caps too
-                rates = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in allf]),
-                                      key=routes.key)
-                off = 0
-                for (a, v), f in zip(sets.items(), allf):
+                rates: list = [None] * len(allf)
+                for group in _sharing_links(allf, self.net.n_links):
+                    fs = [allf[i] for i in group]
+                    routes = Routes.concat([f.routes for f in fs])
+                    # the routes' key (from the flow sets' keys) determines the caps too
+                    r = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in fs]), key=routes.key)
+                    off = 0
+                    for i, f in zip(group, fs):
+                        rates[i] = r[off:off + len(f.routes)]
+                        off += len(f.routes)
+                for (a, v), f, r in zip(sets.items(), allf, rates):
                     if k < len(v):
-                        out[a].append(float(f.bus_rates(rates[off:off + len(f.routes)]).min()))
-                    off += len(f.routes)
+                        out[a].append(float(f.bus_rates(r).min()))
             self._rates[key] = out
         return self._rates[key]
 
