@@ -1,4 +1,4 @@
-"""The simpy engine: dependencies, re-rating, breakdown, symmetric vs full mode, overlap switches.
+"""The engine: dependencies, re-rating, breakdown, symmetric vs full mode, overlap switches.
 
 The collective model here is a stand-in (ring alpha-beta with a fixed bandwidth per axis, slower while
 other axes communicate), so these tests check the engine, not the network model.
