@@ -372,6 +372,8 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         ratios = []
         per_axis: dict[str, list[float]] = {}  # axis -> [inside training, alone] seconds summed
         lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, axis, p, stride) -> (file, real bytes, s)
+        covered = {id(r): _replayed_overlap(r, prof.host_op_s) for r in runs}  # collective -> s its rank computed
+        share, spans = _comm_share(rows, covered, prof.host_op_s, micro.activation_bytes)
         for r, row in rows:
             if row["kind"] not in COLLECTIVES:
                 continue
@@ -380,13 +382,16 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
             real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
             # the compute op that waited for it resumes `wake_s` after its completion, of which the twin
             # charges that op's host time already (prof.host_op_s)
+            # (less, with comm_share < 1, the part of its span it lost to its rank's compute: the twin
+            # slows it there)
             woke = max(0.0, row.get("wake_s", 0.0) - prof.host_op_s)
-            lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, row["seconds"] + woke))
+            own = spans[id(row)]
+            lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, own + woke))
             iso = table.time(row["kind"], row["axis"], p, row["bytes"], stride) if table is not None else None
             if iso:
-                ratios.append(row["seconds"] / iso)
+                ratios.append(own / iso)
                 both = per_axis.setdefault(row["axis"], [0.0, 0.0])
-                both[0] += row["seconds"] + woke
+                both[0] += own + woke
                 both[1] += iso
         for (kind, axis, p, stride), pts in sorted(lines_of.items()):
             a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
@@ -407,6 +412,12 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                          + f', source = "measured: per axis, the summed span (and wake-up of the op that waited, where '
                          f'measured) of the collectives of recorded training steps over their summed fitted time alone, '
                          f'{_quote(src)}" }}')
+        if lines_of:
+            lines.append("comm_share = " + _entry(share, (
+                f"fitted: the share of its rate a collective keeps while its rank computes; the spans of the recorded "
+                f"training steps' collectives less (1 - share) x the time their rank's compute ran beside them "
+                f"(replayed from the steps' median spans) fit the per-axis lines best at this share (relative "
+                f"least squares, steps of {COMM_SHARE_STEP}), {src}")))
         if ratios:
             lines.append("collective_slowdown = " + _entry(statistics.median(ratios), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "
@@ -416,6 +427,68 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         block = [ln for ln in block if ln.split(" =")[0] not in keys]
         shares[share_at[ranks]] = "\n".join(block + lines + [""])
     return trained + costs
+
+
+COMM_SHARE_STEP = 0.05  # the grid of comm_share values tried
+
+
+def _replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
+    """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
+    an op during its span: the program replayed by the twin's engine with every op at its measured
+    median span (compute ops plus the host time between them). {} without steps."""
+    from twin.engine import simulate_program
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options, build_program, host_ordered
+    if not run.get("steps") or not run.get("model"):
+        return {}
+    prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options()))
+    secs = {row["name"]: row["seconds"] for row in run["steps"]}
+    compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + host_s for op in prog.ops]
+    res = simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
+    busy = sorted((s, s + d) for _, i, s, d in res.spans if not prog.ops[i].is_collective)
+    out = {}
+    for _, i, s, d in res.spans:
+        if prog.ops[i].is_collective:
+            out[prog.ops[i].name] = sum(max(0.0, min(s + d, b) - max(s, a)) for a, b in busy)
+    return out
+
+
+def _comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, float]], host_s: float,
+                act_bytes: int) -> tuple[float, dict[int, float]]:
+    """(share, {id(row): seconds}) : the share of its rate a collective keeps while its rank's compute
+    runs (CPU: gloo's threads and the compute share the cores), and each recorded collective's span
+    less what it lost to the compute beside it, (1 - share) x its compute-covered seconds. The share
+    is the one whose per-(kind, axis, group) lines (as _collective_line fits them) leave the least
+    squared residual relative to the squared times (a scale-free criterion: taking time away shrinks
+    the residuals too). 1 when no recorded collective had compute beside it."""
+    from twin.grid import Grid
+    from twin.program import ACT_BYTES
+    pts: dict[tuple, list[tuple[int, float, float, float]]] = {}
+    for r, row in rows:
+        if row["kind"] not in COLLECTIVES:
+            continue
+        grid = Grid.parse(r["grid"])
+        real = row["bytes"] if row["axis"] == "data" else row["bytes"] * act_bytes / ACT_BYTES
+        woke = max(0.0, row.get("wake_s", 0.0) - host_s)
+        o = min(covered.get(id(r), {}).get(row["name"], 0.0), row["seconds"])
+        pts.setdefault((row["kind"], row["axis"], grid.axis_size(row["axis"]), grid.stride(row["axis"])),
+                       []).append((id(row), real, row["seconds"], o, woke))
+    best = (math.inf, 1.0)
+    if any(o > 0 for v in pts.values() for *_, o, _ in v):
+        for k in range(int(round(1 / COMM_SHARE_STEP))):
+            share = 1.0 - k * COMM_SHARE_STEP
+            sse = norm = 0.0
+            for v in pts.values():
+                x = [real for _, real, *_ in v]
+                t = [s - (1 - share) * o + w for _, _, s, o, w in v]
+                a, b, _ = _collective_line(x, t)
+                sse += sum((a + b * xx - tt) ** 2 for xx, tt in zip(x, t))
+                norm += sum(tt * tt for tt in t)
+            if norm > 0 and sse / norm < best[0] - 1e-12:
+                best = (sse / norm, share)
+    share = best[1]
+    return share, {i: s - (1 - share) * o for v in pts.values() for i, _, s, o, _ in v}
 
 
 def _host_line(hosts: list[dict], src: str) -> str:

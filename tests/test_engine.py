@@ -169,3 +169,33 @@ def test_collective_waits_for_its_last_member_in_full_mode():
     assert start[(0, 5)] == pytest.approx(6.0)
     assert r.iteration_s == pytest.approx(11.0)
     assert total(r) == pytest.approx(r.iteration_s)
+
+
+def test_collective_slows_while_its_rank_computes():
+    # an x all-reduce of 1 s issued beside a 1 s compute op, at half its rate while the rank computes:
+    # 0.5 s of its work done by 1.0, the rest at full rate while c1 waits for it
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", axis="x"),
+           Op(2, "c1", "gemm", "compute", deps=(1,))]
+    for full in (False, True):
+        r = simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_share=0.5, full=full,
+                             record=True)
+        spans = {i: (s, d) for rank, i, s, d in r.spans if rank == 0}
+        assert spans[1] == pytest.approx((0.0, 1.5))
+        assert r.iteration_s == pytest.approx(2.5) and r.exposed_s["x"] == pytest.approx(0.5)
+    # the default (GPU profiles) leaves the collective alone
+    assert simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0).iteration_s == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_share=0.0)
+
+
+def test_host_ordered_issues_collectives_in_program_order():
+    from twin.program import host_ordered
+    # c0; x all-reduce (no deps); y all-reduce after it; c1: the host issues ax after c0 and waits
+    # for ax before issuing ay, so c1 starts after ax too
+    ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", axis="x"),
+           Op(2, "ay", "all_reduce", "y", deps=(1,), axis="y"), Op(3, "c1", "gemm", "compute")]
+    prog = host_ordered(hand_program(ops))
+    assert [op.deps for op in prog.ops] == [(), (0,), (1, 0), (1,)]
+    assert [op.deps for op in hand_program(ops).ops] == [(), (), (1,), ()]  # a copy: the original is kept
+    r = simulate_program(prog, [1.0, 0, 0, 1.0], lambda i, c: 1.0)
+    assert r.iteration_s == pytest.approx(3.0)

@@ -16,7 +16,9 @@ Rates. A collective's duration comes from `collective_s(op, concurrent)` where `
 of other axes that have a collective in flight at that moment. When an axis starts or stops having
 collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
 (a fraction) is carried over at the new rate. A compute op runs `overlap_slowdown` times slower while
-a collective of its rank is in flight, re-rated the same way. An entry cannot be taken back: a
+a collective of its rank is in flight, re-rated the same way; symmetrically, with `comm_share` < 1 (CPU:
+gloo's threads and the ranks' compute share the cores), a collective progresses at that share of its
+rate while the compute stream of one of its members runs an op. An entry cannot be taken back: a
 stream's live entry is the one at (stream.due, stream.slot), the others are stale and skipped. An
 earlier finish schedules a new entry; a later one does not (the pending entry fires early, sees work
 left, and schedules the rest), which saves entries when rates change several times.
@@ -103,6 +105,19 @@ class _Sim:
         self._collective_s = collective_s
         self._coll_ns: dict[tuple[int, frozenset], float] = {}
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
+        self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
+
+    def comm_factor(self, members: list[int]) -> float:
+        """Time factor of a collective of `members` now: 1 / comm_share while one of them computes."""
+        compute = self.compute
+        return self.comm_slow if any(compute[r].running for r in members) else 1.0
+
+    def compute_changed(self, rank: int) -> None:
+        """The rank's compute stream started or stopped running: re-rate its in-flight collectives."""
+        for a in AXES:
+            g = self.group_of[a].get(rank)
+            if g is not None and g.running:
+                g.rerate()
 
     def coll_ns(self, i: int, conc: frozenset) -> float:
         """Duration of collective op i under concurrency `conc` (ns, memoised)."""
@@ -222,6 +237,8 @@ class _ComputeStream:
             heappush(sim.heap, due)
         self.slot = len(b)
         b.append(self)
+        if sim.comm_slow != 1.0:
+            sim.compute_changed(rank)
 
     def rerate(self) -> None:
         """The rank's communication state changed: carry the remaining work over at the new rate.
@@ -261,6 +278,8 @@ class _ComputeStream:
                 for s in ws:
                     s.advance()
         self.advance()
+        if sim.comm_slow != 1.0 and not self.running:
+            sim.compute_changed(rank)
 
 
 class _GroupStream:
@@ -318,6 +337,8 @@ class _GroupStream:
         dur = sim._coll_ns.get(key)
         if dur is None:
             dur = sim.coll_ns(*key)
+        if sim.comm_slow != 1.0:
+            dur *= sim.comm_factor(self.members)
         self.dur = dur
         self.due = due = now + int(dur + 0.5)
         b = sim.buckets.get(due)  # sim.schedule(due, self), inlined
@@ -343,7 +364,8 @@ class _GroupStream:
         now = sim.now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
-        self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis])
+        self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis]) * (
+            sim.comm_factor(self.members) if sim.comm_slow != 1.0 else 1.0)
         due = now + int(self.frac * self.dur + 0.5)
         if due < self.due:
             self.due = due
@@ -388,7 +410,7 @@ class _GroupStream:
 def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
-                     record: bool = False, merge_alike: bool = True) -> EngineResult:
+                     record: bool = False, merge_alike: bool = True, comm_share: float = 1.0) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -400,6 +422,8 @@ def simulate_program(program: Program, compute_s: list[float],
     record: keep spans (rank, op index, start s, duration s) of every op for traces and plots.
     merge_alike: in full mode, simulate each class of ranks that behave alike once (twin.symmetry;
         the result is every rank's); False runs rank by rank (for tests).
+    comm_share: a collective progresses at this share of its rate while the compute stream of one of
+        its members runs an op (1: unaffected; CPU profiles measure less).
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}
@@ -418,6 +442,9 @@ def simulate_program(program: Program, compute_s: list[float],
         classes = one_class_per_rank(grid, slowdown, axes)
     nsim = len(classes)
     sim = _Sim(program, nsim, record, collective_s)
+    if not 0 < comm_share <= 1:
+        raise ValueError(f"comm_share must be in (0, 1], got {comm_share}")
+    sim.comm_slow = 1.0 / comm_share
     base_ns = [t * NS for t in compute_s]
     todo = {k: [(i, sim.deps[i]) for i in ops] for k, ops in by_stream.items()}
     sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],

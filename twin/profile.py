@@ -57,6 +57,9 @@ class NodeShare:
     collective_slowdown: float = 1.0
     # the same per axis, where training steps recorded collectives of it: {axis: factor}
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # a collective progresses at this share of its rate while its rank's compute runs (fitted from
+    # the recorded training steps: gloo's threads and the compute share the cores; 1: not measured)
+    comm_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ class Profile:
     collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
     collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
+    comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -182,7 +186,8 @@ class Profile:
             kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
-                      collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown)
+                      collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
+                      comm_share=share.comm_share)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
@@ -278,7 +283,9 @@ def load_profile(name_or_path: str) -> Profile:
                                               "host_op_s")),
                                 *(_value(path, f"{where}.{key}", row[key], sources) if key in row else default
                                   for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0))),
-                                _axis_slowdown(path, where, row.get("axis_slowdown"), sources)))
+                                _axis_slowdown(path, where, row.get("axis_slowdown"), sources),
+                                _value(path, f"{where}.comm_share", row["comm_share"], sources)
+                                if "comm_share" in row else 1.0))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"

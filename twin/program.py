@@ -196,3 +196,21 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     b.compute("opt.step", "optimizer", deps=grad_ar, flops=float(ADAMW_FLOPS_PER_PARAM * n_local),
               bytes=ADAMW_BYTES_PER_PARAM * n_local, role="adamw", reads=clip)
     return Program(model, grid, options, batch, seq_len, b.vocab, b.ops)
+
+
+def host_ordered(program: Program) -> Program:
+    """The program as an executor whose host runs the compute ops runs it (CPU: the host is the
+    device): the host walks the ops in program order, so a collective is issued only after the
+    compute op before it finished, and a compute op starts only after the host waited for what the
+    collectives issued before it depend on. Returns a copy with those waits added to `deps`."""
+    from dataclasses import replace
+    ops, last, waited = [], None, set()
+    for op in program.ops:
+        if op.is_collective:
+            waited.update(op.deps)
+            deps = op.deps if last is None or last in op.deps else op.deps + (last,)
+        else:
+            deps = op.deps + tuple(sorted(waited - set(op.deps)))
+            waited, last = set(), op.index
+        ops.append(op if deps == op.deps else replace(op, deps=deps))
+    return replace(program, ops=ops)

@@ -20,7 +20,7 @@ from twin.engine import simulate_program
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
-from twin.program import Options, Program, build_program
+from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.search import Candidate, lower_bound, model_for, program_for, rank_grids, study_key
 from twin.study import Study, check_grid, prepare
@@ -115,13 +115,16 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
     prog = program or program_for(study, grid)
+    if study.profile.host_op_s > 0:  # measured host time per op: the host runs the ops (CPU)
+        prog = host_ordered(prog)
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
     cm = collectives if collectives is not None else model_for(study, grid)
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
-                           overlap_slowdown=study.profile.overlap_slowdown, record=record)
+                           overlap_slowdown=study.profile.overlap_slowdown, record=record,
+                           comm_share=study.profile.comm_share)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
