@@ -19,8 +19,9 @@ One JSON measurement file (the input of `twin calibrate`) holds:
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
   through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;
-- `overlap` rows {m, n, k, axis, alone_s, overlapped_s, slowdown}: a GEMM alone and while an
-  all-reduce runs on the axis;
+- `overlap` rows {m, n, k, axis, alone_s, overlapped_s, slowdown, comm_alone_s, comm_overlapped_s}:
+  a GEMM alone and while an all-reduce runs on the axis, and the all-reduce alone and beside the GEMM
+  (issue to completion): what each costs the other when they share the rank's cores;
 - `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered,
   wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
   (median span), with the share of a compute op's span that a collective overlapped, and for a
@@ -331,26 +332,44 @@ def bench_collective(comm, kind: str, axis: str, nbytes: int, dtype: torch.dtype
 
 def bench_overlap(comm, axis: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                   nbytes: int = 1 << 20, min_time_s: float = 0.2) -> dict:
-    """A GEMM alone, then while an asynchronous all-reduce of `nbytes` runs over `axis`."""
+    """A GEMM alone, then while an asynchronous all-reduce of `nbytes` runs over `axis`; and the
+    all-reduce alone, then beside the GEMM (issue to completion, a callback on its future): how much
+    each slows the other when they share the rank's cores."""
     a, b = gemm_operands(m, n, k, "NN", dtype, device)
     buf = torch.ones(max(1, nbytes // a.element_size()), dtype=dtype, device=device)
     group = _world()
     alone = _mean_over_ranks(time_fn(lambda: torch.mm(a, b), device, min_time_s, group=group))
-    gemm_s = []
+    comm_alone = time_fn(lambda: comm.all_reduce(buf, axis, "bench.overlap"), device, min_time_s, max_iters=100,
+                         group=comm.ctx.groups[axis])
+    gemm_s, comm_s = [], []
 
     def overlapped():
-        pending = comm.all_reduce(buf, axis, "bench.overlap", async_op=True)
         t0 = time.perf_counter()
+        pending = comm.all_reduce(buf, axis, "bench.overlap", async_op=True)
+        done: list[float] = []
+        try:
+            pending.work.get_future().then(lambda _: done.append(time.perf_counter()))
+        except (AttributeError, RuntimeError):  # a backend without futures: completion unknown
+            pass
+        t1 = time.perf_counter()
         torch.mm(a, b)
         synchronize(device)
-        gemm_s.append(time.perf_counter() - t0)
+        gemm_s.append(time.perf_counter() - t1)
         pending.wait()
+        synchronize(device)
+        if done:
+            comm_s.append(done[0] - t0)
 
     time_fn(overlapped, device, min_time_s, group=comm.ctx.groups[axis])
     gemm_s.sort()
     with_comm = _mean_over_ranks(gemm_s[len(gemm_s) // 2])
-    return {"m": m, "n": n, "k": k, "axis": axis, "bytes": buf.numel() * buf.element_size(),
-            "alone_s": alone, "overlapped_s": with_comm, "slowdown": with_comm / alone}
+    row = {"m": m, "n": n, "k": k, "axis": axis, "bytes": buf.numel() * buf.element_size(),
+           "alone_s": alone, "overlapped_s": with_comm, "slowdown": with_comm / alone}
+    # every rank takes part in the means (a rank whose callbacks never ran reports its wait instead)
+    comm_s.sort()
+    beside = comm_s[len(comm_s) // 2] if comm_s else with_comm
+    row.update(comm_alone_s=_mean_over_ranks(comm_alone), comm_overlapped_s=_mean_over_ranks(beside))
+    return row
 
 
 def grids_of(model: str, ranks: int, batch: int | None = None) -> list[Grid]:

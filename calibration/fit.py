@@ -43,6 +43,15 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     and group sizes no recorded step ran: the axis' own factor where its collectives were recorded
     (an axis' part in the schedule sets it: 1.6-1.9 for the x all-reduces that block the next op,
     4-5 for the z all-gathers that overlap compute, about 0.8 for the data burst), else the median.
+  - node_share `comm_share`: the share of its rate a collective keeps while its rank computes (gloo's
+    threads and the ranks' compute share the cores; the twin slows a collective by it while a member's
+    compute stream runs an op). Measured where bench timed an all-reduce alone and beside a GEMM
+    (`overlap` rows with comm_alone_s, comm_overlapped_s; fluid: progress at the share during the
+    GEMM, at full rate after it); else fitted from the recorded steps: each collective's seconds with
+    its rank's compute beside it come from replaying the steps' median spans through the twin's
+    engine (host-ordered, as the CPU executor issues them), and the share is the one whose per-axis
+    lines fit best. The in-training lines and the slowdowns above are then fitted on each span less
+    (1 - share) x those seconds, which the twin adds back wherever compute runs beside the collective.
 Scalars the measurements do not reach (peak, tiles, attention efficiency, layout penalties) are
 copied from a base profile with their sources. Every fitted number's source names its measurement file.
 """
@@ -373,7 +382,9 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         per_axis: dict[str, list[float]] = {}  # axis -> [inside training, alone] seconds summed
         lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, axis, p, stride) -> (file, real bytes, s)
         covered = {id(r): _replayed_overlap(r, prof.host_op_s) for r in runs}  # collective -> s its rank computed
-        share, spans = _comm_share(rows, covered, prof.host_op_s, micro.activation_bytes)
+        measured = _measured_share(group)
+        share, spans = _comm_share(rows, covered, prof.host_op_s, micro.activation_bytes,
+                                   None if measured is None else measured[0])
         for r, row in rows:
             if row["kind"] not in COLLECTIVES:
                 continue
@@ -412,7 +423,11 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                          + f', source = "measured: per axis, the summed span (and wake-up of the op that waited, where '
                          f'measured) of the collectives of recorded training steps over their summed fitted time alone, '
                          f'{_quote(src)}" }}')
-        if lines_of:
+        if measured is not None:
+            lines.append("comm_share = " + _entry(share, (
+                f"measured: the share of its rate an all-reduce keeps beside a GEMM on its rank (alone vs beside, "
+                f"issue to completion; fluid), median over {measured[1]} axes, {src}")))
+        elif lines_of:
             lines.append("comm_share = " + _entry(share, (
                 f"fitted: the share of its rate a collective keeps while its rank computes; the spans of the recorded "
                 f"training steps' collectives less (1 - share) x the time their rank's compute ran beside them "
@@ -454,14 +469,32 @@ def _replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
     return out
 
 
+def _measured_share(group: list[dict]) -> tuple[float, int] | None:
+    """(share, rows): the share of its rate an all-reduce keeps while a GEMM runs on its rank, from
+    bench's overlap rows that timed the all-reduce alone (C) and beside the GEMM (S, issue to
+    completion, the GEMM taking G): progressing at `share` during the GEMM and at full rate after it,
+    share = C / S where it finished under the GEMM, else (C - (S - G)) / G; the median over the rows,
+    kept in [0.05, 1]. None where no row timed the all-reduce (files before bench did)."""
+    shares = []
+    for r in group:
+        for row in r.get("overlap", []):
+            c, s, g = row.get("comm_alone_s"), row.get("comm_overlapped_s"), row["overlapped_s"]
+            if c and s:
+                shares.append(c / s if s <= g else (c - (s - g)) / g)
+    if not shares:
+        return None
+    return min(1.0, max(0.05, statistics.median(shares))), len(shares)
+
+
 def _comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, float]], host_s: float,
-                act_bytes: int) -> tuple[float, dict[int, float]]:
+                act_bytes: int, share: float | None = None) -> tuple[float, dict[int, float]]:
     """(share, {id(row): seconds}) : the share of its rate a collective keeps while its rank's compute
     runs (CPU: gloo's threads and the compute share the cores), and each recorded collective's span
     less what it lost to the compute beside it, (1 - share) x its compute-covered seconds. The share
     is the one whose per-(kind, axis, group) lines (as _collective_line fits them) leave the least
     squared residual relative to the squared times (a scale-free criterion: taking time away shrinks
-    the residuals too). 1 when no recorded collective had compute beside it."""
+    the residuals too). 1 when no recorded collective had compute beside it. `share`: a measured one
+    (bench's overlap rows), used as it is."""
     from twin.grid import Grid
     from twin.program import ACT_BYTES
     pts: dict[tuple, list[tuple[int, float, float, float]]] = {}
@@ -474,8 +507,8 @@ def _comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, floa
         o = min(covered.get(id(r), {}).get(row["name"], 0.0), row["seconds"])
         pts.setdefault((row["kind"], row["axis"], grid.axis_size(row["axis"]), grid.stride(row["axis"])),
                        []).append((id(row), real, row["seconds"], o, woke))
-    best = (math.inf, 1.0)
-    if any(o > 0 for v in pts.values() for *_, o, _ in v):
+    best = (math.inf, 1.0 if share is None else share)
+    if share is None and any(o > 0 for v in pts.values() for *_, o, _ in v):
         for k in range(int(round(1 / COMM_SHARE_STEP))):
             share = 1.0 - k * COMM_SHARE_STEP
             sse = norm = 0.0

@@ -145,6 +145,26 @@ def test_costs_inside_training_are_fitted_and_used(tmp_path):
     assert (h200.compute_contention, h200.collective_slowdown, h200.op_cost, h200.collective_training) == (1, 1, (), ())
 
 
+def test_comm_share_is_measured_beside_a_gemm_or_fitted_from_the_steps(tmp_path):
+    micro = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "micro"))).for_ranks(2)
+    from twin.kernels import KernelModel
+    g = KernelModel(micro, tuning=False).gemm_time(64, 64, 64, "NN")
+    table = micro.collectives()
+    data = copy.deepcopy(MEASUREMENT)
+    data["steps"] = _steps_rows(g, lambda b: table.time("all_reduce", "x", 2, b))
+    fitted = load_profile(str(_written_fit(tmp_path, data, "fitted"))).for_ranks(2)
+    assert 0 < fitted.comm_share <= 1 and "fitted" in fitted.sources["node_share[0].comm_share"]
+    # beside the 120 us GEMM: 30 us of work done in 100 us, 0.3 of its rate; 90 us of work in 200 us,
+    # 80 us of it after the GEMM at full rate: 10 us in 120 us beside it; 60 us in 120 us: 0.5
+    data["overlap"] = [dict(data["overlap"][0], comm_alone_s=3e-5, comm_overlapped_s=1e-4),
+                       dict(data["overlap"][0], comm_alone_s=9e-5, comm_overlapped_s=2e-4),
+                       dict(data["overlap"][0], comm_alone_s=6e-5, comm_overlapped_s=1.2e-4)]
+    prof = load_profile(str(_written_fit(tmp_path, data, "measured"))).for_ranks(2)
+    assert prof.comm_share == pytest.approx(0.3, rel=1e-3)  # the median of 0.3, 0.083, 0.5
+    assert "measured" in prof.sources["node_share[0].comm_share"]
+    assert load_profile("h200").comm_share == 1.0  # GPU profiles: collectives unaffected by compute
+
+
 def _written_fit(tmp_path, data, name):
     path = tmp_path / f"{name}.toml"
     path.write_text(fit_profile([write(tmp_path, data, f"{name}.json")], name).toml)
