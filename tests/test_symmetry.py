@@ -64,13 +64,15 @@ def test_full_mode_without_stragglers_is_the_symmetric_run():
         assert f.simulated_ops == 16 * s.simulated_ops
 
 
-@pytest.mark.parametrize("grid,slowdown", [("2x2x2x4", {5: 1.5}), ("2x2x4x1", {0: 1.2, 7: 1.3}),
-                                           ("1x4x2x2", {1: 1.1, 2: 1.1})])
-def test_merged_classes_give_every_rank_its_rank_by_rank_result(grid, slowdown, monkeypatch):
+@pytest.mark.parametrize("grid,slowdown,share", [("2x2x2x4", {5: 1.5}, 1.0), ("2x2x4x1", {0: 1.2, 7: 1.3}, 1.0),
+                                                 ("1x4x2x2", {1: 1.1, 2: 1.1}, 1.0), ("2x2x2x4", {5: 1.5}, 0.5)])
+def test_merged_classes_give_every_rank_its_rank_by_rank_result(grid, slowdown, share, monkeypatch):
     import twin.engine as engine
+    plain = engine.simulate_program  # share: collectives slowed while a member computes (comm_share)
+    monkeypatch.setattr("test_engine.simulate_program", lambda *a, **k: plain(*a, comm_share=share, **k))
     merged = run(grid=grid, full=True, slowdown=slowdown, record=True)
-    plain = engine.simulate_program
-    monkeypatch.setattr("test_engine.simulate_program", lambda *a, **k: plain(*a, merge_alike=False, **k))
+    monkeypatch.setattr("test_engine.simulate_program",
+                        lambda *a, **k: plain(*a, merge_alike=False, comm_share=share, **k))
     by_rank = run(grid=grid, full=True, slowdown=slowdown, record=True)
     assert merged.classes < by_rank.classes == Grid.parse(grid).size
     assert same_result(merged, by_rank) and merged.simulated_ops == by_rank.simulated_ops
