@@ -199,3 +199,18 @@ def test_host_ordered_issues_collectives_in_program_order():
     assert [op.deps for op in hand_program(ops).ops] == [(), (), (1,), ()]  # a copy: the original is kept
     r = simulate_program(prog, [1.0, 0, 0, 1.0], lambda i, c: 1.0)
     assert r.iteration_s == pytest.approx(3.0)
+
+
+def test_comm_share_agrees_symmetric_and_rank_by_rank():
+    from twin.program import host_ordered
+    prog = host_ordered(build_program(load_model("gpt-tiny"), Grid.parse("2x2x2x1"), Options()))
+    compute = [0.0 if op.is_collective else 1e-3 for op in prog.ops]
+
+    def timer(i, c):
+        return 2e-3 * (1 + 0.5 * len(c))
+
+    sym = simulate_program(prog, compute, timer, comm_share=0.3, overlap_slowdown=1.2)
+    full = simulate_program(prog, compute, timer, comm_share=0.3, overlap_slowdown=1.2, full=True, merge_alike=False)
+    assert full.iteration_s == pytest.approx(sym.iteration_s, rel=1e-9)
+    assert full.exposed_s == pytest.approx(sym.exposed_s, rel=1e-6, abs=1e-9)
+    assert sym.iteration_s > simulate_program(prog, compute, timer, overlap_slowdown=1.2).iteration_s
