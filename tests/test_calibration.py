@@ -106,14 +106,22 @@ def _steps_rows(micro_gemm_s: float, iso_ar_s) -> list[dict]:
     return rows
 
 
-def test_costs_inside_training_are_fitted_and_used(tmp_path):
+def _with_training_steps(tmp_path):
+    """The fit of MEASUREMENT alone (2 ranks), its 64^3 GEMM time (s), its collective table, and a
+    copy of MEASUREMENT with recorded training steps built from them."""
     from twin.kernels import KernelModel
-    from twin.program import Op
     micro = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "micro"))).for_ranks(2)
     g = KernelModel(micro, tuning=False).gemm_time(64, 64, 64, "NN")
     table = micro.collectives()
     data = copy.deepcopy(MEASUREMENT)
     data["steps"] = _steps_rows(g, lambda b: table.time("all_reduce", "x", 2, b))
+    return micro, g, table, data
+
+
+def test_costs_inside_training_are_fitted_and_used(tmp_path):
+    from twin.kernels import KernelModel
+    from twin.program import Op
+    micro, g, table, data = _with_training_steps(tmp_path)
     load_measurement(write(tmp_path, data, "steps.json"))  # the rows pass the file check
     prof = load_profile(str(_written_fit(tmp_path, data, "steps"))).for_ranks(2)
     assert prof.compute_contention == pytest.approx(1.5, rel=1e-3)
@@ -146,12 +154,7 @@ def test_costs_inside_training_are_fitted_and_used(tmp_path):
 
 
 def test_comm_share_is_measured_beside_a_gemm_or_fitted_from_the_steps(tmp_path):
-    micro = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "micro"))).for_ranks(2)
-    from twin.kernels import KernelModel
-    g = KernelModel(micro, tuning=False).gemm_time(64, 64, 64, "NN")
-    table = micro.collectives()
-    data = copy.deepcopy(MEASUREMENT)
-    data["steps"] = _steps_rows(g, lambda b: table.time("all_reduce", "x", 2, b))
+    micro, g, table, data = _with_training_steps(tmp_path)
     fitted = load_profile(str(_written_fit(tmp_path, data, "fitted"))).for_ranks(2)
     assert 0 < fitted.comm_share <= 1 and "fitted" in fitted.sources["node_share[0].comm_share"]
     # beside the 120 us GEMM: 30 us of work done in 100 us, 0.3 of its rate; 90 us of work in 200 us,
