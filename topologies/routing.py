@@ -90,10 +90,11 @@ def minimal(net: Network, s, d, j=None) -> np.ndarray:
     return out
 
 
-def _minimal_all(net: Network, s: np.ndarray, d: np.ndarray, L: int) -> np.ndarray:
+def _minimal_all(net: Network, s: np.ndarray, d: np.ndarray, L: int, out: np.ndarray | None = None) -> np.ndarray:
     """(flows, 3, L): minimal(net, s, d, j) for every cable j < L at once (the same link indices, read
-    from the network's cable tables)."""
-    out = np.full((len(s), 3, L), -1, dtype=np.int64)
+    from the network's cable tables; written into `out`, such an array or view filled with -1, if given)."""
+    if out is None:
+        out = np.full((len(s), 3, L), -1, dtype=np.int64)
     S, G = net.S, net.groups
     gs, gd = s // S, d // S
     same = gs == gd
@@ -140,10 +141,12 @@ def _valiant_draws(net: Network, s: np.ndarray, d: np.ndarray, seed: int) -> tup
 
 
 def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j: np.ndarray,
-                   mid: np.ndarray) -> np.ndarray:
-    """(flows, 5) Valiant paths from switch s to switch d given the draws of `_valiant_draws`."""
+                   mid: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(flows, 5) Valiant paths from switch s to switch d given the draws of `_valiant_draws`
+    (written into `out`, a (flows, 5) array or view filled with -1, if given)."""
     n, G, S = len(s), net.groups, net.S
-    out = np.full((n, _HOPS), -1, dtype=np.int64)
+    if out is None:
+        out = np.full((n, _HOPS), -1, dtype=np.int64)
     gs, gd = s // S, d // S
     via_group = (gs != gd) & (G > 2)
     if via_group.any():
@@ -228,25 +231,25 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     chunk = max(1, 8192 // max(size, 1))           # batches per chunk of laid-out candidates
     for k0 in range(0, parts, chunk):
         A, B = int(bounds[k0]), int(bounds[min(k0 + chunk, parts)])
-        cand = np.full((_HOPS, B - A, K), -1, dtype=np.int64)     # (hops, flows, candidates)
-        cand[:3, :, :L] = np.moveaxis(_minimal_all(net, s[A:B], d[A:B], L), 1, 0)
+        cand = np.full((K, _HOPS, B - A), -1, dtype=np.int64)     # (candidates, hops, flows)
+        _minimal_all(net, s[A:B], d[A:B], L, out=cand[:L, :3].transpose(2, 1, 0))
         for k, (gi, j, mid) in enumerate(draws):
-            cand[:, :, L + k] = _valiant_paths(net, s[A:B], d[A:B], gi[A:B], j[A:B], mid[A:B]).T
-        factor = 1 + hop_weight * (cand >= 0).sum(0)  # (flows, candidates)
+            _valiant_paths(net, s[A:B], d[A:B], gi[A:B], j[A:B], mid[A:B], out=cand[L + k].T)
+        factor = 1 + hop_weight * (cand >= 0).sum(1)  # (candidates, flows)
         for k in range(k0, min(k0 + chunk, parts)):
             a, b = int(bounds[k]) - A, int(bounds[k + 1]) - A
-            c = cand[:, a:b]
+            c = cand[:, :, a:b]
             if cap is None:
                 util = load[c]
-                util += dem[A + a:A + b, None]
+                util += dem[A + a:A + b]
                 util /= cap_ext[c]
-                cost = util.max(0)
+                cost = util.max(1)
             else:
-                cost = load[c].max(0)
-                cost += dem[A + a:A + b, None]
+                cost = load[c].max(1)
+                cost += dem[A + a:A + b]
                 cost /= cap
-            cost *= factor[a:b]
-            choice = c[:, rows[:b - a], cost.argmin(1)].T
+            cost *= factor[:, a:b]
+            choice = c[cost.argmin(0), :, rows[:b - a]]   # (flows, hops)
             out[A + a:A + b] = choice
             # -1 (no hop) adds to the sentinel, which no cost reads: no effect
             np.add.at(load, choice.ravel(), np.repeat(dem[A + a:A + b], _HOPS))
