@@ -209,8 +209,11 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     # must cost a few small numpy calls per batch: everything else is laid out beforehand, in
     # placement order, chunk by chunk (a chunk's candidates stay in cache).
     order = np.random.default_rng(seed + 1).permutation(n)
-    draws = [[x[order] for x in _valiant_draws(net, s, d, seed + 7919 * k)] for k in range(detours)]
-    s, d, dem = s[order], d[order], np.ascontiguousarray(dem[order])
+    # switch, group and cable numbers (and the link numbers made from them) fit 32 bits: halving the
+    # bytes the path formulas move makes them about 1.5x faster (the same integers)
+    small = np.int32 if net.n_links < 2**31 else np.int64
+    draws = [[x[order].astype(small) for x in _valiant_draws(net, s, d, seed + 7919 * k)] for k in range(detours)]
+    s, d, dem = s[order].astype(small), d[order].astype(small), np.ascontiguousarray(dem[order])
     L = max(net.L, 1)
     K = L + detours
     cap = _uniform_capacity(net)
