@@ -102,3 +102,19 @@ def test_branch_and_bound_keeps_the_best_and_bounds_the_rest():
     exact = {str(c.grid): c.analytical_s for c in exhaustive}
     bounds = [c for c in bnb if not c.exact]
     assert bounds and all(c.analytical_s <= exact[str(c.grid)] * (1 + 1e-12) for c in bounds)
+
+
+def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
+    """search, --grid auto, scaling and sensitivity share ranked probes, bounds and simulations: asking
+    again for an equal study (a new Study object) simulates and bounds nothing again."""
+    import twin.search as search_mod
+    import twin.simulate as sim_mod
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    first, _ = choose_grid(study)
+    calls = []
+    monkeypatch.setattr(sim_mod, "_simulate_grid", lambda *a, **k: calls.append("simulate"))
+    monkeypatch.setattr(search_mod, "critical_path_s", lambda *a, **k: calls.append("bound"))
+    again, how = choose_grid(prepare("perlmutter", "gpt-1b", 16, batch=16))
+    assert calls == [] and str(again.grid) == str(first.grid) and again.simulated_s == first.simulated_s
+    cands = search(study, top=3, simulate_top=2)  # the same head and pool as grid auto: all kept
+    assert calls == [] and min(c.simulated_s for c in cands if c.simulated_s) == first.simulated_s

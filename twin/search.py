@@ -43,7 +43,7 @@ from twin.study import Study, check_grid, collective_model
 
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
-BRANCH_BATCH = 8           # grids whose exact estimate is computed per round of the branch and bound
+BRANCH_BATCH = 4           # grids whose exact estimate is computed per round of the branch and bound (8: one more whole-machine probe on Frontier)
 
 
 @dataclass
@@ -328,6 +328,9 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     sometimes helps: up to 7% on some collectives of Alps and Perlmutter, 0.05% on a whole iteration.
     So the search rules a grid out only with a slack (twin.simulate.BOUND_SLACK), and
     `benchmarks/search_exhaustive.py` measures simulated / bound over every grid of several studies.
+    (The first block of an axis alone, the ranking's probe, would be cheaper but is no bound: on Alps,
+    x groups of 8 across two 4-GPU nodes ran up to 9% slower alone than within the whole grid, whose
+    adaptive routing spreads their sub-flows differently.)
     Kept per study and grid for the process."""
     key = (study_key(study), str(grid))
     if collectives is None and key in _BOUNDS:

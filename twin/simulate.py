@@ -60,15 +60,17 @@ def min_ops_per_rank(study: Study) -> int:
 
 # After the analytical top `simulate_top`, the search bounds the next SCAN grids of the ranking from
 # below (twin.search.lower_bound: the grid's own collective model without the other axes' traffic,
-# compute without overlap slowdown) and simulates them in the order of their bounds while
-# BOUND_SLACK x a bound is below the fastest simulated time. The bound would be exact if contention
-# never sped a collective up; in the flow model it sometimes does (a flow's sub-flows on adaptive
-# paths: up to 7% on a data all-reduce with z running, Alps and Perlmutter), so the exhaustive check
-# (benchmarks/search_exhaustive.py: every valid grid of several studies simulated) measures
-# simulated / bound: at least 0.9995 over every grid, the fastest at analytical rank 0 to 9, and the
-# grid chosen the fastest of all in every study. SCAN and the slack leave room beyond that.
+# compute without overlap slowdown, the longest path through the program) and simulates them in the
+# order of their bounds while BOUND_SLACK x a bound is below the fastest simulated time. The bound
+# would be exact if contention never sped a collective up; in the flow model it sometimes does (a
+# flow's sub-flows on adaptive paths: up to 7% on a data all-reduce with z running, Alps and
+# Perlmutter), so the exhaustive check (benchmarks/search_exhaustive.py: every valid grid of several
+# studies simulated) measures simulated / bound: at least 0.99956 over every grid of Frontier, Alps
+# and Perlmutter studies (1.0 on Frontier), the fastest grid at analytical rank 1 to 12, and the
+# grid chosen the fastest of all in every study. The slack is 4x the worst shortfall measured; SCAN
+# leaves room beyond rank 12.
 SCAN = 16
-BOUND_SLACK = 0.99
+BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
 
 
