@@ -134,7 +134,7 @@ class _Sim:
     def schedule(self, due: int, stream) -> None:
         """Call stream.on_done() at `due` (ns) unless the stream schedules again before. One bucket per
         distinct time keeps scheduling order. The stream's latest entry is the one at
-        (stream.due, stream.slot): the caller sets stream.due = due. (Inlined in the hot paths below.)"""
+        (stream.due, stream.slot): the caller sets stream.due = due."""
         b = self.buckets.get(due)
         if b is None:
             b = self.buckets[due] = []
@@ -214,12 +214,7 @@ class _ComputeStream:
             for d in deps:
                 if not done[d][rank]:
                     self.waited = d
-                    key = rank * sim.n + d
-                    ws = sim.waiters.get(key)
-                    if ws is None:
-                        sim.waiters[key] = [self]
-                    else:
-                        ws.append(self)
+                    sim.wait(rank * sim.n + d, self)
                     return
         now = sim.now
         if self.waited is not None:
@@ -231,12 +226,7 @@ class _ComputeStream:
         self.work = w = self.base[i]
         self.factor = f = self.slow * (self.overlap if sim.busy[rank] else 1.0)
         self.due = due = now + int(w * f + 0.5)
-        b = sim.buckets.get(due)  # sim.schedule(due, self), inlined
-        if b is None:
-            b = sim.buckets[due] = []
-            heappush(sim.heap, due)
-        self.slot = len(b)
-        b.append(self)
+        sim.schedule(due, self)
         if sim.comm_slow != 1.0:
             sim.compute_changed(rank)
 
@@ -315,11 +305,7 @@ class _GroupStream:
                     if not flags[r]:
                         self.dk, self.mk = dj, mk
                         self.blk = key = r * sim.n + d
-                        ws = sim.waiters.get(key)  # sim.wait(key, self), inlined
-                        if ws is None:
-                            sim.waiters[key] = [self]
-                        else:
-                            ws.append(self)
+                        sim.wait(key, self)
                         return
                     mk += 1
                 mk = 0
@@ -341,12 +327,7 @@ class _GroupStream:
             dur *= sim.comm_factor(self.members)
         self.dur = dur
         self.due = due = now + int(dur + 0.5)
-        b = sim.buckets.get(due)  # sim.schedule(due, self), inlined
-        if b is None:
-            b = sim.buckets[due] = []
-            heappush(sim.heap, due)
-        self.slot = len(b)
-        b.append(self)
+        sim.schedule(due, self)
         sim.running[axis][self] = None
         k = sim.inflight[axis] = sim.inflight[axis] + 1
         if k == 1:
