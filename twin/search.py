@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass
+from typing import Callable
 
 from topologies.memo import digest
 from twin.common import TwinError
@@ -273,6 +274,18 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
 
 KEEP_GRIDS = 24  # programs and collective models kept: a search bounds up to 16 grids, then simulates some
 _PROGRAMS: dict[tuple[bytes, str], object] = {}
+_MODELS: dict[tuple[bytes, str], object] = {}
+
+
+def _kept(cache: dict, key, make: Callable[[], object]):
+    """cache[key], made by `make()` if missing; the KEEP_GRIDS most recently used entries are kept."""
+    value = cache.pop(key, None)
+    if value is None:
+        value = make()
+    cache[key] = value
+    if len(cache) > KEEP_GRIDS:
+        cache.pop(next(iter(cache)))
+    return value
 
 
 def program_for(study: Study, grid: Grid):
@@ -280,30 +293,14 @@ def program_for(study: Study, grid: Grid):
     the search builds it for a grid's lower bound and then again to simulate it. Treat it as read-only."""
     from twin.program import build_program
     key = (digest(pickle.dumps((study.model, study.options, study.batch, study.seq_len))), str(grid))
-    prog = _PROGRAMS.pop(key, None)
-    if prog is None:
-        prog = build_program(study.model, grid, study.options, study.batch, study.seq_len)
-    _PROGRAMS[key] = prog
-    if len(_PROGRAMS) > KEEP_GRIDS:
-        _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    return prog
-
-
-_MODELS: dict[tuple[bytes, str], object] = {}
+    return _kept(_PROGRAMS, key, lambda: build_program(study.model, grid, study.options, study.batch, study.seq_len))
 
 
 def model_for(study: Study, grid: Grid):
     """The study's collective model on `grid` (twin.study.collective_model), the last few kept for the
     process: a grid's lower bound asks it for contention-free times, the simulation of the grid then
     asks the same model (its flow sets and rates already computed)."""
-    key = (machine_key(study), str(grid))
-    model = _MODELS.pop(key, None)
-    if model is None:
-        model = collective_model(study, grid)
-    _MODELS[key] = model
-    if len(_MODELS) > KEEP_GRIDS:
-        _MODELS.pop(next(iter(_MODELS)))
-    return model
+    return _kept(_MODELS, (machine_key(study), str(grid)), lambda: collective_model(study, grid))
 
 
 _BOUNDS: dict[tuple[bytes, str], float] = {}
