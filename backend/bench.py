@@ -23,8 +23,9 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   a GEMM alone and while an all-reduce runs on the axis, and the all-reduce alone and beside the GEMM
   (issue to completion): what each costs the other when they share the rank's cores;
 - `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered,
-  wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
-  (median span), with the share of a compute op's span that a collective overlapped, and for a
+  cpu_s, wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
+  (median span; on CPU, a compute op's on-CPU time too), with the share of a compute op's span that
+  a collective overlapped, and for a
   collective the time the compute op that waited for it took to start after its completion: what ops
   cost inside training, where the ranks share the cores with each other and with gloo's threads (see
   bench_steps).
@@ -170,7 +171,11 @@ def _covered(span, others) -> float:
     return covered / span.duration_s
 
 
-def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmup: int = 1) -> tuple[dict | None, list[dict]]:
+WARMUP_STEPS = 2  # steps before the recorded ones: as many as validation leaves out of a run (calibration/validate.py)
+
+
+def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
+                warmup: int = WARMUP_STEPS) -> tuple[dict | None, list[dict]]:
     """`steps` recorded training steps of `model` on the grid of `ctx` (every rank at once, as in
     `backend run`): what the microbenchmarks cannot see, measured where it happens.
 
@@ -183,7 +188,11 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
       (what they sum to per op: a few are long, when more ranks than cores time-slice);
       all_gaps_s: the median of every gap; mean_s: the mean gap;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
-      covered, wake_s (collectives)}: its span, median over steps then mean over ranks, and `covered`,
+      covered, cpu_s (compute ops on CPU), wake_s (collectives)}: its span, median over steps then
+      mean over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
+      than cores time-slice, a rank descheduled inside an op leaves that op's span long and its
+      on-CPU time as it was; the fit spreads the ranks' summed waits over their ops, as validation
+      does); `covered`,
       the median fraction of a compute op's span during which a collective of its rank was in flight
       (0 for collectives). A collective's span runs from its issue (or the end of the previous one of
       its stream) to its completion, so it holds the wait for the group's last member. `wake_s`: from
@@ -207,6 +216,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
     gaps: list[float] = []
     free: list[float] = []  # gaps no collective overlapped
     per_op: dict[str, list[float]] = {}
+    per_cpu: dict[str, list[float]] = {}  # compute op -> on-CPU seconds (CPU only)
     cover: dict[str, list[float]] = {}
     wake: dict[str, list[float]] = {}  # collective -> delay from its completion to the compute op that waited on it
     for step in range(warmup + steps):
@@ -231,6 +241,8 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
                 waited[last.name] = b.start_s - (last.start_s + last.duration_s)
         for sp in spans:
             per_op.setdefault(sp.name, []).append(sp.duration_s)
+            if "cpu_us" in sp.args:
+                per_cpu.setdefault(sp.name, []).append(sp.args["cpu_us"] / 1e6)
             cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else _covered(sp, colls))
             if sp.kind in COLLECTIVE_KINDS:
                 wake.setdefault(sp.name, []).append(waited.get(sp.name, 0.0))
@@ -240,20 +252,26 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4, warmu
         times = sorted(per_op.get(op.name, [0.0]))
         cov = sorted(cover.get(op.name, [0.0]))
         woke = sorted(wake.get(op.name, [0.0]))
+        on_cpu = sorted(per_cpu.get(op.name, [-1.0]))  # -1: not recorded (a collective, a GPU)
         rows.append({"name": op.name, "kind": op.kind, "role": op.role, "stream": op.stream,
                      "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
                      "k": op.k, "layout": op.layout or "", "seconds": times[len(times) // 2],
-                     "covered": cov[len(cov) // 2], "wake_s": woke[len(woke) // 2]})
+                     "covered": cov[len(cov) // 2], "wake_s": woke[len(woke) // 2],
+                     "cpu_s": on_cpu[len(on_cpu) // 2]})
     group = _world()
     if group is not None:
-        t = torch.tensor([[r["seconds"], r["covered"], r["wake_s"]] for r in rows], dtype=torch.float64)
+        t = torch.tensor([[r["seconds"], r["covered"], r["wake_s"], r["cpu_s"]] for r in rows], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         t /= dist.get_world_size()
-        for r, (sec, cov, woke) in zip(rows, t.tolist()):
-            r["seconds"], r["covered"], r["wake_s"] = sec, cov, woke
+        for r, (sec, cov, woke, on_cpu) in zip(rows, t.tolist()):
+            r["seconds"], r["covered"], r["wake_s"], r["cpu_s"] = sec, cov, woke, on_cpu
     for r in rows:
         if r["kind"] not in COLLECTIVE_KINDS:
             del r["wake_s"]
+        if r["kind"] in COLLECTIVE_KINDS or r["cpu_s"] < 0:
+            del r["cpu_s"]
+        else:
+            r["cpu_s"] = min(r["cpu_s"], r["seconds"])
     rows = [r for r in rows if r["seconds"] > 0]
     if not gaps:
         return None, rows

@@ -14,8 +14,11 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
 - From the recorded training steps (`steps` rows; what ops cost inside training, where ranks share
   the cores with each other and with gloo's threads), per rank count:
   - `[[op_cost]]`: per compute kind the GEMM and attention models do not cover (elementwise,
-    embedding, loss, optimizer), and per role within it, seconds = latency + bytes / bandwidth over the
+    embedding, loss, optimizer), and per role within it (a norm over x-split features apart:
+    twin.kernels.cost_role), seconds = latency + bytes / bandwidth over the
     ops of the recorded steps (least squares on relative error; bandwidth alone when all ops have one size);
+  - where bench recorded on-CPU times, every compute op's time below is its on-CPU time x the
+    rank count's stretch (_fluid_spans), else its span;
   - `[[gemm_table]]` points with `training = true`: each GEMM shape's median span inside training
     (ops no collective overlapped); the kernel model prefers them over the microbenchmarks' points;
   - node_share `attention_fwd_efficiency`, `attention_bwd_efficiency`: causal attention inside
@@ -319,21 +322,24 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         prof = micro.for_ranks(ranks)
         km = KernelModel(prof, tuning=False)
         rows = [(r, row) for r in runs for row in r["steps"]]
+        span, how_timed = _fluid_spans(rows, ranks)
+        src_t = f"{src}; {how_timed}"
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
-        for _, row in rows:
+        roles = {id(r): _cost_roles(r) for r in runs}
+        for r, row in rows:
             if row["stream"] == "compute" and row["kind"] not in MODELED:
                 keyed.setdefault((row["kind"], ""), []).append(row)
                 if row.get("role"):
-                    keyed.setdefault((row["kind"], row["role"]), []).append(row)
+                    keyed.setdefault((row["kind"], roles[id(r)].get(row["name"], row["role"])), []).append(row)
         for (kind, role), sel in sorted(keyed.items()):
             alone = [row for row in sel if row.get("covered", 0) < COVERED] or sel
-            a, b, res = _cost_line([row["bytes"] for row in alone], [row["seconds"] for row in alone])
+            a, b, res = _cost_line([row["bytes"] for row in alone], [span(row) for row in alone])
             what = f"{kind}{'/' + role if role else ''}"
             fit.residuals.append(_residual(f"{ranks} rank(s): {what} ops in training, latency + bytes/bandwidth", res))
             how = (f"fitted: {len(alone)} {what} op(s) of recorded training steps, bytes "
                    f"{min(r['bytes'] for r in alone)}-{max(r['bytes'] for r in alone)}, worst residual "
-                   f"{max(map(abs, res)):.0%}, {src}")
+                   f"{max(map(abs, res)):.0%}, {src_t}")
             costs.append("\n".join([
                 "[[op_cost]]", f'kind = "{_quote(kind)}"', f'role = "{_quote(role)}"', f"ranks = {ranks}",
                 "latency_s = " + _entry(max(a, 1e-9), how),
@@ -345,38 +351,38 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         shapes: dict[tuple, list[float]] = {}
         for _, row in rows:
             if row["kind"] == "gemm" and row.get("covered", 0) < COVERED:
-                shapes.setdefault((row["m"], row["n"], row["k"], row["layout"] or "NN"), []).append(row["seconds"])
+                shapes.setdefault((row["m"], row["n"], row["k"], row["layout"] or "NN"), []).append(span(row))
         for (m, n, k, lay), secs in sorted(shapes.items()):
             t = statistics.median(secs)
             gemms.append("\n".join([
                 "[[gemm_table]]", f"m = {m}", f"n = {n}", f"k = {k}", f'layout = "{lay}"', f"ranks = {ranks}",
                 "training = true", "flops = " + _entry(2.0 * m * n * k / t, (
                     f"measured: median span {t * 1e6:.1f} us of {len(secs)} such GEMM(s) no collective overlapped "
-                    f"in recorded training steps, {src}")), ""]))
+                    f"in recorded training steps, {src_t}")), ""]))
         lines = []
         # attention: its efficiency inside training (of the rank's peak) replaces the microbenchmark's
         for phase, bwd in (("fwd", False), ("bwd", True)):
             att = [row for _, row in rows if row["kind"] == "attention" and row["name"].endswith(".bwd") == bwd
                    and row.get("covered", 0) < COVERED and row["flops"] > 0]
             if att:
-                eff = statistics.median(row["flops"] / (prof.peak_flops * row["seconds"]) for row in att)
+                eff = statistics.median(row["flops"] / (prof.peak_flops * span(row)) for row in att)
                 lines.append(f"attention_{phase}_efficiency = " + _entry(eff, (
                     f"measured: causal attention {'backward' if bwd else 'forward'} inside recorded training steps, "
-                    f"median over {len(att)} ops no collective overlapped, of the peak scaled by compute_scale, {src}")))
+                    f"median over {len(att)} ops no collective overlapped, of the peak scaled by compute_scale, {src_t}")))
         # GEMMs: inside training against the microbenchmarks
         modeled = [(row, _micro_time(km, row)) for _, row in rows if row["kind"] == "gemm"]
         alone = [(row, t) for row, t in modeled if row.get("covered", 0) < COVERED]
         over = [(row, t) for row, t in modeled if row.get("covered", 0) >= COVERED]
-        contention = sum(r["seconds"] for r, _ in alone) / sum(t for _, t in alone) if alone else 1.0
+        contention = sum(span(r) for r, _ in alone) / sum(t for _, t in alone) if alone else 1.0
         if alone:
             lines.append("compute_contention = " + _entry(contention, (
                 f"measured: GEMM time of {len(alone)} ops no collective overlapped in recorded "
-                f"training steps, over their microbenchmark-fitted time, {src}")))
+                f"training steps, over their microbenchmark-fitted time, {src_t}")))
         if len(over) >= 3:
-            slow = max(1.0, sum(r["seconds"] for r, _ in over) / sum(t for _, t in over) / contention)
+            slow = max(1.0, sum(span(r) for r, _ in over) / sum(t for _, t in over) / contention)
             lines.append("overlap_slowdown = " + _entry(slow, (
                 f"measured: GEMM time of {len(over)} ops a collective overlapped in recorded training "
-                f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src}")))
+                f"steps, over their microbenchmark-fitted time x compute_contention (at least 1), {src_t}")))
         table = prof.collectives()
         ratios = []
         per_axis: dict[str, list[float]] = {}  # axis -> [inside training, alone] seconds summed
@@ -445,6 +451,42 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
 
 
 COMM_SHARE_STEP = 0.05  # the grid of comm_share values tried
+
+
+def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
+    """(span(row) -> seconds, how): what a compute op of the recorded steps costs, as the twin counts
+    it. Where bench recorded on-CPU times (`cpu_s`): the op's on-CPU time x the stretch of all the
+    recorded steps with this many ranks (their compute ops' summed span over summed on-CPU time: the
+    rate at which a rank's compute progresses while `ranks` ranks share the cores, as a fluid).
+    With more ranks than cores, a rank descheduled inside an op leaves that op's span long and the
+    next one short, and each grid's steps time-slice their own way (8 ranks: a stretch of 1.9-3.1
+    in the 35 runs of cpu-2026-12-01c); one op's span from one grid's steps then sets its shape's
+    rate for every grid. In those runs, GEMM points taken this way (on-CPU time of the 13 benched
+    grids' runs x their pooled stretch) put the other 22 grids' GEMMs at a median per-run |error|
+    of 15 % against 45 % for their spans (python benchmarks/cpu_op_points.py /work/bv-work2/runs). Files without cpu_s: the
+    spans."""
+    comp = [row for _, row in rows if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
+    timed = [row for row in comp if "cpu_s" in row]
+    cpu = sum(row["cpu_s"] for row in timed)
+    if not comp or len(timed) < len(comp) or cpu <= 0:
+        return (lambda row: row["seconds"]), "spans (no on-CPU times recorded)"
+    stretch = max(1.0, sum(row["seconds"] for row in timed) / cpu)
+    return ((lambda row: row["cpu_s"] * stretch if "cpu_s" in row else row["seconds"]),
+            f"on-CPU time x stretch {stretch:.3f} (summed span over summed on-CPU time of the {len(timed)} "
+            f"compute ops recorded with {ranks} rank(s))")
+
+
+def _cost_roles(run: dict) -> dict[str, str]:
+    """Per op name of a measurement file's program, the role its measured cost line is keyed by
+    (twin.kernels.cost_role: a norm over x-split features has its own); {} without a model."""
+    from twin.grid import Grid
+    from twin.kernels import cost_role
+    from twin.model import load_model
+    from twin.program import Options, build_program
+    if not run.get("steps") or not run.get("model"):
+        return {}
+    prog = build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options())
+    return {op.name: cost_role(op) for op in prog.ops if op.role}
 
 
 def _replayed_overlap(run: dict, host_s: float) -> dict[str, float]:

@@ -153,6 +153,60 @@ def test_costs_inside_training_are_fitted_and_used(tmp_path):
     assert (h200.compute_contention, h200.collective_slowdown, h200.op_cost, h200.collective_training) == (1, 1, (), ())
 
 
+def test_in_training_ops_are_on_cpu_time_times_the_pooled_stretch(tmp_path):
+    """With on-CPU times recorded (cpu_s), a compute op costs its on-CPU time x the stretch of all the
+    recorded steps (summed span over summed on-CPU time), not its own span: one GEMM descheduled in
+    the middle (span 3x its on-CPU time) does not set its shape's rate."""
+    from twin.kernels import KernelModel
+    from twin.program import Op
+    micro, g, table, data = _with_training_steps(tmp_path)
+    comp = [row for row in data["steps"] if row["stream"] == "compute"]
+    for row in comp:
+        row["cpu_s"] = row["seconds"]
+    gemms = [row for row in comp if row["kind"] == "gemm"]
+    gemms[0]["seconds"] *= 3  # descheduled inside: its span long, its on-CPU time as the others'
+    stretch = sum(row["seconds"] for row in comp) / sum(row["cpu_s"] for row in comp)
+    prof = load_profile(str(_written_fit(tmp_path, data, "oncpu"))).for_ranks(2)
+    km = KernelModel(prof, tuning=False)
+    gemm = Op(0, "g", "gemm", "compute", flops=2.0 * 64 ** 3, m=64, n=64, k=64, layout="NN")
+    assert km.kernel_time(gemm) == pytest.approx(1.5 * g * stretch, rel=1e-3)
+    ew = Op(1, "ew", "elementwise", "compute", bytes=1 << 20, role="gelu")
+    assert km.kernel_time(ew) == pytest.approx((2e-5 + (1 << 20) / 2e9) * stretch, rel=1e-3)
+    assert "on-CPU time x stretch" in prof.sources["node_share[0].compute_contention"]
+    # without cpu_s (files before bench recorded it): the spans, the slow one's median away
+    spans = load_profile(str(_written_fit(tmp_path, {**data, "steps": [
+        {k: v for k, v in row.items() if k != "cpu_s"} for row in data["steps"]]}, "spans"))).for_ranks(2)
+    assert KernelModel(spans, tuning=False).kernel_time(gemm) == pytest.approx(1.5 * g, rel=1e-3)
+    assert "spans (no on-CPU times recorded)" in spans.sources["node_share[0].compute_contention"]
+
+
+def test_a_norm_over_x_split_features_has_its_own_cost_line(tmp_path):
+    """With x > 1 a norm reads its statistics all-reduced over x and the backend runs its several-pass
+    kernel instead of torch's fused one: its measured line is keyed apart (cost role `layer_norm+x`)."""
+    from twin.grid import Grid
+    from twin.kernels import KernelModel, cost_role
+    from twin.model import load_model
+    from twin.program import Options, build_program
+    ops = {op.name: op for op in build_program(load_model("gpt-tiny"), Grid.parse("2x1x1x1"), Options()).ops}
+    plain = {op.name: op for op in build_program(load_model("gpt-tiny"), Grid.parse("1x1x1x2"), Options()).ops}
+    assert cost_role(ops["L0.ln1.fwd"]) == "layer_norm+x" and cost_role(ops["L0.ln1.bwd"]) == "layer_norm_bwd+x"
+    assert cost_role(plain["L0.ln1.fwd"]) == "layer_norm" and cost_role(ops["L0.gelu.fwd"]) == "gelu"
+    data = copy.deepcopy(MEASUREMENT)  # grid 2x1x1x1: its norms split; a second file's (1x1x1x2) whole
+    base = {"stream": "compute", "axis": "", "flops": 0.0, "covered": 0.0, "kind": "elementwise"}
+    data["steps"] = [{**base, "name": name, "role": ops[name].role, "bytes": ops[name].bytes,
+                      "seconds": 3 * ops[name].bytes / 1e9} for name in ("L0.ln1.fwd", "L0.ln2.fwd", "L1.ln1.fwd")]
+    whole = {**copy.deepcopy(MEASUREMENT), "grid": "1x1x1x2"}
+    whole["collectives"] = [dict(row, axis="data") for row in whole["collectives"]]
+    whole["steps"] = [{**base, "name": name, "role": "layer_norm", "bytes": plain[name].bytes,
+                       "seconds": plain[name].bytes / 1e9} for name in ("L0.ln1.fwd", "L0.ln2.fwd", "L1.ln1.fwd")]
+    path = tmp_path / "split.toml"
+    path.write_text(fit_profile([write(tmp_path, data, "split.json"), write(tmp_path, whole, "whole.json")],
+                                "split").toml)
+    km = KernelModel(load_profile(str(path)).for_ranks(2), tuning=False)
+    assert km.kernel_time(ops["L0.ln1.fwd"]) == pytest.approx(3 * ops["L0.ln1.fwd"].bytes / 1e9, rel=1e-3)
+    assert km.kernel_time(plain["L0.ln1.fwd"]) == pytest.approx(plain["L0.ln1.fwd"].bytes / 1e9, rel=1e-3)
+
+
 def test_comm_share_is_measured_beside_a_gemm_or_fitted_from_the_steps(tmp_path):
     micro, g, table, data = _with_training_steps(tmp_path)
     fitted = load_profile(str(_written_fit(tmp_path, data, "fitted"))).for_ranks(2)
@@ -253,5 +307,7 @@ def test_the_loop_end_to_end(tmp_path):
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")
+    compute = [r for r in bench["steps"] if r["stream"] == "compute"]
+    assert compute and all(0 <= r["cpu_s"] <= r["seconds"] for r in compute)  # on-CPU times recorded
     assert any(r["op"] == "host" and r["free_mean_s"] > 0 for r in bench["ops"])
     assert load_profile(str(out / "cpu.toml")).collective_table

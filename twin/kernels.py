@@ -11,7 +11,9 @@
 - Elementwise, embedding, loss, optimizer: max(flops / reached GEMM rate, bytes / HBM bandwidth); or,
   where the profile measured the kind (and role) inside recorded training steps (`op_cost`, CPU), its
   measured line latency + bytes / bandwidth, which holds every cost of the real kernels (several
-  passes over memory, eager dispatch, fp32 temporaries) that the roofline leaves out.
+  passes over memory, eager dispatch, fp32 temporaries) that the roofline leaves out. A norm over
+  x-split features has its own line (`cost_role`): it runs another kernel than the norm over whole
+  features.
 - On CPU, GEMMs run `compute_contention` times slower inside training than in their microbenchmarks
   (measured: the ranks share the cores with each other and with gloo's threads); a GEMM near a shape
   recorded inside training steps (`gemm_table` point with `training`) takes that point's rate
@@ -28,6 +30,18 @@ import math
 
 from twin.profile import LAYOUTS, Profile
 from twin.program import Op
+
+
+SPLIT = "+x"  # suffix of the cost role of a norm over x-split features
+
+
+def cost_role(op: Op) -> str:
+    """The role an op's measured cost line (`Profile.op_cost`) is keyed by: the op's role, plus
+    SPLIT for a norm over x-split features (it reads its statistics, all-reduced over x, from a
+    `.stats` or `.grad_stats` buffer). The backend then runs its own several-pass kernel on the
+    fp32 statistics instead of torch's fused norm (backend/layers.py), measured at about 1 ns per byte
+    against 0.3 inside training on 2-8 ranks (cpu-2026-12-01c: 14 runs with x > 1 against the others)."""
+    return op.role + SPLIT if any(r.endswith("stats") for r in op.reads) else op.role
 
 
 class KernelModel:
@@ -110,7 +124,12 @@ class KernelModel:
 
     def memory_bound_time(self, op: Op) -> float:
         p = self.profile
-        cost = p.op_cost_for(op.kind, op.role) if p.op_cost else None
+        cost = None
+        if p.op_cost:
+            role = cost_role(op)
+            # a split norm's own line, else (a profile fitted before it had one) the role's, the kind's
+            cost = p.op_cost_for(op.kind, role, exact=True) if role != op.role else None
+            cost = cost or p.op_cost_for(op.kind, op.role)
         if cost is not None:
             return cost.latency_s + op.bytes / cost.bandwidth
         return max(op.flops / p.gemm_flops, op.bytes / p.hbm_bandwidth) + p.launch_s

@@ -202,13 +202,14 @@ class Profile:
         return CollectiveTable(self.collective_table, self.activation_bytes, self.collective_training,
                                self.collective_slowdown, self.axis_slowdown)
 
-    def op_cost_for(self, kind: str, role: str) -> OpCost | None:
-        """The measured cost line of an op kind and role (after for_ranks), else of the kind, else None."""
+    def op_cost_for(self, kind: str, role: str, exact: bool = False) -> OpCost | None:
+        """The measured cost line of an op kind and role (after for_ranks), else (unless `exact`) of
+        the kind, else None."""
         best = None
         for c in self.op_cost:
             if c.kind == kind and c.role == role:
                 return c
-            if c.kind == kind and c.role == "":
+            if c.kind == kind and c.role == "" and not exact:
                 best = c
         return best
 

@@ -329,7 +329,7 @@ MEASUREMENT = Table(
                                         "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
                                         "seconds": SECONDS, "covered": Number(0, 1)},
                               optional={"role": Text(), "axis": Text(AXES + ("",)), "wake_s": Number(0, 1e6),
-                                        "m": Int(0, 1 << 30),
+                                        "cpu_s": Number(0, 1e6), "m": Int(0, 1 << 30),
                                         "n": Int(0, 1 << 30), "k": Int(0, 1 << 30),
                                         "layout": Text(("NN", "NT", "TN", ""))}, extra=True)),
     },
