@@ -1,25 +1,30 @@
-"""In-training GEMM points on CPU: one grid's op spans, or on-CPU time x the rank count's stretch?
+"""In-training op times on CPU: each op's span, or its on-CPU time x the rank count's stretch?
 
-    python benchmarks/cpu_op_points.py /work/bv-work2/runs     # the runs of a CPU loop (bench_validate.py)
+    python benchmarks/cpu_op_points.py /work/bv-work2/runs \\
+        --bench calibration/measurements/cpu-2026-12-01c          # the loop's runs and bench files
 
 `backend bench` records a few training steps on a few grids per rank count, and calibration turns
-each GEMM shape it saw into a point the twin uses for every grid with that many ranks. With more
-ranks than cores, a rank descheduled inside an op leaves that op's span long, and each grid's steps
-time-slice their own way. This takes the runs of the grids the loop benches (BENCH_GRIDS of
-bench_validate.py) as the recorded steps, and predicts every GEMM of the other grids (same rank count,
-the nearest point within a factor 2 in m, n and k and the same layout, as twin.kernels does) from
-- spans: the point's wall span (median over ranks), what the fit took before bench recorded cpu_s;
-- on-CPU x stretch: the point's on-CPU time x the stretch of all the benched runs with that many
-  ranks (their compute ops' summed span over summed on-CPU time), calibration.fit._fluid_spans;
-against the measured op as `twin validate` compares it (on-CPU time x its rank's stretch). Prints
-the median |error| per grid and over the grids, for each. Offline, in seconds.
+every compute op it saw into the twin's cost of that op for every grid with as many ranks. With more
+ranks than cores, a rank descheduled inside an op leaves that op's span long and the next one short,
+and each grid time-slices its own way (8 ranks: a stretch, summed span over summed on-CPU time of a
+rank's compute ops, of 1.9-3.1 over the 35 runs of cpu-2026-12-01c).
+
+Bench files written before bench recorded on-CPU times (`cpu_s`) cannot tell the two apart, but the
+loop's runs record both (the trace's cpu_us). This rewrites the bench files' compute step rows from
+the runs of the same grids (their traced step, every rank: span and on-CPU time means over ranks,
+`covered` as bench computes it; collectives, host gaps and microbenchmarks as measured), fits a
+profile from them twice, with the spans alone and with the on-CPU times (calibration.fit._fluid_spans),
+and validates every run against each: the issue's measures, for the benched grids (in sample) and
+the others (out of sample). Offline, about 20 s.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,73 +32,81 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def main() -> int:
-    from bench_validate import BENCH_GRIDS
-    from calibration.validate import measured_ops
-    from twin.grid import Grid
+def covered(span, others) -> float:
+    """Share of `span` during which one of `others` ran (as backend.bench._covered, without torch)."""
+    a, b = span.start_s, span.start_s + span.duration_s
+    if b <= a:
+        return 0.0
+    ivs = sorted((max(a, o.start_s), min(b, o.start_s + o.duration_s)) for o in others
+                 if o.start_s < b and o.start_s + o.duration_s > a)
+    total, end = 0.0, a
+    for lo, hi in ivs:
+        lo = max(lo, end)
+        if hi > lo:
+            total, end = total + hi - lo, hi
+    return total / (b - a)
+
+
+def rewrite(bench: dict, run_dir: Path, with_cpu: bool) -> dict:
+    """`bench` with its compute step rows measured in the run at `run_dir` instead."""
+    from calibration.validate import COLLECTIVES
     from twin.trace import read_trace
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python benchmarks/cpu_op_points.py RUNS_DIR (the runs/ folder of bench_validate.py)")
-    benched = {g for grids in BENCH_GRIDS.values() for g, _ in grids}
-    runs = {}
-    for d in sorted(Path(sys.argv[1]).iterdir()):
-        if not (d / "trace").is_dir():
-            continue
-        grid = Grid.parse(d.name)
-        spans = read_trace(d / "trace")
-        got = measured_ops(spans, grid)
-        if got["cpu_source"] != "recorded (cpu_us)":
-            sys.exit(f"{d}: the trace has no on-CPU times (cpu_us): rerun the loop with a newer backend")
-        gemms = {s.name: (s.args["m"], s.args["n"], s.args["k"], s.args.get("layout") or "NN")
-                 for s in spans if s.kind == "gemm"}
-        runs[d.name] = (grid.size, got, gemms)
-    points: dict[int, list[tuple]] = {}
-    sums: dict[int, list[float]] = {}
-    for name, (ranks, got, gemms) in runs.items():
-        if name not in benched:
-            continue
-        for op, (m, n, k, lay) in gemms.items():
-            points.setdefault(ranks, []).append((m, n, k, lay, statistics.median(got["wall"][op]),
-                                                 statistics.median(got["cpu"][op])))
-        both = sums.setdefault(ranks, [0.0, 0.0])
-        for op in got["cpu"]:
-            both[0] += statistics.median(got["wall"][op])
-            both[1] += statistics.median(got["cpu"][op])
-    stretch = {r: max(1.0, w / c) for r, (w, c) in sums.items()}
-    print("stretch of the benched runs per rank count: "
-          + ", ".join(f"{r}: {s:.2f}" for r, s in sorted(stretch.items())))
+    spans = read_trace(run_dir / "trace")
+    per: dict[str, list[tuple[float, float, float]]] = {}
+    for rank in {s.rank for s in spans}:
+        mine = [s for s in spans if s.rank == rank]
+        colls = [s for s in mine if s.kind in COLLECTIVES]
+        for s in mine:
+            if s.kind not in COLLECTIVES:
+                cpu = min(s.args.get("cpu_us", s.duration_s * 1e6) / 1e6, s.duration_s)
+                per.setdefault(s.name, []).append((s.duration_s, cpu, covered(s, colls)))
+    rows = []
+    for row in bench["steps"]:
+        row = {k: v for k, v in row.items() if k != "cpu_s"}
+        got = per.get(row["name"])
+        if row["stream"] == "compute" and got:
+            row.update(seconds=statistics.mean(w for w, _, _ in got),
+                       covered=statistics.median(c for _, _, c in got))
+            if with_cpu:
+                row["cpu_s"] = statistics.mean(c for _, c, _ in got)
+        rows.append(row)
+    return {**bench, "steps": rows}
 
-    def nearest(ranks, m, n, k, lay):
-        best, dist = None, math.inf
-        for p in points.get(ranks, []):
-            r = [abs(math.log2(a / b)) for a, b in ((m, p[0]), (n, p[1]), (k, p[2]))]
-            if p[3] == lay and max(r) <= 1.0 and sum(r) < dist:
-                best, dist = p, sum(r)
-        return best
 
-    print(f"{'grid':9s} {'GEMMs':>5s} {'spans':>7s} {'on-CPU x stretch':>17s}   (median |error| per GEMM)")
-    per_grid = {"spans": [], "cpu": []}
-    for name, (ranks, got, gemms) in sorted(runs.items()):
-        if name in benched or ranks not in stretch:
-            continue
-        err = {"spans": [], "cpu": []}
-        for op, (m, n, k, lay) in gemms.items():
-            p = nearest(ranks, m, n, k, lay)
-            if p is None:
-                continue
-            rate = 2.0 * p[0] * p[1] * p[2]
-            measured = statistics.median(got["fluid"][op])
-            err["spans"].append(abs(2.0 * m * n * k * p[4] / rate / measured - 1))
-            err["cpu"].append(abs(2.0 * m * n * k * p[5] * stretch[ranks] / rate / measured - 1))
-        if err["cpu"]:
-            for key in err:
-                per_grid[key].append(statistics.median(err[key]))
-            print(f"{name:9s} {len(err['cpu']):5d} {100 * per_grid['spans'][-1]:6.0f} % "
-                  f"{100 * per_grid['cpu'][-1]:15.0f} %")
-    if per_grid["cpu"]:
-        print(f"median over {len(per_grid['cpu'])} grids not benched: spans "
-              f"{100 * statistics.median(per_grid['spans']):.0f} %, on-CPU x stretch "
-              f"{100 * statistics.median(per_grid['cpu']):.0f} %")
+def main() -> int:
+    from bench_validate import BENCH_GRIDS, summary_line
+    from calibration.fit import fit_profile
+    from calibration.validate import validate_runs
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", help="the runs/ folder of a bench_validate.py loop")
+    ap.add_argument("--bench", required=True, help="the loop's measurement files (bench-GRID.json)")
+    a = ap.parse_args()
+    runs = sorted(d for d in Path(a.runs).iterdir() if (d / "log.jsonl").exists())
+    order = [g for grids in BENCH_GRIDS.values() for g, _ in grids]
+    files = [Path(a.bench) / f"bench-{g}.json" for g in order if (Path(a.bench) / f"bench-{g}.json").exists()]
+    missing = [f.stem[6:] for f in files if not (Path(a.runs) / f.stem[6:] / "trace").is_dir()]
+    if not runs or not files or missing:
+        sys.exit(f"need the loop's runs and bench files (runs of the benched grids missing: {missing})")
+    benched = {f.stem[6:] for f in files}
+    with tempfile.TemporaryDirectory() as d:
+        for label, with_cpu in (("spans", False), ("on-CPU time x stretch", True)):
+            paths = []
+            for f in files:
+                p = Path(d) / f"{label[:5]}-{f.name}"
+                p.write_text(json.dumps(rewrite(json.loads(f.read_text()), Path(a.runs) / f.stem[6:], with_cpu)))
+                paths.append(p)
+            prof = Path(d) / f"cpu-{with_cpu}.toml"
+            prof.write_text(fit_profile(paths, "cpu").toml)
+            rep = validate_runs(runs, "cpu", str(prof))
+            print(f"in-training op times from {label}:")
+            for what, sel in (("all grids", rep["runs"]),
+                              ("benched grids (in sample)", [r for r in rep["runs"] if r["grid"] in benched]),
+                              ("other grids (out of sample)", [r for r in rep["runs"] if r["grid"] not in benched])):
+                print("  " + summary_line(what, sel))
+            kinds = sorted({k for r in rep["runs"] for k in r["ops"]["by_kind"]})
+            print("  per kind, median over runs of |error|: " + ", ".join(
+                f"{k} {100 * statistics.median(r['ops']['by_kind'][k]['median_abs_error'] for r in rep['runs'] if k in r['ops']['by_kind']):.0f} %"
+                for k in kinds) + f"; Spearman {rep['spearman']:.2f}")
     return 0
 
 

@@ -461,10 +461,10 @@ def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
     With more ranks than cores, a rank descheduled inside an op leaves that op's span long and the
     next one short, and each grid's steps time-slice their own way (8 ranks: a stretch of 1.9-3.1
     in the 35 runs of cpu-2026-12-01c); one op's span from one grid's steps then sets its shape's
-    rate for every grid. In those runs, GEMM points taken this way (on-CPU time of the 13 benched
-    grids' runs x their pooled stretch) put the other 22 grids' GEMMs at a median per-run |error|
-    of 15 % against 45 % for their spans (python benchmarks/cpu_op_points.py /work/bv-work2/runs). Files without cpu_s: the
-    spans."""
+    rate for every grid. Fitted from those runs' traces of the 13 benched grids (in place of their
+    bench steps; benchmarks/cpu_op_points.py), the 35 runs' per-op median |error| is 16 % (23
+    within 20 %) this way against 29 % (8) from the spans, 19 % against 30 % on the 22 grids not
+    benched. Files without cpu_s: the spans."""
     comp = [row for _, row in rows if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     timed = [row for row in comp if "cpu_s" in row]
     cpu = sum(row["cpu_s"] for row in timed)
