@@ -32,7 +32,10 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     bandwidth over the recorded collectives' spans (issue, or the end of the previous one of the
     axis, to completion; plus, where bench measured it, `wake_s` less host_op_s: the time the compute op
     that waited for it took to resume after its completion, beyond the host time the twin charges that
-    op), least squares on seconds so that the line keeps their summed time. Inside
+    op): the `[[collective_table]]` line measured alone (its bandwidth: the microbenchmark's sizes span
+    three decades, the steps' a factor 4) with its latency raised by the mean excess per op inside
+    training, so that the line keeps their summed time (`_excess_line`; a free least-squares line
+    where nothing was measured alone, `_collective_line`). Inside
     training a collective costs more than alone: gloo's threads compete with the ranks' compute for
     the cores, and the span holds the wait for the group's last member (ranks drift apart when more
     ranks than cores time-slice). Each axis has its own line because each plays its own part in the
@@ -411,11 +414,18 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                 both[0] += own + woke
                 both[1] += iso
         for (kind, axis, p, stride), pts in sorted(lines_of.items()):
-            a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
+            alone = _alone_point(table, kind, p, stride)
+            if alone is not None:
+                a, b, res = _excess_line([x for _, x, _ in pts], [t for _, _, t in pts], alone)
+                fitted = (f"fitted: the line measured alone ({kind} over {p}, stride {alone.stride}: its bandwidth) "
+                          f"plus the mean excess per op inside training, {(a - alone.latency_s) * 1e3:+.3f} ms (their sum kept)")
+            else:
+                a, b, res = _collective_line([x for _, x, _ in pts], [t for _, _, t in pts])
+                fitted = "fitted (least squares on seconds: their sum kept)"
             fit.residuals.append(_residual(f"{ranks} rank(s): {kind} over {axis} {p} (stride {stride}) in training", res))
             files = "; ".join(sorted({describe(r) for r, _, _ in pts}))
             woken = any("wake_s" in row for r, row in rows if row["kind"] == kind and row["axis"] == axis)
-            how = (f"fitted (least squares on seconds: their sum kept): {len(pts)} {kind}s over {axis} of recorded "
+            how = (f"{fitted}: {len(pts)} {kind}s over {axis} of recorded "
                    f"training steps, {min(x for _, x, _ in pts):.0f}-{max(x for _, x, _ in pts):.0f} B, summed "
                    f"span{' and wake-up of the op that waited' if woken else ''} {sum(t for _, _, t in pts) * 1e3:.1f} ms, "
                    f"median residual {statistics.median(map(abs, res)):.0%}, {files}")
@@ -605,6 +615,30 @@ def _collective_line(nbytes: list[float], seconds: list[float]) -> tuple[float, 
     assert best is not None  # the constant fit (b = 0) always has a >= 0
     _, a, b = best
     return a, b, [((a + b * x) / t - 1.0) if t > 0 else 0.0 for x, t in zip(X, T)]
+
+
+def _alone_point(table, kind: str, p: int, stride: int):
+    """The `[[collective_table]]` point (measured alone) of this kind and group size, the nearest
+    stride; None without one."""
+    pts = [q for q in table.points if q.kind == kind and q.group_size == p] if table is not None else []
+    return min(pts, key=lambda q: (q.stride != stride, abs(q.stride - stride))) if pts else None
+
+
+def _excess_line(nbytes: list[float], seconds: list[float], alone) -> tuple[float, float, list[float]]:
+    """(latency, seconds per byte, relative residuals) of a collective inside training: the line
+    measured alone (`alone`, a CollectivePoint) with its latency raised by the mean excess of the
+    recorded spans over it, so that the line gives back their summed time. The slope stays the
+    microbenchmark's: it timed 5 sizes over three decades, alone, while the recorded steps hold a few
+    sizes within a factor 4, each span carrying time-slicing noise and the wait for the group's last
+    member, whose free least-squares slope came out anywhere from 7 MB/s to infinite (`[[collective_training]]`
+    of cpu-2026-12-01c); 1x1x2x4's z reduce-scatters, 4x the bytes of the benched 2x2x2x1's, were
+    predicted 4x their measured span. What training adds to a collective (the wait for the last
+    member, the wake-up of its threads among busy cores) is taken per op, not per byte. Where the
+    excess would leave a negative latency, the latency is 0 (the sum is then not kept)."""
+    a0, b0 = alone.latency_s, 1.0 / alone.bandwidth
+    extra = statistics.fmean(t - (a0 + b0 * x) for x, t in zip(nbytes, seconds))
+    a = max(a0 + extra, 1e-9)
+    return a, b0, [((a + b0 * x) / t - 1.0) if t > 0 else 0.0 for x, t in zip(nbytes, seconds)]
 
 
 def _cost_line(nbytes: list[float], seconds: list[float]) -> tuple[float, float, list[float]]:

@@ -1,6 +1,6 @@
-"""The CPU loop's iteration model: collectives inside training per axis, and the committed quiet loop
-(calibration/measurements/cpu-2026-12-01b: bench files and the 35 gpt-small runs' report) reproduced
-offline by the profile fitted from its bench files."""
+"""The CPU loop's iteration model: collectives inside training per axis, and the committed quiet loops
+(calibration/measurements/cpu-2026-12-01b and -01c: bench files and the 35 gpt-small runs' report)
+reproduced offline by the profile fitted from their bench files."""
 
 import glob
 import json
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from calibration.fit import _collective_line, fit_profile
+from calibration.fit import _collective_line, _excess_line, fit_profile
 from calibration.validate import spearman
 from twin.profile import CollectivePoint, CollectiveTable
 
-LOOP = Path(__file__).resolve().parent.parent / "calibration" / "measurements" / "cpu-2026-12-01b"
+LOOPS = Path(__file__).resolve().parent.parent / "calibration" / "measurements"
 
 
 def test_collective_line_keeps_the_summed_span_of_a_burst():
@@ -24,6 +24,21 @@ def test_collective_line_keeps_the_summed_span_of_a_burst():
     a, b, _ = _collective_line(nbytes, spans)
     assert sum(a + b * x for x in nbytes) == pytest.approx(sum(spans), rel=1e-6)
     assert a >= 0 and b >= 0
+
+
+def test_a_training_line_keeps_the_bandwidth_measured_alone_and_the_summed_span():
+    """Inside training a collective costs its line measured alone plus an excess per op (the wait for
+    the last member, wake-ups among busy cores): the slope is the microbenchmark's, not one fitted to
+    a few noisy spans of nearly one size (which came out at 7 MB/s or infinite), and the sum is kept."""
+    alone = CollectivePoint("reduce_scatter", 2, 8, 8e-4, 3e8, 1)
+    nbytes = [2.6e5, 5.2e5, 5.2e5, 1.0e6]
+    spans = [9e-3, 4e-3, 8e-3, 1.2e-2]   # noisy: the free line's slope is not the transfer's
+    a, b, res = _excess_line(nbytes, spans, alone)
+    assert b == pytest.approx(1 / 3e8)
+    assert sum(a + b * x for x in nbytes) == pytest.approx(sum(spans), rel=1e-9)
+    assert a > alone.latency_s and len(res) == 4
+    a, b, _ = _excess_line([1e6], [1e-4], alone)  # faster than alone: no negative latency
+    assert a == pytest.approx(1e-9) and b == pytest.approx(1 / 3e8)
 
 
 def test_training_lines_are_looked_up_by_axis_first():
@@ -43,8 +58,13 @@ def test_training_lines_are_looked_up_by_axis_first():
     assert t.time("all_reduce", "data", 2, 1e6) == pytest.approx(2.0 * (2e-4 + 1e-3))
 
 
-def test_the_committed_cpu_loop_is_reproduced_offline():
-    """The profile fitted from the quiet loop's bench files, against its 35 measured gpt-small runs.
+# (loop, median |error| under, at least this many of 35 within 15 %, worst under, Spearman at least)
+BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 24, 0.36, 0.94)]
+
+
+@pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
+def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, worst, rank):
+    """The profile fitted from a quiet loop's bench files, against its 35 measured gpt-small runs.
 
     Bounds, from what limits them: the same grid's ops inside `backend bench`'s recorded steps and
     inside its validation run, minutes apart on the same machine, differ by 0.57x-1.33x in summed
@@ -55,15 +75,24 @@ def test_the_committed_cpu_loop_is_reproduced_offline():
     lines: 16.2 %, 16, 0.834); asserted with a margin for a refit's rounding: median under 9 %, at
     least 25 within 15 %, Spearman at least 0.92.
     (These bench files predate bench's wake_s and free_mean_s: the fit falls back to the median
-    gap and spans alone, as it does for any older file.)"""
+    gap and spans alone, as it does for any older file.) With a collective inside training as its
+    line measured alone plus a per-op excess: 7.7 %, 26, 0.926.
+
+    cpu-2026-12-01c (the committed profile's files): the twin reproduces each benched grid's own
+    recorded steps (replayed through the engine at their measured spans) within 8 %, while those
+    steps and the grid's run differ by 0.79x-1.18x (1x1x1x1 0.79x, 1x1x8x1 0.81x, 8x1x1x1 0.81x,
+    2x1x1x1 1.18x; `python benchmarks/cpu_iteration.py RUNS --bench DIR` prints both). Measured: 7.8 %,
+    25 within 15 %, worst 33.5 % (1x8x1x1), Spearman 0.956 (free per-axis training lines: 7.9 %, 25,
+    38.8 % on 1x1x2x4, 0.935); asserted: median under 8.5 %, at least 24, worst under 36 %, Spearman
+    at least 0.94."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
     from twin.simulate import simulate_grid
     from twin.study import prepare
     import tempfile
-    report = json.loads((LOOP / "report.json").read_text())
-    fit = fit_profile(sorted(glob.glob(str(LOOP / "bench-*.json"))), "cpu")
+    report = json.loads((LOOPS / loop / "report.json").read_text())
+    fit = fit_profile(sorted(glob.glob(str(LOOPS / loop / "bench-*.json"))), "cpu")
     with tempfile.TemporaryDirectory() as d:
         prof = Path(d) / "cpu.toml"
         prof.write_text(fit.toml)
@@ -78,9 +107,10 @@ def test_the_committed_cpu_loop_is_reproduced_offline():
             meas.append(run["iteration"]["measured_s"])
     errs = [abs(p / m - 1) for p, m in zip(pred, meas)]
     assert len(errs) == 35
-    assert statistics.median(errs) < 0.09, statistics.median(errs)
-    assert sum(e <= 0.15 for e in errs) >= 25, sorted(errs)
-    assert spearman(pred, meas) >= 0.92, spearman(pred, meas)
+    assert statistics.median(errs) < median, statistics.median(errs)
+    assert sum(e <= 0.15 for e in errs) >= within, sorted(errs)
+    assert max(errs) < worst, max(errs)
+    assert spearman(pred, meas) >= rank, spearman(pred, meas)
 
 
 def test_wake_up_and_mean_host_gap_are_fitted(tmp_path):
