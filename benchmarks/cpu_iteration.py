@@ -6,9 +6,14 @@ profiles, from run folders `backend run --out` wrote (no new measurement).
 RUNS_DIR holds one folder per grid (what benchmarks/bench_validate.py leaves under --work/runs).
 Prints, per grid, measured and predicted iteration time and the error (for --baseline too), then the
 median |error|, the count within 15 %, the worst, and Spearman's rank correlation of the grids.
-With --bench (the measurement folder of the same loop), it also prints for each benched grid how its
-ops summed inside `backend bench`'s recorded steps compare with the same ops in its run: the noise
-between two measurements of one grid, which bounds what any fitted model can reach per grid.
+With --bench (the measurement folder of the same loop), it also prints for each benched grid
+- its recorded steps replayed: `backend bench`'s recorded training steps put through the twin's engine
+  with every op at its measured span (compute ops plus the mean host gap; collectives plus the wake-up
+  of the op that waited), the iteration those steps imply; against it, the twin's prediction (model
+  error: how well the fitted profile reproduces what it was fitted to) and the run's measured time
+  (measurement noise: the same grid measured twice, minutes apart);
+- how its ops summed inside the recorded steps compare with the same ops in its run.
+Both bound what any model fitted to the bench can reach per grid.
 """
 
 from __future__ import annotations
@@ -43,9 +48,39 @@ def summary(rows: list[tuple[str, float, float]]) -> str:
             f"worst {max(errs):.1%}, Spearman {spearman([p for *_, p in rows], [m for _, m, _ in rows]):.3f}")
 
 
-def bench_vs_run(bench_dir: Path, runs_dir: Path) -> None:
+def replayed_steps(bench: dict) -> float | None:
+    """Seconds per iteration that a measurement file's recorded training steps imply: the program (as
+    the CPU executor issues it) through the twin's engine, every op at its measured span; None
+    without recorded steps."""
+    from twin.engine import simulate_program
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options, build_program, host_ordered
+    host = next((r for r in bench.get("ops", []) if r["op"] == "host"), None)
+    if not bench.get("steps") or host is None:
+        return None
+    gap = host.get("free_mean_s", host["seconds"])
+    prog = host_ordered(build_program(load_model(bench["model"]), Grid.parse(bench["grid"]), Options()))
+    secs = {row["name"]: row["seconds"] for row in bench["steps"]}
+    wake = {row["name"]: max(0.0, row.get("wake_s", 0.0) - gap) for row in bench["steps"]}
+    compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + gap for op in prog.ops]
+    res = simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0) + wake.get(prog.ops[i].name, 0.0))
+    return res.iteration_s
+
+
+def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, float]]) -> None:
+    pred = {g: (m, p) for g, m, p in rows}
+    files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: _order(p.stem[6:]))
+    print("\nbenched grids: recorded steps replayed (s), the twin and the run against them")
+    print(f"{'grid':9s}{'replayed':>9s}{'twin':>8s}{'run':>8s}")
+    for f in files:
+        b = json.loads(f.read_text())
+        t = replayed_steps(b)
+        if t and b["grid"] in pred:
+            m, p = pred[b["grid"]]
+            print(f"{b['grid']:9s}{t:9.3f}{p / t:8.2f}{m / t:8.2f}")
     print("\nsame grid, two measurements: ops summed in bench's recorded steps vs in the run (run/bench)")
-    for f in sorted(bench_dir.glob("bench-*.json"), key=lambda p: _order(p.stem[6:])):
+    for f in files:
         b = json.loads(f.read_text())
         d = runs_dir / b["grid"]
         if not d.exists() or not b.get("steps"):
@@ -85,7 +120,7 @@ def main() -> None:
     if old:
         print(f"{args.baseline}: {summary(old)}")
     if args.bench:
-        bench_vs_run(args.bench, args.runs)
+        bench_vs_run(args.bench, args.runs, new)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ program's layout as the backend runs them) on a system with a kernel profile, an
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
     member to issue it (on aligned clocks: the latest start among the group's ranks), reported per
-    kind as `peer_wait_share`;
+    kind as `peer_wait_share`. The twin's ranks run in lockstep and arrive together; what a
+    collective costs inside training beyond its line measured alone (the profile's per-op excess:
+    that wait, wake-ups among busy cores) is its `predicted_excess_s`. So each collective is also
+    compared from its last member's arrival: predicted span less the excess against measured span
+    less the peer wait (`error_from_last_arrival`, per kind `median_abs_error_from_last_arrival`),
+    beside the whole span's error, which stays the headline (the iteration pays the wait);
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
 iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
@@ -148,6 +153,26 @@ def measured_ops(spans: list, grid: Grid, time_sliced: bool = True) -> dict:
     return {"wall": wall, "cpu": cpu, "fluid": fluid, "wait": wait, "stretch": stretch, "cpu_source": source}
 
 
+def _excess_of(study, grid: Grid) -> dict[str, float]:
+    """Per collective of the study's program (name -> seconds): what the profile's line inside training
+    gives beyond its line measured alone (the per-op excess of calibration/fit.py's `_excess_line`),
+    at the op's bytes; {} where the profile has no measured collectives."""
+    from twin.profile import CollectiveTable
+    from twin.simulate import program_for
+    table = study.profile.collectives()
+    if table is None:
+        return {}
+    alone = CollectiveTable(table.points, table.activation_bytes)
+    out = {}
+    for op in program_for(study, grid).ops:
+        if op.is_collective and grid.axis_size(op.axis) > 1:
+            args = (op.kind, op.axis, grid.axis_size(op.axis), op.bytes, grid.stride(op.axis))
+            t, t0 = table.time(*args), alone.time(*args)
+            if t is not None and t0 is not None:
+                out[op.name] = max(t - t0, 0.0)
+    return out
+
+
 def _group(grid: Grid, rank: int, axis: str) -> list[int]:
     """The ranks of `rank`'s group along `axis`."""
     c = list(grid.coords(rank))
@@ -184,6 +209,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     kinds = {s.name: s.kind for s in run["spans"]}
     predicted: dict[str, list[float]] = {}
     host = study.kernels.profile.host_op_s
+    excess = _excess_of(study, grid)
     for s in res.spans:
         host_s = 0.0 if s.kind in COLLECTIVES else host
         predicted.setdefault(s.name, []).append(max(s.duration_s - host_s, 0.0))
@@ -199,6 +225,11 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 op["cpu_s"] = statistics.median(got["cpu"][name])
             if name in got["wait"]:
                 op["peer_wait_s"] = statistics.median(got["wait"][name])
+            if kinds[name] in COLLECTIVES and name in excess:
+                op["predicted_excess_s"] = min(excess[name], p)
+                after = m - op.get("peer_wait_s", 0.0)
+                if after > 0:
+                    op["error_from_last_arrival"] = (p - op["predicted_excess_s"]) / after - 1
             ops.append(op)
     per_kind = {}
     for kind in sorted({o["kind"] for o in ops}):
@@ -213,6 +244,11 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
         if kind in COLLECTIVES:
             per_kind[kind]["peer_wait_share"] = (sum(o.get("peer_wait_s", 0.0) for o in sel)
                                                  / max(per_kind[kind]["wall_s"], 1e-12))
+            per_kind[kind]["predicted_excess_share"] = (sum(o.get("predicted_excess_s", 0.0) for o in sel)
+                                                        / max(per_kind[kind]["predicted_s"], 1e-12))
+            after = [abs(o["error_from_last_arrival"]) for o in sel if "error_from_last_arrival" in o]
+            if after:
+                per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
         else:
             per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]

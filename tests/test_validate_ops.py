@@ -69,3 +69,22 @@ def test_a_collective_waits_for_its_groups_last_member():
     got = measured_ops(spans, Grid(2, 1, 1, 2))
     assert got["wait"]["ar"] == pytest.approx([0.003, 0.0, 0.0, 0.0])
     assert got["fluid"]["ar"] == [0.005, 0.002, 0.001, 0.001]
+
+
+def test_the_twins_excess_over_a_collective_alone_is_known_per_op():
+    """A collective inside training costs its line measured alone plus the profile's per-op excess
+    (the wait for the last member among it): validate takes that excess off the predicted span to
+    compare from the last member's arrival. The committed CPU profile, 8 ranks, grid 2x2x2x1."""
+    from calibration.validate import _excess_of
+    from twin.profile import CollectiveTable
+    from twin.study import prepare
+    grid = Grid(2, 2, 2, 1)
+    study = prepare("cpu", "gpt-small", 8, 16, None, profile="cpu", gemm_tuning=False)
+    excess = _excess_of(study, grid)
+    table = study.profile.collectives()
+    alone = CollectiveTable(table.points, table.activation_bytes)
+    rs = "L0.mlp_down.bwd.rs_z"
+    args = ("reduce_scatter", "z", 2, 1 << 17, grid.stride("z"))
+    assert excess[rs] == pytest.approx(table.time(*args) - alone.time(*args))
+    assert excess[rs] > 0 and all(v >= 0 for v in excess.values())
+    assert not any(name.endswith("ar_data") for name in excess)  # no data axis on this grid
