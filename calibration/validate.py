@@ -5,7 +5,8 @@ rank, with model, grid and switches in its metadata; log.jsonl: the step times; 
 measured memory peak per rank), simulates the same run (model, grid, batch, switches, GEMMs in the
 program's layout as the backend runs them) on a system with a kernel profile, and compares:
 - iteration: predicted time against the median measured step time (steps after the first two);
-- per op: for each op name, predicted duration against the median over ranks of the measured one;
+- per op: for each op name, predicted duration against the median over ranks of the measured one
+  (the mean for a collective, see below);
   error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|.
   Like is compared with like:
   - a compute op: the twin shares the node's cores among its ranks as a fluid, every op of a rank
@@ -20,7 +21,12 @@ program's layout as the backend runs them) on a system with a kernel profile, an
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
     member to issue it (on aligned clocks: the latest start among the group's ranks), reported per
-    kind as `peer_wait_share`. The twin's ranks run in lockstep and arrive together; what a
+    kind as `peer_wait_share`. That wait is skewed over the ranks (the last to arrive waits 0, the
+    first the longest), and the twin's one lockstep span stands for the group's mean: its lines keep
+    the summed spans of bench's recorded steps, each a mean over ranks. So a collective's measured
+    figure, and its peer wait, are the mean over ranks, as bench takes them (35 runs of
+    cpu-2026-12-01c: all-reduces' median |error| 34 % so, 44 % against the median over ranks). The
+    twin's ranks run in lockstep and arrive together; what a
     collective costs inside training beyond its line measured alone (the profile's per-op excess:
     that wait, wake-ups among busy cores) is its `predicted_excess_s`. So each collective is also
     compared from its last member's arrival: predicted span less the excess against measured span
@@ -217,15 +223,16 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     for name, times in measured.items():
         if name not in predicted:
             continue
-        m, p = statistics.median(times), statistics.median(predicted[name])
+        coll = kinds[name] in COLLECTIVES
+        m, p = (statistics.fmean if coll else statistics.median)(times), statistics.median(predicted[name])
         if m > 0:
             op = {"name": name, "kind": kinds[name], "measured_s": m, "predicted_s": p, "error": p / m - 1,
-                  "wall_s": statistics.median(got["wall"][name])}
+                  "wall_s": (statistics.fmean if coll else statistics.median)(got["wall"][name])}
             if name in got["cpu"]:
                 op["cpu_s"] = statistics.median(got["cpu"][name])
             if name in got["wait"]:
-                op["peer_wait_s"] = statistics.median(got["wait"][name])
-            if kinds[name] in COLLECTIVES and name in excess:
+                op["peer_wait_s"] = statistics.fmean(got["wait"][name])
+            if coll and name in excess:
                 op["predicted_excess_s"] = min(excess[name], p)
                 after = m - op.get("peer_wait_s", 0.0)
                 if after > 0:
