@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from topologies.network import GLOBAL, GPU_GPU, LOCAL, NIC_SW, build_network
+from topologies.network import GLOBAL, GPU_GPU, LOCAL, NIC_SW, Network, build_network
 from topologies.placement import place
 from topologies.routing import MODES, minimal, route, valiant
 from topologies.system import list_systems, load_system
@@ -249,17 +249,27 @@ def _adaptive_by_definition(net, s, d, demand, seed, batch=128, detours=4, hop_w
     return out
 
 
-@pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
-def test_cable_tables_give_the_minimal_paths_of_the_formulas(name):
-    from topologies.routing import _minimal_all
-    net = build_network(load_system(name))
+@pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter", "two-groups"])
+def test_candidate_tables_give_the_paths_of_the_formulas(name):
+    """adaptive()'s candidates, read from the cable tables, are minimal(j) for every cable j and the
+    Valiant paths of its draws, as the link formulas give them."""
+    from topologies.routing import _candidates, _valiant_draws
+    system = load_system("frontier" if name == "two-groups" else name)
+    net = Network(system, 2) if name == "two-groups" else build_network(system)
     rng = np.random.default_rng(3)
     s, d = rng.integers(0, net.n_switches, 4000), rng.integers(0, net.n_switches, 4000)
-    s[:100] = d[:100]
-    d[100:300] = s[100:300] - s[100:300] % net.S + rng.integers(0, net.S, 200)   # same group
-    every = _minimal_all(net, s, d, max(net.L, 1))
-    for j in range(max(net.L, 1)):
-        assert np.array_equal(every[:, :, j], minimal(net, s, d, j))
+    d[:300] = s[:300] - s[:300] % net.S + rng.integers(0, net.S, 300)   # same group
+    s, d = s[s != d], d[s != d]
+    L = max(net.L, 1)
+    for part in (slice(None), slice(300, None)):   # with and without flows inside one group
+        ss, dd = s[part], d[part]
+        draws = [_valiant_draws(net, ss, dd, seed) for seed in (0, 5)]
+        every = _candidates(net, ss, dd, draws, L)
+        for j in range(L):
+            assert np.array_equal(every[:3, :, j].T, minimal(net, ss, dd, j))
+            assert (every[3:, :, j] == -1).all()
+        for k, seed in enumerate((0, 5)):
+            assert np.array_equal(every[:, :, L + k].T, valiant(net, ss, dd, seed))
 
 
 @pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
@@ -267,9 +277,10 @@ def test_adaptive_routing_chooses_as_its_definition(name):
     from topologies.routing import adaptive
     net = build_network(load_system(name))
     rng = np.random.default_rng(4)
-    for n, uneven in [(1, False), (300, False), (6000, False), (3000, True)]:
+    # 40000 flows take two chunks of laid-out candidates; 500 all stay on their switch
+    for n, uneven in [(1, False), (300, False), (6000, False), (40000, False), (500, False), (3000, True)]:
         s, d = rng.integers(0, net.n_switches, n), rng.integers(0, net.n_switches, n)
-        s[:n // 10] = d[:n // 10]   # some flows stay on their switch
+        s[:n // 10 if n != 500 else n] = d[:n // 10 if n != 500 else n]   # some flows stay on their switch
         demand = rng.choice([1.25e9, 3e9, 0.7e9], n) if n > 1 else None
         if uneven:  # switch links of unequal capacity take the general path
             net = copy.copy(net)

@@ -123,17 +123,19 @@ class Network:
 
     @cached_property
     def cable_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The link formulas of minimal paths as lookup tables (the same integers, fewer numpy passes):
-        (G*G, L) switch inside group g holding g's cable j to group h, at row g*G + h; (G*G, L) that
-        global link (rows g = h unused); (S*S,) local link from switch a to b of group 0 at a*S + b,
-        -1 for a = b (group k's is that + k*S*(S-1))."""
+        """The link formulas of switch-to-switch paths as lookup tables (the same integers, fewer numpy
+        passes; int32 where every link index fits): (G*G, L) position, inside group g, of the switch
+        holding g's cable j to group h, at row g*G + h; (G*G, L) that global link (rows g = h unused);
+        (switches*S,) local link from switch a to the switch at position p of a's group, at a*S + p,
+        -1 for a itself."""
         G, S, L = self.groups, self.S, max(self.L, 1)
         g, h, j = np.meshgrid(np.arange(G), np.arange(G), np.arange(L), indexing="ij")
         port = self.global_switch(g, h, j) - g * S
         cable = np.where(g != h, self.global_link(g, h, j), -1)
-        a, b = np.divmod(np.arange(S * S), max(S, 1))
-        local = np.where(a != b, self.local_link(a, b) - self.b_loc, -1)
-        return port.reshape(G * G, L), cable.reshape(G * G, L), local
+        a, p = np.divmod(np.arange(self.n_switches * S), max(S, 1))
+        local = np.where(a % max(S, 1) != p, self.local_link(a, a - a % max(S, 1) + p), -1)
+        small = np.int32 if self.n_links < 2**31 else np.int64
+        return port.reshape(G * G, L).astype(small), cable.reshape(G * G, L).astype(small), local.astype(small)
 
     # -- arrays ---------------------------------------------------------------------------------
     def _build_arrays(self) -> None:

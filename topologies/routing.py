@@ -90,29 +90,6 @@ def minimal(net: Network, s, d, j=None) -> np.ndarray:
     return out
 
 
-def _minimal_all(net: Network, s: np.ndarray, d: np.ndarray, L: int, out: np.ndarray | None = None) -> np.ndarray:
-    """(flows, 3, L): minimal(net, s, d, j) for every cable j < L at once (the same link indices, read
-    from the network's cable tables; written into `out`, such an array or view filled with -1, if given)."""
-    if out is None:
-        out = np.full((len(s), 3, L), -1, dtype=np.int64)
-    S, G = net.S, net.groups
-    gs, gd = s // S, d // S
-    same = gs == gd
-    i = same & (s != d)
-    out[i, 1, :] = net.local_link(s[i], d[i])[:, None]
-    x = np.flatnonzero(~same)
-    if len(x):
-        port, cable, local = net.cable_tables
-        s, d, gs, gd = s[x], d[x], gs[x], gd[x]
-        there = gs * G + gd
-        a = local[((s % S) * S)[:, None] + port[there, :L]]           # (flows, L) first local hop, -1 none
-        b = local[port[gd * G + gs, :L] * S + (d % S)[:, None]]      # last local hop
-        out[x, 0] = np.where(a >= 0, a + (net.b_loc + gs * (S * (S - 1)))[:, None], -1)
-        out[x, 1] = cable[there, :L]
-        out[x, 2] = np.where(b >= 0, b + (net.b_loc + gd * (S * (S - 1)))[:, None], -1)
-    return out
-
-
 def valiant(net: Network, s, d, seed: int = 0) -> np.ndarray:
     """(flows, 5) switch-to-switch link matrix of Valiant paths via a random intermediate group
     (or, inside one group or with two groups only, via a random intermediate switch)."""
@@ -179,6 +156,61 @@ def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j
     return out
 
 
+def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int) -> np.ndarray:
+    """(5, flows, L + detours) hops of each flow's candidate paths from switch s to switch d != s
+    (-1 = no hop): minimal(net, s, d, j) for each cable j < L (padded to 5 hops), then the Valiant
+    path of each set of `_valiant_draws` in `draws` (as `_valiant_paths`). The same integers as those
+    formulas, read from the network's lookup tables in the tables' integer type."""
+    port, cable, loc = net.cable_tables
+    small = loc.dtype.type
+    S, G = net.S, net.groups
+    s, d = s.astype(small), d.astype(small)
+    cand = np.full((_HOPS, len(s), L + len(draws)), -1, dtype=small)
+    gs, gd = s // S, d // S
+    is_same = gs == gd
+    same = np.flatnonzero(is_same)
+    cross = np.flatnonzero(~is_same) if len(same) else slice(None)  # a slice writes faster
+    if len(same):  # minimal: the local link; Valiant: via a third switch of the group
+        s1, d1 = s[same], d[same]
+        direct = loc[s1 * S + d1 % S]
+        cand[1, same, :L] = direct[:, None]
+        for k, (_, _, mid) in enumerate(draws):
+            mid = mid[same].astype(small)
+            via = gs[same] * S + mid
+            detour = (via != s1) & (via != d1)
+            cand[0, same, L + k] = np.where(detour, loc[s1 * S + mid], direct)
+            cand[1, same, L + k] = np.where(detour, loc[via * S + d1 % S], -1)
+    s2, d2, g1, g2 = s[cross], d[cross], gs[cross], gd[cross]
+    if len(s2):
+        there, back = g1 * G + g2, g2 * G + g1
+        dp = d2 % S
+        cand[0, cross, :L] = loc[(s2 * S)[:, None] + port[there, :L]]
+        cand[1, cross, :L] = cable[there, :L]
+        cand[2, cross, :L] = loc[((g2 * S)[:, None] + port[back, :L]) * S + dp[:, None]]
+        for k, (gi, j, _) in enumerate(draws):
+            c = cand[:, cross, L + k]
+            if G > 2:  # via group gi (the draw from G-2 skips both ends), then minimal from where it lands
+                gi, j = gi[cross].astype(small), j[cross].astype(small)
+                gi = gi + (gi >= np.minimum(g1, g2))
+                gi = gi + (gi >= np.maximum(g1, g2))
+                out, land = g1 * G + gi, port[gi * G + g1, j] + gi * S
+                j2 = (land + d2) % L
+                on = gi * G + g2
+                c[0] = loc[s2 * S + port[out, j]]
+                c[1] = cable[out, j]
+                c[2] = loc[land * S + port[on, j2]]
+                c[3] = cable[on, j2]
+                c[4] = loc[(g2 * S + port[g2 * G + gi, j2]) * S + dp]
+            else:  # two groups only: minimal, by the address hash
+                j = (s2 + d2) % L
+                c[0] = loc[s2 * S + port[there, j]]
+                c[1] = cable[there, j]
+                c[2] = loc[(g2 * S + port[back, j]) * S + dp]
+            if not isinstance(cross, slice):  # c is a copy, not a view
+                cand[:, cross, L + k] = c
+    return cand
+
+
 def _uniform_capacity(net: Network) -> float | None:
     """The capacity (bytes/s) every switch-to-switch link has, or None if they differ."""
     cap = net.capacity[net.b_loc:]
@@ -201,64 +233,71 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     full utilization: with a flat cost below saturation a whole batch would pile onto one path."""
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
     n = len(s)
-    out = np.empty((n, _HOPS), dtype=np.int64)
+    out = np.full((n, _HOPS), -1, dtype=np.int64)
     if n == 0:
         return out
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
-    # The loop over batches is sequential (each batch reads the load the earlier ones placed), so it
-    # must cost a few small numpy calls per batch: everything else is laid out beforehand, in
-    # placement order, chunk by chunk (a chunk's candidates stay in cache).
     order = np.random.default_rng(seed + 1).permutation(n)
-    # switch, group and cable numbers (and the link numbers made from them) fit 32 bits: halving the
-    # bytes the path formulas move makes them about 1.5x faster (the same integers)
-    small = np.int32 if net.n_links < 2**31 else np.int64
-    draws = [[x[order].astype(small) for x in _valiant_draws(net, s, d, seed + 7919 * k)] for k in range(detours)]
-    s, d, dem = s[order].astype(small), d[order].astype(small), np.ascontiguousarray(dem[order])
+    draws = [_valiant_draws(net, s, d, seed + 7919 * k) for k in range(detours)]
+    parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
+    size, extra = divmod(n, parts)
+    bounds = np.concatenate([[0], np.cumsum(np.where(np.arange(parts) < extra, size + 1, size))])
+    # A flow that stays on its switch has no hop on any candidate: its path is empty and it places
+    # no load (it only adds to the sentinel below), so only the others are laid out and placed, each
+    # in the batch it belongs to. The loop over batches is sequential (each batch reads the load the
+    # earlier ones placed), so it costs a few small numpy calls per batch: everything else is laid
+    # out beforehand, in placement order, chunk by chunk.
+    pos = np.flatnonzero(s[order] != d[order])
+    if len(pos) == 0:
+        return out
+    live = order[pos]
+    nb = np.searchsorted(pos, bounds).tolist()     # batch k places live[nb[k]:nb[k+1]]
+    dem = np.ascontiguousarray(dem[live])
+    dem_hops = np.repeat(dem, _HOPS)
     L = max(net.L, 1)
-    K = L + detours
     cap = _uniform_capacity(net)
     # Utilization of a hop = (load + demand) / capacity, -1 (no hop) reads a sentinel link. With one
     # capacity C for every switch link, max over hops of (load + dem) / C = (max load + dem) / C
     # exactly (rounding is monotone), so a batch reads the load alone; the sentinel's load is -inf
-    # (a path always has a hop unless every candidate is empty: s = d). Else the sentinel's capacity
-    # is infinite and the batch also reads capacities.
+    # (a path of a flow that leaves its switch always has a hop). Else the sentinel's capacity is
+    # infinite and the batch also reads capacities.
     load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last)
     if cap is None:
         cap_ext = np.append(net.capacity, np.inf)
     else:
         load[-1] = -np.inf
-    parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
-    size, extra = divmod(n, parts)
-    bounds = np.concatenate([[0], np.cumsum(np.where(np.arange(parts) < extra, size + 1, size))])
+    choice = np.empty((len(live), _HOPS), dtype=net.cable_tables[2].dtype)
     rows = np.arange(size + 1)
-    chunk = max(1, 8192 // max(size, 1))           # batches per chunk of laid-out candidates
+    chunk = max(1, 32768 // max(size, 1))          # batches per chunk of laid-out candidates
     for k0 in range(0, parts, chunk):
-        A, B = int(bounds[k0]), int(bounds[min(k0 + chunk, parts)])
-        cand = np.full((K, _HOPS, B - A), -1, dtype=np.int64)     # (candidates, hops, flows)
-        _minimal_all(net, s[A:B], d[A:B], L, out=cand[:L, :3].transpose(2, 1, 0))
-        for k, (gi, j, mid) in enumerate(draws):
-            _valiant_paths(net, s[A:B], d[A:B], gi[A:B], j[A:B], mid[A:B], out=cand[L + k].T)
-        factor = 1 + hop_weight * (cand >= 0).sum(1)  # (candidates, flows)
-        for k in range(k0, min(k0 + chunk, parts)):
-            a, b = int(bounds[k]) - A, int(bounds[k + 1]) - A
-            c = cand[:, :, a:b]
+        k1 = min(k0 + chunk, parts)
+        A, B = nb[k0], nb[k1]
+        if A == B:
+            continue
+        sel = live[A:B]
+        cand = _candidates(net, s[sel], d[sel], [[x[sel] for x in dr] for dr in draws], L)  # (hops, flows, K)
+        factor = 1 + hop_weight * (cand >= 0).sum(0)                                        # (flows, K)
+        for k in range(k0, k1):
+            a, b = nb[k] - A, nb[k + 1] - A
+            if a == b:
+                continue
+            c = cand[:, a:b]
             if cap is None:
                 util = load[c]
-                util += dem[A + a:A + b]
+                util += dem[A + a:A + b, None]
                 util /= cap_ext[c]
-                cost = util.max(1)
+                cost = util.max(0)
             else:
-                cost = load[c].max(1)
-                cost += dem[A + a:A + b]
+                cost = load[c].max(0)
+                cost += dem[A + a:A + b, None]
                 cost /= cap
-            cost *= factor[:, a:b]
-            choice = c[cost.argmin(0), :, rows[:b - a]]   # (flows, hops)
-            out[A + a:A + b] = choice
+            cost *= factor[a:b]
+            placed = choice[A + a:A + b]
+            placed[:] = c[:, rows[:b - a], cost.argmin(1)].T
             # -1 (no hop) adds to the sentinel, which no cost reads: no effect
-            np.add.at(load, choice.ravel(), np.repeat(dem[A + a:A + b], _HOPS))
-    res = np.empty_like(out)
-    res[order] = out
-    return res
+            np.add.at(load, placed.ravel(), dem_hops[(A + a) * _HOPS:(A + b) * _HOPS])
+    out[live] = choice
+    return out
 
 
 ROUTES = Memo(512 * 2**20, lambda r: r.nbytes)  # routes already computed in this process
