@@ -101,5 +101,7 @@ def test_rates_equal_the_definition_exactly():
         paths = [rng.choice(n_links, size=min(int(rng.integers(0, 6)), n_links), replace=False)
                  for _ in range(n_flows)]
         caps = np.where(rng.random(n_flows) < 0.3, rng.choice([0.5, 1.0, 1.5], n_flows), np.inf)
+        if i % 3 == 0:  # every flow capped: often below every link's share (the one-round shortcut)
+            caps = rng.choice([0.005, 0.01, 0.02] if i % 2 else [0.01, 0.02, 0.3], n_flows)
         want = _max_min_by_definition(paths, cap, caps)
         assert np.array_equal(max_min_rates(paths, cap, caps), want)

@@ -364,7 +364,7 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
         nic_a, nic_b = net.nic_of_gpu(a), net.nic_of_gpu(b)
         m[rows, 1] = net.gpu_to_nic_link(a)
         m[rows, 2] = net.nic_to_switch_link(nic_a)
-        sa, sb = net.switch_of_nic(nic_a), net.switch_of_nic(nic_b)
+        sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
         if mode == "minimal":
             m[rows, 3:6] = minimal(net, sa, sb)
         elif mode == "nonminimal":

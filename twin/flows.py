@@ -101,12 +101,17 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     U = len(rem)
     tol = 1 + rtol
+    fcap = cap_flow[~empty]
+    if fcap.size and np.isfinite(top := fcap.max()) and (rem / per_link[used] >= top).all():
+        # every link's first fair share (the first round's, computed alike) is at least every
+        # flow's cap, so the first round freezes every flow at its own cap: rate = cap
+        rate[~empty] = fcap
+        return rate
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
     flows = np.flatnonzero(~empty)                     # unfrozen flows
     flen = lens[flows]                                 # their path lengths
     lk = local[links]                                  # local link id of each of their entries
-    fcap = cap_flow[flows]
     cnt = per_link[used]                               # unfrozen flows per link (first round)
     starts = ptr[:-1][flows]                           # first entry of each flow (first round)
     while len(flows):
