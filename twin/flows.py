@@ -91,11 +91,8 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     rate[empty] = cap_flow[empty]
     if links.size == 0:
         return rate
-    # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
     per_link = np.bincount(links, minlength=len(cap_link))
     used = np.flatnonzero(per_link)
-    local = np.empty(len(cap_link), dtype=np.int64)
-    local[used] = np.arange(len(used))
     rem = cap_link[used].copy()                        # remaining capacity of each used link
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
@@ -107,6 +104,9 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
         # flow's cap, so the first round freezes every flow at its own cap: rate = cap
         rate[~empty] = fcap
         return rate
+    # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
+    local = np.empty(len(cap_link), dtype=np.int64)
+    local[used] = np.arange(len(used))
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
     flows = np.flatnonzero(~empty)                     # unfrozen flows
