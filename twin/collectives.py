@@ -169,6 +169,7 @@ class CollectiveModel:
         self.measured = measured
         self.spread = 1 if routing == "minimal" else spread
         self._flows: dict[tuple, tuple] = {}
+        self._flat: dict[str, bool] = {}  # per axis: is a hierarchical ring the flat ring?
         self._rates: dict[tuple, dict[str, list[float]]] = {}
         self._times: dict[tuple, float] = {}
 
@@ -240,9 +241,12 @@ class CollectiveModel:
     def _algorithm(self, axis: str, algorithm: str) -> str:
         """`algorithm`, or "ring" where a hierarchical ring would be the flat ring (1 or all members per node)."""
         if algorithm == "hierarchical":
-            node = self._axis_gpus(axis) // self.system.gpus_per_node
-            m, p = int((node == node[:, :1]).sum(1).min()), node.shape[1]
-            if m == 1 or m == p or p % m:
+            flat = self._flat.get(axis)
+            if flat is None:  # asked for every collective time: worked out once per axis
+                node = self._axis_gpus(axis) // self.system.gpus_per_node
+                m, p = int((node == node[:, :1]).sum(1).min()), node.shape[1]
+                flat = self._flat[axis] = m == 1 or m == p or p % m != 0
+            if flat:
                 return "ring"
         return algorithm
 
