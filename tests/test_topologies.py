@@ -272,6 +272,20 @@ def test_candidate_tables_give_the_paths_of_the_formulas(name):
             assert np.array_equal(every[:, :, L + k].T, valiant(net, ss, dd, seed))
 
 
+def test_live_draws_are_the_valiant_draws_of_those_flows():
+    from topologies.routing import _live_draws, _valiant_draws
+    system = load_system("frontier")
+    rng = np.random.default_rng(5)
+    for net in (build_network(system), Network(system, 2)):
+        s, d = rng.integers(0, net.n_switches, 3000), rng.integers(0, net.n_switches, 3000)
+        s[:500] = d[:500]
+        d[500:1000] = s[500:1000] - s[500:1000] % net.S + rng.integers(0, net.S, 500)   # same group
+        live = rng.permutation(3000)[:2000]
+        for seed, got in zip((3, 11), _live_draws(net, s, d, live, [3, 11])):
+            for x, y in zip(got, _valiant_draws(net, s, d, seed)):
+                assert np.array_equal(x, y[live])
+
+
 @pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
 def test_adaptive_routing_chooses_as_its_definition(name):
     from topologies.routing import adaptive

@@ -117,6 +117,30 @@ def _valiant_draws(net: Network, s: np.ndarray, d: np.ndarray, seed: int) -> tup
     return gi, j, mid
 
 
+def _live_draws(net: Network, s: np.ndarray, d: np.ndarray, live: np.ndarray, seeds: list[int]) -> list:
+    """[x[live] for x in _valiant_draws(net, s, d, seed)] for each seed, without the whole-length
+    arrays (the same generators, asked the same numbers in the same order)."""
+    G, S = net.groups, net.S
+    gs, gd = s // S, d // S
+    via = (gs != gd) & (G > 2)
+    inside = (gs == gd) & (s != d)
+    kv, ki = int(via.sum()), int(inside.sum())
+    lv, li = via[live], inside[live]
+    rv, ri = (np.cumsum(via) - 1)[live], (np.cumsum(inside) - 1)[live]   # rank among the flows that draw
+    zero = np.zeros(len(live), dtype=np.int64)
+    out = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        gi = j = mid = zero
+        if kv:
+            gi = np.where(lv, rng.integers(0, G - 2, kv)[rv], 0)
+            j = np.where(lv, rng.integers(0, net.L, kv)[rv], 0)
+        if ki:
+            mid = np.where(li, rng.integers(0, S, ki)[ri], 0)
+        out.append((gi, j, mid))
+    return out
+
+
 def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j: np.ndarray,
                    mid: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """(flows, 5) Valiant paths from switch s to switch d given the draws of `_valiant_draws`
@@ -238,7 +262,6 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         return out
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
     order = np.random.default_rng(seed + 1).permutation(n)
-    draws = [_valiant_draws(net, s, d, seed + 7919 * k) for k in range(detours)]
     parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
     size, extra = divmod(n, parts)
     bounds = np.concatenate([[0], np.cumsum(np.where(np.arange(parts) < extra, size + 1, size))])
@@ -252,6 +275,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         return out
     live = order[pos]
     nb = np.searchsorted(pos, bounds).tolist()     # batch k places live[nb[k]:nb[k+1]]
+    draws = _live_draws(net, s, d, live, [seed + 7919 * k for k in range(detours)])
     dem = np.ascontiguousarray(dem[live])
     dem_hops = np.repeat(dem, _HOPS)
     L = max(net.L, 1)
@@ -275,7 +299,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         if A == B:
             continue
         sel = live[A:B]
-        cand = _candidates(net, s[sel], d[sel], [[x[sel] for x in dr] for dr in draws], L)  # (hops, flows, K)
+        cand = _candidates(net, s[sel], d[sel], [[x[A:B] for x in dr] for dr in draws], L)  # (hops, flows, K)
         factor = 1 + hop_weight * (cand >= 0).sum(0)                                        # (flows, K)
         for k in range(k0, k1):
             a, b = nb[k] - A, nb[k + 1] - A
