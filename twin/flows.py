@@ -118,8 +118,6 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
         if starts is None:
             starts = np.zeros(len(flows), dtype=np.int64)
             np.cumsum(flen[:-1], out=starts[1:])
-        if cnt is None:
-            cnt = np.bincount(lk, minlength=U)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
         # per flow: smallest share on its path (and its own cap)
@@ -149,5 +147,10 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
         np.maximum(rem, 0.0, out=rem)
         keep, keep_e = ~hit, ~done_e
         flows, flen, fcap, lk = flows[keep], flen[keep], fcap[keep], lk[keep_e]
-        cnt = starts = None
+        cnt, starts = np.bincount(lk, minlength=U), None
+        if 2 * np.count_nonzero(cnt) < U:  # most links carry no flow any more: renumber the others
+            left = np.flatnonzero(cnt)
+            local = np.empty(U, dtype=np.int64)
+            local[left] = np.arange(len(left))
+            lk, rem, cnt, U = local[lk], rem[left], cnt[left], len(left)
     return rate
