@@ -279,7 +279,8 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     nb = np.searchsorted(pos, bounds).tolist()     # batch k places live[nb[k]:nb[k+1]]
     draws = _live_draws(net, s, d, live, [seed + 7919 * k for k in range(detours)])
     dem = np.ascontiguousarray(dem[live])
-    dem_hops = np.repeat(dem, _HOPS)
+    one = dem[0] if (dem == dem[0]).all() else None  # one demand for all: added as a scalar (the same sums)
+    dem_hops = np.repeat(dem, _HOPS) if one is None else None
     L = max(net.L, 1)
     cap = _uniform_capacity(net)
     # Utilization of a hop = (load + demand) / capacity, -1 (no hop) reads a sentinel link. With one
@@ -293,7 +294,8 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     else:
         load[-1] = -np.inf
     choice = np.empty((len(live), _HOPS), dtype=net.cable_tables[2].dtype)
-    rows = np.arange(size + 1)
+    K = L + detours
+    rows_k = np.arange(size + 1) * K
     chunk = max(1, 32768 // max(size, 1))          # batches per chunk of laid-out candidates
     for k0 in range(0, parts, chunk):
         k1 = min(k0 + chunk, parts)
@@ -303,6 +305,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         sel = live[A:B]
         cand = _candidates(net, s[sel], d[sel], [[x[A:B] for x in dr] for dr in draws], L)  # (hops, flows, K)
         factor = 1 + hop_weight * (cand >= 0).sum(0)                                        # (flows, K)
+        flat = cand.reshape(_HOPS, -1)                                                      # (hops, flows*K)
         for k in range(k0, k1):
             a, b = nb[k] - A, nb[k + 1] - A
             if a == b:
@@ -315,13 +318,13 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
                 cost = util.max(0)
             else:
                 cost = load.take(c).max(0)
-                cost += dem[A + a:A + b, None]
+                cost += dem[A + a:A + b, None] if one is None else one
                 cost /= cap
             cost *= factor[a:b]
             placed = choice[A + a:A + b]
-            placed[:] = c[:, rows[:b - a], cost.argmin(1)].T
+            placed[:] = flat.take(rows_k[:b - a] + (a * K) + cost.argmin(1), axis=1).T  # the chosen candidates
             # -1 (no hop) adds to the sentinel, which no cost reads: no effect
-            np.add.at(load, placed.ravel(), dem_hops[(A + a) * _HOPS:(A + b) * _HOPS])
+            np.add.at(load, placed.ravel(), dem_hops[(A + a) * _HOPS:(A + b) * _HOPS] if one is None else one)
     out[live] = choice
     return out
 
