@@ -291,7 +291,7 @@ def test_adaptive_routing_chooses_as_its_definition(name):
     from topologies.routing import adaptive
     net = build_network(load_system(name))
     rng = np.random.default_rng(4)
-    # 40000 flows take two chunks of laid-out candidates; 500 all stay on their switch
+    # 40000 flows take several chunks of laid-out candidates; 500 all stay on their switch
     for n, uneven in [(1, False), (300, False), (6000, False), (40000, False), (500, False), (3000, True)]:
         s, d = rng.integers(0, net.n_switches, n), rng.integers(0, net.n_switches, n)
         s[:n // 10 if n != 500 else n] = d[:n // 10 if n != 500 else n]   # some flows stay on their switch
