@@ -85,7 +85,7 @@ class _FlowSet:
     def links_used(self, n_links: int) -> np.ndarray:
         """The links any of these flows cross (sorted; n_links: the network's link count)."""
         if self._used is None:
-            self._used = np.flatnonzero(np.bincount(self.routes.links, minlength=n_links))
+            self._used = np.flatnonzero(np.bincount(self.routes.links, minlength=n_links) > 0)
         return self._used
 
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
