@@ -63,6 +63,9 @@ class Routes:
 
     @staticmethod
     def concat(parts: list["Routes"]) -> "Routes":
+        """The flows of all parts, in order (one part: that part itself, not a copy)."""
+        if len(parts) == 1:
+            return parts[0]
         ptrs, off = [np.zeros(1, dtype=np.int64)], 0
         for r in parts:
             ptrs.append(r.ptr[1:] + off)
