@@ -90,10 +90,14 @@ class Network:
         return (gpu // self.gpn) * self.nics_per_node + self.gpu_nic[gpu % self.gpn]
 
     @cached_property
+    def nic_of_gpus(self) -> np.ndarray:
+        """(n_gpus,) nic_of_gpu of every GPU, as a table (one lookup instead of integer divisions)."""
+        return self.nic_of_gpu(np.arange(self.n_gpus))
+
+    @cached_property
     def switch_of_gpu(self) -> np.ndarray:
-        """(n_gpus,) switch index of the NIC each GPU uses: switch_of_nic(nic_of_gpu(gpu)) as a table
-        (one lookup instead of a dozen integer divisions per flow)."""
-        return self.switch_of_nic(self.nic_of_gpu(np.arange(self.n_gpus)))
+        """(n_gpus,) switch index of the NIC each GPU uses: switch_of_nic(nic_of_gpu(gpu)) as a table."""
+        return self.switch_of_nic(self.nic_of_gpus)
 
     def nic_to_switch_link(self, nic):
         return self.b_ns + 2 * np.asarray(nic)

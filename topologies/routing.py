@@ -398,7 +398,7 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
         off = a != s
         if off.any():
             m[rows, 0] = np.where(off, net.gpu_link(s, a), -1)
-        nic_a, nic_b = net.nic_of_gpu(a), net.nic_of_gpu(b)
+        nic_a, nic_b = net.nic_of_gpus[a], net.nic_of_gpus[b]
         m[rows, 1] = net.gpu_to_nic_link(a)
         m[rows, 2] = net.nic_to_switch_link(nic_a)
         sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
