@@ -61,7 +61,7 @@ from topologies.memo import Memo, digest
 from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from twin.common import TwinError
-from twin.flows import max_min_rates
+from twin.flows import array_key, max_min_rates
 from twin.grid import AXES, Grid
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -77,6 +77,7 @@ class _FlowSet:
         self.routes, self.parent, self.ring, self.weight = routes, parent, ring, weight
         self.caps, self.n_rings = caps, n_rings
         self._used = None
+        self._latency: dict[bytes, float] = {}
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +88,18 @@ class _FlowSet:
         if self._used is None:
             self._used = np.flatnonzero(np.bincount(self.routes.links, minlength=n_links) > 0)
         return self._used
+
+    def path_latency(self, latency: np.ndarray) -> float:
+        """The largest sum of link latencies (s) over these flows' paths (0 if none), given every
+        link's latency (s); kept per latency array, as flow sets are shared between models."""
+        key = array_key(latency)
+        hit = self._latency.get(key)
+        if hit is None:
+            r, hit = self.routes, 0.0
+            if len(r.links):
+                hit = float(np.add.reduceat(latency[r.links], r.ptr[:-1][np.diff(r.ptr) > 0]).max())
+            self._latency[key] = hit
+        return hit
 
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
         """Bus rate of each ring (bytes/s): min over its flows of weight x rate (sum of sub-flows)."""
@@ -264,10 +277,7 @@ class CollectiveModel:
                 local = gpus.reshape(-1, p // m, m)
                 phases = [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
             flows = [self._ring_flows(g) for g in phases]
-            lat = self.net.latency
-            alphas = [self.system.collectives.step_latency + (
-                float(np.add.reduceat(lat[f.routes.links], f.routes.ptr[:-1][np.diff(f.routes.ptr) > 0]).max())
-                if len(f.routes.links) else 0.0) for f in flows]
+            alphas = [self.system.collectives.step_latency + f.path_latency(self.net.latency) for f in flows]
             self._flows[key] = (flows, alphas, [g.shape[1] for g in phases])
         return self._flows[key]
 
