@@ -75,8 +75,9 @@ def summary_line(label: str, runs: list[dict]) -> str:
 def kinds_line(runs: list[dict]) -> str:
     """Which op kinds carry the per-op error: per kind, the median over runs of the kind's median
     signed error (+: the twin slower) and of its median |error|; for collectives, the share of their
-    measured spans spent waiting for the group's last member and the median |error| from the last
-    member's arrival (calibration/validate.py)."""
+    measured spans spent waiting for the group's last member, the median |error| from the last
+    member's arrival, and the largest share of its collectives that completed with the one issued
+    before them on their stream (two in flight at once; calibration/validate.py)."""
     import statistics
     kinds = sorted({k for r in runs for k in r["ops"]["by_kind"]})
     parts = []
@@ -86,8 +87,10 @@ def kinds_line(runs: list[dict]) -> str:
                 f"(|{100 * statistics.median(x['median_abs_error'] for x in rows):.0f} %|")
         waits = [x["peer_wait_share"] for x in rows if "peer_wait_share" in x]
         after = [x["median_abs_error_from_last_arrival"] for x in rows if "median_abs_error_from_last_arrival" in x]
+        along = [x["completed_with_previous_share"] for x in rows if "completed_with_previous_share" in x]
         parts.append(part + (f", {100 * statistics.median(waits):.0f} % peer wait" if waits else "")
-                     + (f", |{100 * statistics.median(after):.0f} %| from the last arrival" if after else "") + ")")
+                     + (f", |{100 * statistics.median(after):.0f} %| from the last arrival" if after else "")
+                     + (f", up to {100 * max(along):.0f} % completed with the one before" if along else "") + ")")
     return "per kind: " + "; ".join(parts)
 
 

@@ -31,7 +31,11 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     that wait, wake-ups among busy cores) is its `predicted_excess_s`. So each collective is also
     compared from its last member's arrival: predicted span less the excess against measured span
     less the peer wait (`error_from_last_arrival`, per kind `median_abs_error_from_last_arrival`),
-    beside the whole span's error, which stays the headline (the iteration pays the wait);
+    beside the whole span's error, which stays the headline (the iteration pays the wait).
+    `completed_with_previous_share`: the share of a kind's spans (all ranks) that completed no later
+    than the collective issued before them on their stream (a span of 0: the recorder starts a span
+    at the previous one's end), so that two collectives of one axis progressed at once (gloo runs two
+    per process group; the twin's axis stream runs one at a time);
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
 iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
@@ -238,6 +242,12 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 if after > 0:
                     op["error_from_last_arrival"] = (p - op["predicted_excess_s"]) / after - 1
             ops.append(op)
+    zero: dict[str, list[int]] = {}  # kind -> [spans, spans of 0 s] of the collectives
+    for sp in run["spans"]:
+        if sp.kind in COLLECTIVES:
+            z = zero.setdefault(sp.kind, [0, 0])
+            z[0] += 1
+            z[1] += sp.duration_s < 1e-7
     per_kind = {}
     for kind in sorted({o["kind"] for o in ops}):
         sel = [o for o in ops if o["kind"] == kind]
@@ -256,6 +266,8 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             after = [abs(o["error_from_last_arrival"]) for o in sel if "error_from_last_arrival" in o]
             if after:
                 per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
+            if kind in zero:
+                per_kind[kind]["completed_with_previous_share"] = zero[kind][1] / zero[kind][0]
         else:
             per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]

@@ -88,3 +88,27 @@ def test_the_twins_excess_over_a_collective_alone_is_known_per_op():
     assert excess[rs] == pytest.approx(table.time(*args) - alone.time(*args))
     assert excess[rs] > 0 and all(v >= 0 for v in excess.values())
     assert not any(name.endswith("ar_data") for name in excess)  # no data axis on this grid
+
+
+def test_collectives_from_the_last_arrival_and_done_with_the_one_before(tmp_path):
+    """A run traced by the twin itself (no peer wait): from the last arrival, the twin's span less its
+    per-op excess against the whole measured span; a collective recorded as 0 s completed with the one
+    issued before it on its stream (two in flight at once, as gloo runs them)."""
+    import json
+    from fake_run import fake_run
+    from calibration.validate import validate_run
+    d = fake_run(tmp_path, "2x1x1x1")
+    r = validate_run(d)
+    ar = r["ops"]["by_kind"]["all_reduce"]
+    assert ar["completed_with_previous_share"] == 0
+    ops = [o for o in r["per_op"] if o["kind"] == "all_reduce"]
+    assert ops and all(o["error"] == pytest.approx(0, abs=1e-6) for o in ops)
+    for o in ops:
+        assert o["error_from_last_arrival"] == pytest.approx(-o["predicted_excess_s"] / o["measured_s"], abs=1e-6)
+    f = d / "trace" / "rank0.json"
+    trace = json.loads(f.read_text())
+    events = [e for e in trace["traceEvents"] if e.get("args", {}).get("kind") == "all_reduce"]
+    events[1]["dur"] = 0.0
+    f.write_text(json.dumps(trace))
+    share = validate_run(d)["ops"]["by_kind"]["all_reduce"]["completed_with_previous_share"]
+    assert share == pytest.approx(1 / len(events))
