@@ -103,7 +103,12 @@ class _Sim:
         self.end_ns, self.record = 0, record
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
-        self._coll_ns: dict[tuple[int, frozenset], float] = {}
+        self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
+        self.table = {a: self.table_of(_CONC[0][a]) for a in AXES}  # axis -> the table of its concurrency now
+        self.waited_on = bytearray(self.n)              # 1: some op waits for op i (a stream may wait for it)
+        for deps in self.deps:
+            for d in deps:
+                self.waited_on[d] = 1
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
         self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
 
@@ -119,12 +124,19 @@ class _Sim:
             if g is not None and g.running:
                 g.rerate()
 
-    def coll_ns(self, i: int, conc: frozenset) -> float:
-        """Duration of collective op i under concurrency `conc` (ns, memoised)."""
-        key = (i, conc)
-        t = self._coll_ns.get(key)
+    def table_of(self, conc: frozenset) -> list:
+        """The durations (ns) of collective ops under concurrency `conc`, filled as asked (coll_ns)."""
+        t = self._tables.get(conc)
         if t is None:
-            t = self._coll_ns[key] = self._collective_s(i, conc) * NS
+            t = self._tables[conc] = [None] * self.n
+        return t
+
+    def coll_ns(self, i: int, axis: str) -> float:
+        """Duration of collective op i of `axis` under the concurrency now (ns, memoised)."""
+        table = self.table[axis]
+        t = table[i]
+        if t is None:
+            t = table[i] = self._collective_s(i, self.conc[axis]) * NS
         return t
 
     def wait(self, key: int, stream) -> None:
@@ -180,7 +192,8 @@ class _Sim:
     def axis_changed(self, axis: str) -> None:
         """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
         self.mask ^= _BIT[axis]
-        self.conc = _CONC[self.mask]
+        self.conc = conc = _CONC[self.mask]
+        self.table = {a: self.table_of(conc[a]) for a in AXES}
         for a in AXES:
             if a != axis:
                 running = self.running[a]
@@ -262,7 +275,7 @@ class _ComputeStream:
         self.prev_end, self.running = now, False
         self.pc += 1
         sim.done[i][rank] = 1
-        if sim.waiters:
+        if sim.waited_on[i]:
             ws = sim.waiters.pop(rank * sim.n + i, None)
             if ws:
                 for s in ws:
@@ -319,10 +332,9 @@ class _GroupStream:
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
-        key = (i, sim.conc[axis])
-        dur = sim._coll_ns.get(key)
+        dur = sim.table[axis][i]
         if dur is None:
-            dur = sim.coll_ns(*key)
+            dur = sim.coll_ns(i, axis)
         if sim.comm_slow != 1.0:
             dur *= sim.comm_factor(self.members)
         self.dur = dur
@@ -345,7 +357,7 @@ class _GroupStream:
         now = sim.now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
-        self.dur = sim.coll_ns(self.ops[self.pc], sim.conc[self.axis]) * (
+        self.dur = sim.coll_ns(self.ops[self.pc], self.axis) * (
             sim.comm_factor(self.members) if sim.comm_slow != 1.0 else 1.0)
         due = now + int(self.frac * self.dur + 0.5)
         if due < self.due:
@@ -373,7 +385,9 @@ class _GroupStream:
         k = sim.inflight[axis] = sim.inflight[axis] - 1
         if k == 0:
             sim.axis_changed(axis)
-        busy, compute, flags, waiters, n = sim.busy, sim.compute, sim.done[i], sim.waiters, sim.n
+        busy, compute, flags = sim.busy, sim.compute, sim.done[i]
+        waited = sim.waited_on[i]
+        waiters, n = sim.waiters, sim.n
         for r in members:
             b = busy[r] = busy[r] - 1
             if b == 0:
@@ -381,10 +395,11 @@ class _GroupStream:
                 if c.running:
                     c.rerate()
             flags[r] = 1
-            ws = waiters.pop(r * n + i, None)
-            if ws:
-                for s in ws:
-                    s.advance()
+            if waited:
+                ws = waiters.pop(r * n + i, None)
+                if ws:
+                    for s in ws:
+                        s.advance()
         self.advance()
 
 

@@ -8,7 +8,7 @@ twin/program.py builds the step.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from twin.common import TwinError
 from twin.grid import AXES, Grid
@@ -87,6 +87,29 @@ class Op:
             return 0.0
         factor = 2.0 if self.kind == "all_reduce" else 1.0
         return factor * (p - 1) / p * self.bytes
+
+
+_OP_DEFAULTS = {f.name: f.default for f in fields(Op)}  # every field, in order (index..stream: placeholders)
+_object_new = object.__new__
+
+
+def _new_op(index: int, name: str, kind: str, stream: str, deps: tuple, phase: str, micro_batch: int,
+            kw: dict) -> Op:
+    """Op(index, name, kind, stream, deps, phase=phase, micro_batch=micro_batch, **kw), made without the
+    frozen dataclass's __init__ (one object.__setattr__ per field: half of a program's build time).
+    The fields are checked like __init__'s keyword arguments; the result is an equal Op."""
+    op = _object_new(Op)
+    d = op.__dict__
+    d.update(_OP_DEFAULTS)
+    d["index"], d["name"], d["kind"], d["stream"], d["deps"] = index, name, kind, stream, deps
+    d["phase"], d["micro_batch"] = phase, micro_batch
+    if not _KEYWORDS.issuperset(kw):
+        raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
+    d.update(kw)
+    return op
+
+
+_KEYWORDS = set(_OP_DEFAULTS) - {"index", "name", "kind", "stream", "deps", "phase", "micro_batch"}
 
 
 @dataclass
@@ -172,8 +195,7 @@ class Builder:
     def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
         idx = len(self.ops)
         deps = tuple(sorted({d for d in deps if d is not None}))
-        self.ops.append(Op(idx, self.prefix + name, kind, stream, deps, phase=self.phase,
-                           micro_batch=self.mb, **kw))
+        self.ops.append(_new_op(idx, self.prefix + name, kind, stream, deps, self.phase, self.mb, kw))
         return idx
 
     def compute(self, name: str, kind: str, deps=(), **kw) -> int:
