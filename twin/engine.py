@@ -105,10 +105,17 @@ class _Sim:
         self._collective_s = collective_s
         self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
         self.table = {a: self.table_of(_CONC[0][a]) for a in AXES}  # axis -> the table of its concurrency now
-        self.waited_on = bytearray(self.n)              # 1: some op waits for op i (a stream may wait for it)
-        for deps in self.deps:
-            for d in deps:
-                self.waited_on[d] = 1
+        # waits cross streams only (a stream's own earlier ops are done): waited_on[i], an op of another
+        # stream depends on op i; counted[j], every dependency of op j has j as its only such dependent, so
+        # nothing else ever waits for them and a group may wait for all its members' at once (_GroupStream)
+        dependents = [0] * self.n
+        for op in self.ops:
+            for d in op.deps:
+                if self.ops[d].stream != op.stream:
+                    dependents[d] += 1
+        self.waited_on = bytearray(k > 0 for k in dependents)
+        self.counted = bytearray(all(dependents[d] == 1 for d in op.deps) for op in self.ops)
+        self.woken = -1  # rank * n + op: the completion whose waiters are being advanced
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
         self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
 
@@ -276,8 +283,10 @@ class _ComputeStream:
         self.pc += 1
         sim.done[i][rank] = 1
         if sim.waited_on[i]:
-            ws = sim.waiters.pop(rank * sim.n + i, None)
+            key = rank * sim.n + i
+            ws = sim.waiters.pop(key, None)
             if ws:
+                sim.woken = key
                 for s in ws:
                     s.advance()
         self.advance()
@@ -287,13 +296,14 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot")
+                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot", "missing")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int], todo: list):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = todo                             # [(op, deps)] shared by the streams of the axis
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
+        self.missing = 0                             # dependencies still awaited, when waiting for all at once
         self.slot = -1
         self.starts = array("q", bytes(8 * len(ops)))          # start of each op (ns)
         self.blockers = array("q", b"\xff" * (8 * len(ops)))  # what each op waited for last (-1: predecessor)
@@ -301,29 +311,19 @@ class _GroupStream:
         self.due, self.seg, self.start, self.running = 0, 0, 0, False
 
     def advance(self) -> None:
-        if self.running or self.pc == self.end:
-            return
         sim = self.sim
-        i, deps = self.todo[self.pc]
-        if deps:
-            # done flags never revert, so a wait resumes the scan where it stopped (large groups)
-            members, done = self.members, sim.done
-            n, nd = len(members), len(deps)
-            dj, mk = self.dk, self.mk
-            while dj < nd:
-                d = deps[dj]
-                flags = done[d]
-                while mk < n:
-                    r = members[mk]
-                    if not flags[r]:
-                        self.dk, self.mk = dj, mk
-                        self.blk = key = r * sim.n + d
-                        sim.wait(key, self)
-                        return
-                    mk += 1
-                mk = 0
-                dj += 1
-            self.dk = self.mk = 0
+        if self.missing:  # woken by one of the dependencies it waits for at once
+            self.missing -= 1
+            if self.missing:
+                return
+            self.blk = sim.woken  # the last one done, as the one-by-one scan would have waited for last
+            i = self.ops[self.pc]
+        elif self.running or self.pc == self.end:
+            return
+        else:
+            i, deps = self.todo[self.pc]
+            if deps and self.scan(i, deps):
+                return
         now = sim.now
         axis = self.axis
         self.starts[self.pc] = now
@@ -351,6 +351,42 @@ class _GroupStream:
                 c = compute[r]
                 if c.running:
                     c.rerate()
+
+    def scan(self, i: int, deps: tuple[int, ...]) -> bool:
+        """Wait for what op i needs of its members' other streams, if anything: True when it waits.
+        Its dependencies' waiters are woken in the order they began waiting; where nothing else waits
+        for them (sim.counted), the group waits for all its members at once and counts them down,
+        else it waits for one at a time (the same start, blocker and order of wake-ups)."""
+        sim = self.sim
+        members, done = self.members, sim.done
+        if sim.counted[i]:
+            missing = 0
+            for d in deps:
+                flags = done[d]
+                for r in members:
+                    if not flags[r]:
+                        missing += 1
+                        sim.wait(r * sim.n + d, self)
+            self.missing = missing
+            return missing > 0
+        # done flags never revert, so a wait resumes the scan where it stopped (large groups)
+        n, nd = len(members), len(deps)
+        dj, mk = self.dk, self.mk
+        while dj < nd:
+            d = deps[dj]
+            flags = done[d]
+            while mk < n:
+                r = members[mk]
+                if not flags[r]:
+                    self.dk, self.mk = dj, mk
+                    self.blk = key = r * sim.n + d
+                    sim.wait(key, self)
+                    return True
+                mk += 1
+            mk = 0
+            dj += 1
+        self.dk = self.mk = 0
+        return False
 
     def rerate(self) -> None:
         sim = self.sim
@@ -396,8 +432,10 @@ class _GroupStream:
                     c.rerate()
             flags[r] = 1
             if waited:
-                ws = waiters.pop(r * n + i, None)
+                key = r * n + i
+                ws = waiters.pop(key, None)
                 if ws:
+                    sim.woken = key
                     for s in ws:
                         s.advance()
         self.advance()
