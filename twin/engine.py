@@ -88,7 +88,6 @@ class _Sim:
         self.now = 0                                    # the clock (ns)
         self.heap: list[int] = []                       # due times (ns) that have a bucket
         self.ops, self.n = program.ops, len(program.ops)
-        self.deps = [op.deps for op in self.ops]
         self.axis_of = [op.axis for op in self.ops]
         self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]
         self.waiters: dict[int, list] = {}
@@ -108,13 +107,14 @@ class _Sim:
         # waits cross streams only (a stream's own earlier ops are done): waited_on[i], an op of another
         # stream depends on op i; counted[j], every dependency of op j has j as its only such dependent, so
         # nothing else ever waits for them and a group may wait for all its members' at once (_GroupStream)
+        ops = self.ops
+        self.cross = [tuple(d for d in op.deps if ops[d].stream != op.stream) for op in ops]  # deps that can wait
         dependents = [0] * self.n
-        for op in self.ops:
-            for d in op.deps:
-                if self.ops[d].stream != op.stream:
-                    dependents[d] += 1
+        for deps in self.cross:
+            for d in deps:
+                dependents[d] += 1
         self.waited_on = bytearray(k > 0 for k in dependents)
-        self.counted = bytearray(all(dependents[d] == 1 for d in op.deps) for op in self.ops)
+        self.counted = bytearray(all(dependents[d] == 1 for d in deps) for deps in self.cross)
         self.woken = -1  # rank * n + op: the completion whose waiters are being advanced
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
         self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
@@ -300,7 +300,7 @@ class _GroupStream:
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int], todo: list):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
-        self.todo = todo                             # [(op, deps)] shared by the streams of the axis
+        self.todo = todo                             # [(op, deps on other streams)] shared by the axis
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
         self.missing = 0                             # dependencies still awaited, when waiting for all at once
@@ -480,7 +480,7 @@ def simulate_program(program: Program, compute_s: list[float],
         raise ValueError(f"comm_share must be in (0, 1], got {comm_share}")
     sim.comm_slow = 1.0 / comm_share
     base_ns = [t * NS for t in compute_s]
-    todo = {k: [(i, sim.deps[i]) for i in ops] for k, ops in by_stream.items()}
+    todo = {k: [(i, sim.cross[i]) for i in ops] for k, ops in by_stream.items()}
     sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],
                                   overlap_slowdown) for c in range(nsim)]
     groups: list[_GroupStream] = []
