@@ -6,9 +6,10 @@
 One JSON line per study: the grid auto chose and how many it simulated; the fastest of all grids, with
 its analytical rank (the search bounds the analytical top simulate_top + SCAN); whether the lower
 bound of twin.search.lower_bound stayed below the simulated time of every grid (`bound_ok`, with the
-smallest simulated / bound); and `faster_alone`: how many collective times the simulations asked
-under contention of other axes came out below the same collective alone (the property the bound
-rests on; must be 0).
+smallest simulated / bound); whether the search's routing-free bound (twin.search.quick_bound)
+stayed below that bound on every grid (`quick_ok`, with the smallest bound / quick bound); and
+`faster_alone`: how many collective times the simulations asked under contention of other axes came
+out below the same collective alone (the property the bound rests on; must be 0).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 import sys
 import time
 
-from twin.search import lower_bound, model_for, rank_grids
+from twin.search import lower_bound, model_for, quick_bound, rank_grids
 from twin.simulate import SCAN, choose_grid, simulate_grid
 from twin.study import prepare
 
@@ -56,14 +57,17 @@ def main() -> None:
         for i, c in enumerate(cands[: a.limit or None]):
             r = simulate_grid(st, c.grid)
             bad += faster_alone(model_for(st, c.grid))
-            rows.append((i, str(c.grid), c.analytical_s, r.iteration_time_s, lower_bound(st, c.grid)))
+            rows.append((i, str(c.grid), c.analytical_s, r.iteration_time_s, lower_bound(st, c.grid),
+                         quick_bound(st, c.grid)))
         best = min(rows, key=lambda x: (x[3], x[1]))
         print(json.dumps({"case": name, "grids": len(cands), "simulated": len(rows),
                           "chosen": [str(chosen.grid), chosen.simulated_s], "chosen_is_best": str(chosen.grid) == best[1],
                           "search_cpu_s": search_s, "search_simulated": len(re.findall(r"\d s\b", how)),
                           "best": best, "best_analytical_rank": best[0], "pool": a.simulate_top + SCAN,
                           "bound_ok": all(x[4] <= x[3] + 1e-6 for x in rows),
-                          "min_sim_over_bound": min(x[3] / x[4] for x in rows), "faster_alone": bad,
+                          "min_sim_over_bound": min(x[3] / x[4] for x in rows),
+                          "quick_ok": all(x[5] <= x[4] for x in rows),
+                          "min_bound_over_quick": min(x[4] / x[5] for x in rows), "faster_alone": bad,
                           "cpu_s": time.process_time() - t, "rows": rows}))
         sys.stdout.flush()
 

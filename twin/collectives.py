@@ -206,7 +206,10 @@ class CollectiveModel:
             FLOWS.put(key, hit)
         return hit
 
-    def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> _FlowSet:
+    def _ring_channels(self, gpus: np.ndarray) -> list[np.ndarray]:
+        """The flows of one step of flat rings over the rows of `gpus`, before routing, as columns:
+        source GPU, destination GPU, the GPUs whose NICs the flow leaves and enters by, ring (row),
+        weight (channels per ring where the flow carries all of them) and cap (bytes/s)."""
         R, q = gpus.shape
         nxt = np.roll(gpus, -1, axis=1)
         node = gpus // self.system.gpus_per_node
@@ -237,8 +240,11 @@ class CollectiveModel:
                 r_, i_, j_ = rr[ok], ii[ok], jj[ok]
                 parts.append((gpus[r_, i_], gpus[r_, j_], gpus[r_, run_start[r_, i_] + c],
                               gpus[r_, run_start[r_, j_] + c], r_, K[r_], self.channel_cap))
-        cols = [np.concatenate([np.broadcast_to(np.asarray(pt[k]), (len(pt[0]),)) for pt in parts])
+        return [np.concatenate([np.broadcast_to(np.asarray(pt[k]), (len(pt[0]),)) for pt in parts])
                 for k in range(7)]
+
+    def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> _FlowSet:
+        cols = self._ring_channels(gpus)
         # node-crossing flows travel as `spread` sub-flows, each routed on its own (adaptive routing
         # moves packets, not whole flows; one path per flow would leave hash collisions that packets avoid)
         spread = np.where((cols[0] // self.system.gpus_per_node)
@@ -249,7 +255,7 @@ class CollectiveModel:
         demand = np.minimum(caps, self.system.nic_bandwidth / np.repeat(spread, spread))
         # `key` determines every argument: routing need not hash the arrays
         routes = route(self.net, *sub, mode=self.routing, seed=self.seed, demand=demand, key=key)
-        return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, R)
+        return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, len(gpus))
 
     def _algorithm(self, axis: str, algorithm: str) -> str:
         """`algorithm`, or "ring" where a hierarchical ring would be the flat ring (1 or all members per node)."""
@@ -263,19 +269,23 @@ class CollectiveModel:
                 return "ring"
         return algorithm
 
+    def _phase_gpus(self, axis: str, algorithm: str) -> list[np.ndarray]:
+        """The rings (rows of GPU ids) of each phase of an axis' collective with `algorithm`."""
+        gpus = self._axis_gpus(axis)
+        if algorithm == "ring":
+            return [gpus]
+        # hierarchical: rings of the m members of a node, then m rings across nodes
+        node = gpus // self.system.gpus_per_node
+        m, p = int((node == node[:, :1]).sum(1).min()), gpus.shape[1]
+        local = gpus.reshape(-1, p // m, m)
+        return [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
+
     def _phases(self, axis: str, algorithm: str) -> tuple[list[_FlowSet], list[float], list[int]]:
         """(flow sets, alpha per step in s, ring size) of each phase of an axis' collective: one phase
         (flat ring) or two (hierarchical: rings inside nodes, then m rings across nodes)."""
         key = (axis, algorithm)
         if key not in self._flows:
-            gpus = self._axis_gpus(axis)
-            if algorithm == "ring":
-                phases = [gpus]
-            else:  # hierarchical: rings of the m members of a node, then m rings across nodes
-                node = gpus // self.system.gpus_per_node
-                m, p = int((node == node[:, :1]).sum(1).min()), gpus.shape[1]
-                local = gpus.reshape(-1, p // m, m)
-                phases = [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
+            phases = self._phase_gpus(axis, algorithm)
             flows = [self._ring_flows(g) for g in phases]
             alphas = [self.system.collectives.step_latency + f.path_latency(self.net.latency) for f in flows]
             self._flows[key] = (flows, alphas, [g.shape[1] for g in phases])

@@ -95,9 +95,10 @@ class Bandwidth:
     of ring volume, a large all-gather), latency (seconds of a collective of a few bytes) and all-reduce
     bandwidth (bytes/s of ring volume of a large all-reduce, which the model may run hierarchically)."""
 
-    def __init__(self, study: Study, collectives=None):
+    def __init__(self, study: Study, collectives=None, bound: bool = False):
         self.study = study
         self.fixed = collectives  # a stand-in model used for every grid (tests)
+        self.bound = bound        # probe twin.solobound's bounds instead: at least the bandwidths, at most the latency
         self._cache: dict[tuple[int, int], tuple[float, float, float]] = {}
 
     def _probe(self, p: int, stride: int) -> tuple[float, float, float]:
@@ -108,6 +109,9 @@ class Bandwidth:
                 model = self.fixed
             else:
                 model = collective_model(self.study, grid)
+                if self.bound:
+                    from twin.solobound import SoloBound
+                    model = SoloBound(model, _SOLO_PHASES, machine_key(self.study))
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
             lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
             t_ar = model.time("all_reduce", axis, PROBE_BYTES, concurrent=frozenset())
@@ -197,23 +201,21 @@ _BANDWIDTHS: dict[tuple[bytes, bool], Bandwidth] = {}
 
 def bandwidth_for(study: Study, optimistic: bool = False) -> Bandwidth:
     """The process's probes of the study's machine (`machine_key`: what they measure depends on nothing
-    else), exact or optimistic (stride capped at the GPUs per node)."""
+    else), exact or optimistic (twin.solobound's bounds on the same probes: nothing routed)."""
     key = (machine_key(study), optimistic)
     bw = _BANDWIDTHS.get(key)
     if bw is None:
         if len(_BANDWIDTHS) >= 16:
             _BANDWIDTHS.pop(next(iter(_BANDWIDTHS)))
-        bw = _BANDWIDTHS[key] = Bandwidth(study)
+        bw = _BANDWIDTHS[key] = Bandwidth(study, bound=optimistic)
     bw.study = study
     return bw
 
 
-def _probe_all(bandwidth: Bandwidth, pairs, stride_cap: int | None = None) -> None:
-    """Fill `bandwidth` for every (size, stride) in `pairs`; with `stride_cap`, each pair gets the
-    figures of the same size at stride min(stride, stride_cap)."""
-    exact = bandwidth if not stride_cap else bandwidth_for(bandwidth.study)
+def _probe_all(bandwidth: Bandwidth, pairs) -> None:
+    """Fill `bandwidth` for every (size, stride) in `pairs`."""
     for p, s in sorted({pair for pair in pairs if pair not in bandwidth._cache}):
-        bandwidth._cache[p, s] = exact._probe(p, min(s, stride_cap) if stride_cap else s)
+        bandwidth._probe(p, s)
 
 
 def _pairs(grids) -> set[tuple[int, int]]:
@@ -226,9 +228,10 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
     followed by every other valid grid with its optimistic bound (`exact` False), best bound first.
 
     The real collective model is probed once per (group size, stride). With `keep`, every grid first
-    gets an optimistic estimate from cheap probes at stride min(s, GPUs per node) (groups of the
-    same shape on nearby nodes: the same NIC load, less network contention); exact probes are then
-    made only for grids whose optimistic estimate beats the `keep`-th best exact one so far."""
+    gets an optimistic estimate from probes that route nothing (twin.solobound: at least each
+    probe's bandwidths, at most its latency; the estimate only grows with times, so it is below the
+    exact one); exact probes are then made only for grids whose optimistic estimate beats the
+    `keep`-th best exact one so far, which finds the exact best `keep` of all grids."""
     valid, reasons = [], []
     for grid in candidate_grids(study.gpus):
         try:
@@ -251,7 +254,7 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
         out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
         return out
     optimistic = bandwidth_for(study, optimistic=True)
-    _probe_all(optimistic, _pairs(valid), stride_cap=study.system.gpus_per_node)
+    _probe_all(optimistic, _pairs(valid))
     bounds = sorted(((analytical(study, g, optimistic), str(g)) for g in valid), key=lambda b: (b[0].analytical_s, b[1]))
     out, i = [], 0
     while i < len(bounds):
@@ -332,9 +335,43 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     key = (study_key(study), str(grid))
     if collectives is None and key in _BOUNDS:
         return _BOUNDS[key]
+    t = _longest_path(study, grid, collectives if collectives is not None else model_for(study, grid))
+    if collectives is None:
+        _keep_bound(_BOUNDS, key, t)
+    return t
+
+
+_QUICK: dict[tuple[bytes, str], float] = {}
+_SOLO_PHASES: dict = {}  # twin.solobound figures of ring sets, by machine, GPU count, size and stride
+
+
+def quick_bound(study: Study, grid: Grid) -> float:
+    """A lower bound on `lower_bound(study, grid)` (so on the simulated time, seconds) that routes
+    nothing: the same longest path, each collective at twin.solobound's bound on its time alone
+    (rates from the caps and the links every path of a flow crosses, latencies from those links).
+    On Frontier it is the exact bound's wherever rings stay inside a dragonfly group. Kept per study
+    and grid for the process."""
+    from twin.solobound import SoloBound
+    key = (study_key(study), str(grid))
+    t = _QUICK.get(key)
+    if t is None:
+        model = SoloBound(model_for(study, grid), _SOLO_PHASES, machine_key(study))
+        t = _keep_bound(_QUICK, key, _longest_path(study, grid, model))
+    return t
+
+
+def _keep_bound(cache: dict, key, t: float) -> float:
+    if len(cache) >= 4096:
+        cache.pop(next(iter(cache)))
+    cache[key] = t
+    return t
+
+
+def _longest_path(study: Study, grid: Grid, model) -> float:
+    """The longest path through the grid's program (seconds), each collective at
+    model.time(..., concurrent=frozenset()), each compute op at its time alone (lower_bound)."""
     prog = program_for(study, grid)
     km = study.kernels
-    model = collectives if collectives is not None else model_for(study, grid)
     none = frozenset()
     slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
     durations = [model.time(op.kind, op.axis, op.bytes, concurrent=none) if op.is_collective
@@ -343,10 +380,6 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     if t is None:  # not in program order (an edited program): the engine handles any order
         from twin.engine import simulate_program
         t = simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
-    if collectives is None:
-        if len(_BOUNDS) >= 4096:
-            _BOUNDS.pop(next(iter(_BOUNDS)))
-        _BOUNDS[key] = t
     return t
 
 

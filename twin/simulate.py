@@ -9,6 +9,7 @@ twin.search (`rank_grids`) and simulates the best few (`search`, `choose_grid` h
 from __future__ import annotations
 
 import copy
+import heapq
 import math
 import time
 from collections import OrderedDict
@@ -22,7 +23,7 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import Candidate, lower_bound, model_for, program_for, rank_grids, study_key
+from twin.search import Candidate, lower_bound, model_for, program_for, quick_bound, rank_grids, study_key
 from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
@@ -68,7 +69,9 @@ def min_ops_per_rank(study: Study) -> int:
 # studies simulated) measures simulated / bound: at least 0.99956 over every grid of Frontier, Alps
 # and Perlmutter studies (1.0 on Frontier), the fastest grid at analytical rank 1 to 12, and the
 # grid chosen the fastest of all in every study. The slack is 4x the worst shortfall measured; SCAN
-# leaves room beyond rank 12.
+# leaves room beyond rank 12. A grid's bound is first taken without routing (twin.search.quick_bound,
+# at most lower_bound: proved, and checked on every grid by the same benchmark); only grids that
+# bound does not rule out have their axes routed for lower_bound.
 SCAN = 16
 BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
@@ -153,10 +156,10 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
     """Every valid grid ranked by the analytical model (twin.search.rank_grids); the best
-    `simulate_top` simulated; the next SCAN in the ranking bounded from below
-    (twin.search.lower_bound) and simulated in the order of their bounds while a bound is below the
-    fastest simulated time (the others cannot beat it). Returns the best `top` of the ranking and any
-    grid simulated beyond them, in ranking order."""
+    `simulate_top` simulated; the next SCAN in the ranking bounded from below (twin.search.quick_bound,
+    then twin.search.lower_bound) and simulated in the order of their bounds while a bound is below
+    the fastest simulated time (the others cannot beat it). Returns the best `top` of the ranking and
+    any grid simulated beyond them, in ranking order."""
     ranked = _search(study, top, simulate_top, collectives)
     return ranked[:top] + [c for c in ranked[top:] if c.simulated_s is not None]
 
@@ -169,12 +172,27 @@ def _search(study: Study, top: int, simulate_top: int, collectives) -> list[Cand
     best = math.inf
     for c in head:
         best = min(best, _simulate(study, c, collectives))
-    for c in pool:
-        c.bound_s = lower_bound(study, c.grid)
-    for c in sorted(pool, key=lambda c: (c.bound_s, str(c.grid))):
-        if BOUND_SLACK * c.bound_s >= best:
+    # Best first: a grid's key is the largest lower bound the search has for it, first the one that
+    # routes nothing (quick_bound), then lower_bound (which routes the grid's axes) once the quick
+    # bound is the smallest key; a grid is simulated once its lower_bound is. The grids simulated,
+    # and their order, are those of simulating the pool in lower_bound order while a bound is below
+    # the fastest simulated time (quick_bound <= lower_bound), without routing the axes of grids
+    # whose quick bound already rules them out.
+    queue = []
+    for i, c in enumerate(pool):
+        c.bound_s = quick_bound(study, c.grid)
+        queue.append((c.bound_s, str(c.grid), False, i))
+    heapq.heapify(queue)
+    while queue:
+        bound, name, exact, i = heapq.heappop(queue)
+        if BOUND_SLACK * bound >= best:
             break  # neither this grid nor any with a larger bound can beat the fastest simulated grid
-        best = min(best, _simulate(study, c, collectives))
+        c = pool[i]
+        if exact:
+            best = min(best, _simulate(study, c, collectives))
+        else:
+            c.bound_s = lower_bound(study, c.grid)
+            heapq.heappush(queue, (c.bound_s, name, True, i))
     return ranked
 
 
