@@ -57,3 +57,34 @@ def test_the_ranking_bound_is_below_every_exact_estimate():
     exact = {str(c.grid): c.analytical_s for c in rank_grids(study)}
     bounded = [c for c in rank_grids(study, keep=3) if not c.exact]
     assert bounded and all(c.analytical_s <= exact[str(c.grid)] * (1 + 1e-12) for c in bounded)
+
+
+@pytest.mark.parametrize("model,gpus,options", [("gpt-1b", 32, {}), ("llama-tiny", 64, {"recompute": False}),
+                                                ("gpt-1b", 16, {"micro_batches": 2, "grad_clip": True})])
+def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
+    """quick_bound reads the program of the class-mate with the largest G_z: the same ops, streams and
+    deps, and every op at most the grid's own (data all-reduces of gradient shards scaled as
+    _longest_path scales them), so the longest path is at most the grid's own bound."""
+    from twin.program import Options
+    from twin.search import candidate_grids, program_class
+    study = prepare("frontier", model, gpus, batch=64, options=Options(**options))
+    km = study.kernels
+    grids = [g for g in candidate_grids(gpus) if g.x * g.y <= 4]
+    classes: dict = {}
+    for g in grids:
+        try:
+            program_for(study, g)
+        except Exception:
+            continue
+        classes.setdefault(program_class(g), []).append(g)
+    pairs = [(max(gs, key=lambda g: g.z), g) for gs in classes.values() for g in gs if len(gs) > 1]
+    assert len(pairs) >= 4
+    for like, g in pairs:
+        a, b = program_for(study, like).ops, program_for(study, g).ops
+        assert [(o.name, o.kind, o.stream, o.axis, o.deps) for o in a] == [(o.name, o.kind, o.stream, o.axis, o.deps) for o in b]
+        for x, y in zip(a, b):
+            if x.is_collective:
+                scaled = x.bytes * like.tensor_size // g.tensor_size if x.axis == "data" and x.weight != "norms" else x.bytes
+                assert scaled <= y.bytes and (x.axis == "data" or x.bytes == y.bytes), (like, g, x.name)
+            else:
+                assert km.op_time(x) <= km.op_time(y) and (x.phase == "opt" or x == y), (like, g, x.name)

@@ -345,19 +345,39 @@ _QUICK: dict[tuple[bytes, str], float] = {}
 _SOLO_PHASES: dict = {}  # twin.solobound figures of ring sets, by machine, GPU count, size and stride
 
 
-def quick_bound(study: Study, grid: Grid) -> float:
+def quick_bound(study: Study, grid: Grid, like: Grid | None = None) -> float:
     """A lower bound on `lower_bound(study, grid)` (so on the simulated time, seconds) that routes
     nothing: the same longest path, each collective at twin.solobound's bound on its time alone
     (rates from the caps and the links every path of a flow crosses, latencies from those links).
-    On Frontier it is the exact bound's wherever rings stay inside a dragonfly group. Kept per study
-    and grid for the process."""
+    On Frontier it is the exact bound's wherever rings stay inside a dragonfly group.
+    like: read the program of this grid of the same class (`program_class`) with at least grid's
+    G_z instead of building grid's own. Kept per study and grid for the process."""
     from twin.solobound import SoloBound
     key = (study_key(study), str(grid))
     t = _QUICK.get(key)
     if t is None:
         model = SoloBound(model_for(study, grid), _SOLO_PHASES, machine_key(study))
-        t = _keep_bound(_QUICK, key, _longest_path(study, grid, model))
+        t = _keep_bound(_QUICK, key, _longest_path(study, grid, model, like))
     return t
+
+
+def program_class(grid: Grid) -> tuple[int, int, bool, bool]:
+    """Grids of one class (equal G_x and G_y, G_z > 1 or not, G_data > 1 or not; on a given GPU count
+    G_z x G_data is then equal too) have programs with the same ops, streams and deps, each op the
+    same size except the data all-reduces of gradient shards (bytes = b // (G_x G_y G_z)) and the
+    optimizer's ops (the parameters of a shard), which only shrink as G_z grows
+    (tests/test_solobound.py checks it op by op)."""
+    return grid.x, grid.y, grid.z > 1, grid.data > 1
+
+
+def quick_bounds(study: Study, grids: list[Grid]) -> list[float]:
+    """quick_bound of each grid, reading one program per class (the grid with the largest G_z)."""
+    like: dict[tuple, Grid] = {}
+    for g in grids:
+        k = program_class(g)
+        if k not in like or g.z > like[k].z:
+            like[k] = g
+    return [quick_bound(study, g, like[program_class(g)]) for g in grids]
 
 
 def _keep_bound(cache: dict, key, t: float) -> float:
@@ -367,14 +387,25 @@ def _keep_bound(cache: dict, key, t: float) -> float:
     return t
 
 
-def _longest_path(study: Study, grid: Grid, model) -> float:
+def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> float:
     """The longest path through the grid's program (seconds), each collective at
-    model.time(..., concurrent=frozenset()), each compute op at its time alone (lower_bound)."""
-    prog = program_for(study, grid)
+    model.time(..., concurrent=frozenset()), each compute op at its time alone (lower_bound).
+    like: a grid of the same program class with at least grid's G_z, whose program is read instead:
+    its ops are at most grid's; a data all-reduce of a gradient shard gets bytes x P_like // P, at
+    most grid's b // P when the like grid's are b // P_like (P: G_x G_y G_z)."""
+    like = grid if like is None else like
+    if program_class(like) != program_class(grid) or like.z < grid.z:
+        raise ValueError(f"grid {like} cannot stand for grid {grid} in a bound")
+    prog = program_for(study, like)
     km = study.kernels
     none = frozenset()
     slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
-    durations = [model.time(op.kind, op.axis, op.bytes, concurrent=none) if op.is_collective
+    scale = like.tensor_size, grid.tensor_size
+
+    def nbytes(op) -> int:
+        return op.bytes * scale[0] // scale[1] if op.axis == "data" and op.weight != "norms" else op.bytes
+
+    durations = [model.time(op.kind, op.axis, nbytes(op), concurrent=none) if op.is_collective
                  else slow * km.op_time(op) for op in prog.ops]
     t = critical_path_s(prog, durations)
     if t is None:  # not in program order (an edited program): the engine handles any order

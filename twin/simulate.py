@@ -23,7 +23,7 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import Candidate, lower_bound, model_for, program_for, quick_bound, rank_grids, study_key
+from twin.search import Candidate, lower_bound, model_for, program_for, quick_bounds, rank_grids, study_key
 from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
@@ -179,9 +179,9 @@ def _search(study: Study, top: int, simulate_top: int, collectives) -> list[Cand
     # the fastest simulated time (quick_bound <= lower_bound), without routing the axes of grids
     # whose quick bound already rules them out.
     queue = []
-    for i, c in enumerate(pool):
-        c.bound_s = quick_bound(study, c.grid)
-        queue.append((c.bound_s, str(c.grid), False, i))
+    for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):
+        c.bound_s = bound
+        queue.append((bound, str(c.grid), False, i))
     heapq.heapify(queue)
     while queue:
         bound, name, exact, i = heapq.heappop(queue)
