@@ -154,6 +154,31 @@ def _scale_value(square: dict[int, dict[int, float]], ranks: int, most: int) -> 
     return square[ranks][common[-1]] / square[most][common[-1]] if common else 1.0
 
 
+def _measured_rates(by_ranks: dict[int, list[dict]], square: dict[int, dict[int, float]], most: int) -> dict:
+    """{key: f(base value, base source) -> (value, source)} for the profile's per-rank figures with the
+    most ranks (`most`) sharing the node that bench measures: gemm_flops, their largest square NN
+    GEMM's rate per rank (the rate compute_scale scales to other rank counts; the kernel model's
+    roofline for shapes no measured point is near). Before, a measured rate above the assumed peak
+    had the fit keep an assumed 10 Gflop/s: the roofline fallback put gpt-small's GEMMs 5.7x too slow
+    (median over the 35 runs of cpu-2026-12-01c), 1.5x with the measured rate. The peak stays the
+    system's (twin.study checks they agree); where one rank alone beat it, the source says so."""
+    out = {}
+    if square.get(most):
+        size = max(square[most])
+        files = "; ".join(describe(r) for r in by_ranks[most]
+                          if any(row["m"] == row["n"] == row["k"] == size for row in r["gemm"]))
+        note = ""
+        alone = [(r, row) for r in by_ranks.get(1, []) for row in r["gemm"]]
+        if alone:
+            r, top = max(alone, key=lambda rr: rr[1]["m"] * rr[1]["n"] * rr[1]["k"] / rr[1]["seconds"])
+            fastest = 2.0 * top["m"] * top["n"] * top["k"] / top["seconds"]
+            note = (f"; one rank alone ran {top['m']}x{top['n']}x{top['k']} {top['layout']} at {fastest:.3g} "
+                    f"flop/s ({describe(r)}), {fastest / most:.3g} per rank of {most}: compare the assumed peak")
+        out["gemm_flops"] = lambda v, s: (square[most][size], (
+            f"measured: {size}^3 NN GEMM, rate per rank with {most} rank(s) at once, {files}{note}"))
+    return out
+
+
 def _attention(group: list[dict], ranks: int, peak: float, scale: float, src: str) -> list[str]:
     """node_share lines: attention efficiency (program flops over the rank's scaled peak x time), the
     median over the measured shapes; none when attention was not measured."""
@@ -270,6 +295,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                 ""]))
     # scalars: the base profile's, with what the most-ranks measurement says instead where it reaches
     least = most
+    measured_rates = _measured_rates(by_ranks, square, most)
     first = next((s for s in shares if f"ranks = {least}\n" in s), None)
     for key in BASE_SCALARS:
         entry = base_data.get(key)
@@ -280,14 +306,8 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
             line = next(ln for ln in first.splitlines() if ln.startswith(key + " ="))
             out.append(line)
             continue
-        if key == "gemm_flops" and by_ranks[least][0]["gemm"]:
-            rows = [row for r in by_ranks[least] for row in r["gemm"]]
-            top = max(rows, key=lambda row: row["m"] * row["n"] * row["k"] / row["seconds"])
-            value = 2.0 * top["m"] * top["n"] * top["k"] / top["seconds"]
-            source = f"measured: fastest GEMM ({top['m']}x{top['n']}x{top['k']} {top['layout']}) with {least} rank(s), {describe(by_ranks[least][0])}"
-            if value > base_data["peak_flops"]["value"]:  # the assumed peak is too low: keep the base figure
-                value, source = entry["value"], (f"base profile {base_path.name} (the measured {value:.3g} "
-                                                 f"flop/s exceeds its assumed peak): {entry.get('source', '')}")
+        if key in measured_rates:
+            value, source = measured_rates[key](value, source)
         out.append(f"{key} = {_entry(value, _quote(source))}")
     for key in ("layout_penalty", "layout_penalty_small"):
         e = base_data[key]

@@ -182,6 +182,23 @@ def test_in_training_ops_are_on_cpu_time_times_the_pooled_stretch(tmp_path):
     assert "spans (no on-CPU times recorded)" in spans.sources["node_share[0].compute_contention"]
 
 
+def test_the_roofline_gemm_rate_is_the_measured_square_gemm(tmp_path):
+    """gemm_flops (the kernel model's rate for shapes no measured point is near) is the square GEMM
+    bench timed per rank with the most ranks, not the base's assumed figure, even above the assumed
+    peak (which stays the system's); the source names the file and what one rank alone reached."""
+    prof = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "square")))
+    assert prof.gemm_flops == pytest.approx(2.0 * 64 ** 3 / 1e-4, rel=1e-5)
+    assert prof.peak_flops == 20.8e9 and "64^3 NN GEMM" in prof.sources["gemm_flops"]
+    alone = {**copy.deepcopy(MEASUREMENT), "grid": "1x1x1x1", "ranks": 1, "ranks_per_node": 1, "collectives": [],
+             "gemm": [{"m": 64, "n": 64, "k": 64, "layout": "NN", "seconds": 2e-5}]}
+    path = tmp_path / "both.toml"
+    path.write_text(fit_profile([write(tmp_path, MEASUREMENT, "two.json"), write(tmp_path, alone, "one.json")],
+                                "both").toml)
+    both = load_profile(str(path))
+    assert both.gemm_flops == pytest.approx(2.0 * 64 ** 3 / 1e-4, rel=1e-5)  # with 2 ranks, the most
+    assert "one rank alone ran 64x64x64 NN" in both.sources["gemm_flops"]
+
+
 def test_a_norm_over_x_split_features_has_its_own_cost_line(tmp_path):
     """With x > 1 a norm reads its statistics all-reduced over x and the backend runs its several-pass
     kernel instead of torch's fused one: its measured line is keyed apart (cost role `layer_norm+x`)."""
