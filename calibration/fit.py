@@ -345,7 +345,7 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         prof = micro.for_ranks(ranks)
         km = KernelModel(prof, tuning=False)
         rows = [(r, row) for r in runs for row in r["steps"]]
-        span, how_timed = _fluid_spans(rows, ranks)
+        span, how_timed, stretch = _fluid_spans(rows, ranks)
         src_t = f"{src}; {how_timed}"
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
@@ -383,6 +383,10 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                     f"measured: median span {t * 1e6:.1f} us of {len(secs)} such GEMM(s) no collective overlapped "
                     f"in recorded training steps, {src_t}")), ""]))
         lines = []
+        if stretch is not None:
+            lines.append("stretch = " + _entry(stretch, (
+                f"measured: summed span over summed on-CPU time of the compute ops of recorded training "
+                f"steps (the in-training op times below are on-CPU time x this), {src}")))
         # attention: its efficiency inside training (of the rank's peak) replaces the microbenchmark's
         for phase, bwd in (("fwd", False), ("bwd", True)):
             att = [row for _, row in rows if row["kind"] == "attention" and row["name"].endswith(".bwd") == bwd
@@ -484,7 +488,7 @@ COMM_SHARE_STEP = 0.05  # the grid of comm_share values tried
 
 
 def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
-    """(span(row) -> seconds, how): what a compute op of the recorded steps costs, as the twin counts
+    """(span(row) -> seconds, how, stretch or None): what a compute op of the recorded steps costs, as the twin counts
     it. Where bench recorded on-CPU times (`cpu_s`): the op's on-CPU time x the stretch of all the
     recorded steps with this many ranks (their compute ops' summed span over summed on-CPU time: the
     rate at which a rank's compute progresses while `ranks` ranks share the cores, as a fluid).
@@ -499,11 +503,11 @@ def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
     timed = [row for row in comp if "cpu_s" in row]
     cpu = sum(row["cpu_s"] for row in timed)
     if not comp or len(timed) < len(comp) or cpu <= 0:
-        return (lambda row: row["seconds"]), "spans (no on-CPU times recorded)"
+        return (lambda row: row["seconds"]), "spans (no on-CPU times recorded)", None
     stretch = max(1.0, sum(row["seconds"] for row in timed) / cpu)
     return ((lambda row: row["cpu_s"] * stretch if "cpu_s" in row else row["seconds"]),
             f"on-CPU time x stretch {stretch:.3f} (summed span over summed on-CPU time of the {len(timed)} "
-            f"compute ops recorded with {ranks} rank(s))")
+            f"compute ops recorded with {ranks} rank(s))", stretch)
 
 
 def _cost_roles(run: dict) -> dict[str, str]:

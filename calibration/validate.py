@@ -290,6 +290,10 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 "cpu_source": got["cpu_source"],
                 # wall over on-CPU time of each rank's compute ops (1: a core to itself), median over ranks
                 "stretch": statistics.median(got["stretch"].values()) if got["stretch"] else None,
+                # the stretch the profile's compute op times hold (measured by bench's recorded steps
+                # with this many ranks; None where not measured): compute ops come out about
+                # stretch_profile / stretch of the measured, whatever their on-CPU cost
+                "stretch_profile": study.kernels.profile.stretch or None,
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,
                 "by_kind": per_kind},

@@ -175,11 +175,13 @@ def test_in_training_ops_are_on_cpu_time_times_the_pooled_stretch(tmp_path):
     ew = Op(1, "ew", "elementwise", "compute", bytes=1 << 20, role="gelu")
     assert km.kernel_time(ew) == pytest.approx((2e-5 + (1 << 20) / 2e9) * stretch, rel=1e-3)
     assert "on-CPU time x stretch" in prof.sources["node_share[0].compute_contention"]
+    assert prof.stretch == pytest.approx(stretch, rel=1e-5) and "on-CPU" in prof.sources["node_share[0].stretch"]
     # without cpu_s (files before bench recorded it): the spans, the slow one's median away
     spans = load_profile(str(_written_fit(tmp_path, {**data, "steps": [
         {k: v for k, v in row.items() if k != "cpu_s"} for row in data["steps"]]}, "spans"))).for_ranks(2)
     assert KernelModel(spans, tuning=False).kernel_time(gemm) == pytest.approx(1.5 * g, rel=1e-3)
     assert "spans (no on-CPU times recorded)" in spans.sources["node_share[0].compute_contention"]
+    assert spans.stretch == 0
 
 
 def test_the_roofline_gemm_rate_is_the_measured_square_gemm(tmp_path):
@@ -323,6 +325,7 @@ def test_the_loop_end_to_end(tmp_path):
         assert run["ops"]["matched"] > 20 and run["memory"]["measured_bytes"] > 0
         assert abs(run["memory"]["error"]) < 0.03, (run["grid"], run["memory"])
         assert run["ops"]["cpu_source"] == "recorded (cpu_us)" and run["ops"]["stretch"] >= 1
+        assert run["ops"]["stretch_profile"] >= 1  # bench recorded on-CPU times: the profile holds its stretch
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")

@@ -60,6 +60,10 @@ class NodeShare:
     # a collective progresses at this share of its rate while its rank's compute runs (fitted from
     # the recorded training steps: gloo's threads and the compute share the cores; 1: not measured)
     comm_share: float = 1.0
+    # how much longer than their on-CPU time the compute ops of the recorded steps took (summed span
+    # over summed on-CPU time: the rank's fluid share of the cores, inverted), which the in-training
+    # op times hold (0: not measured)
+    stretch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class Profile:
     collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
     comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
+    stretch: float = 0.0  # compute ops' span over on-CPU time that the in-training op times hold (CPU; 0: none)
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -187,7 +192,7 @@ class Profile:
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
                       collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
-                      comm_share=share.comm_share)
+                      comm_share=share.comm_share, stretch=share.stretch)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
@@ -286,7 +291,9 @@ def load_profile(name_or_path: str) -> Profile:
                                   for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0))),
                                 _axis_slowdown(path, where, row.get("axis_slowdown"), sources),
                                 _value(path, f"{where}.comm_share", row["comm_share"], sources)
-                                if "comm_share" in row else 1.0))
+                                if "comm_share" in row else 1.0,
+                                _value(path, f"{where}.stretch", row["stretch"], sources)
+                                if "stretch" in row else 0.0))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"
