@@ -311,7 +311,10 @@ def test_the_loop_end_to_end(tmp_path):
     from torch's memory tracker (-10 % on 2x1x1x1 before the fp32 peak was modelled as measured), so it
     must stay within 3 %; every compute span carries its on-CPU time. Iteration times swing 10x with the
     machine's load (0.05-0.5 s per step for the same run): the predicted/measured ratio was 0.013-0.43,
-    so only a broken unit (ms for s: 1000x) is caught, by a bound of 1/200 to 10."""
+    and 2.3-10.7 once bench's in-training op times spread the steps' descheduling over their ops
+    (on-CPU time x stretch: 3.4 on 2x1x1x1 at load 8-10, where a quiet machine gives 1.04 and a typical
+    op's span is 1.02 of its on-CPU time), so only a broken unit (ms for s: 1000x) is caught, by a
+    bound of 1/200 to 50."""
     out = tmp_path / "loop"
     r = subprocess.run([sys.executable, "benchmarks/bench_validate.py", "--ci", "--out", str(out),
                         "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600,
@@ -321,7 +324,7 @@ def test_the_loop_end_to_end(tmp_path):
     assert {run["grid"] for run in rep["runs"]} == {"2x1x1x1", "1x1x1x2"}
     for run in rep["runs"]:
         ratio = run["iteration"]["predicted_s"] / run["iteration"]["measured_s"]
-        assert 1 / 200 < ratio < 10, (run["grid"], ratio)
+        assert 1 / 200 < ratio < 50, (run["grid"], ratio)
         assert run["ops"]["matched"] > 20 and run["memory"]["measured_bytes"] > 0
         assert abs(run["memory"]["error"]) < 0.03, (run["grid"], run["memory"])
         assert run["ops"]["cpu_source"] == "recorded (cpu_us)" and run["ops"]["stretch"] >= 1
