@@ -103,5 +103,30 @@ def test_rates_equal_the_definition_exactly():
         caps = np.where(rng.random(n_flows) < 0.3, rng.choice([0.5, 1.0, 1.5], n_flows), np.inf)
         if i % 3 == 0:  # every flow capped: often below every link's share (the one-round shortcut)
             caps = rng.choice([0.005, 0.01, 0.02] if i % 2 else [0.01, 0.02, 0.3], n_flows)
+        elif i % 3 == 1:  # most flows at one cap, some tight links (the first round's split)
+            caps = np.where(rng.random(n_flows) < 0.8, rng.choice([0.02, 0.1]), rng.choice([np.inf, 0.01]))
+            if i % 2:
+                cap[rng.integers(0, n_links, 3)] = 0.05
         want = _max_min_by_definition(paths, cap, caps)
         assert np.array_equal(max_min_rates(paths, cap, caps), want)
+
+
+def test_rates_equal_the_definition_with_most_flows_at_one_cap():
+    """Collectives' shape: many sub-flows at one cap over roomy links (the first round settles them
+    without working each out), a few uncapped flows alone on tight links, some capped flows crossing
+    a tight link too."""
+    rng = np.random.default_rng(11)
+    for i in range(40):
+        tight, roomy = int(rng.integers(1, 8)), int(rng.integers(5, 30))
+        cap = np.concatenate([rng.choice([1.0, 2.0, 3.0], tight), rng.uniform(50, 100, roomy)])
+        paths = [rng.choice(roomy, size=int(rng.integers(1, 5)), replace=False) + tight
+                 for _ in range(int(rng.integers(10, 80)))]
+        caps = [0.5] * len(paths)
+        for _ in range(int(rng.integers(1, 12))):   # uncapped flows on one tight link
+            paths.append(np.array([rng.integers(0, tight)]))
+            caps.append(np.inf)
+        for _ in range(int(rng.integers(0, 3)) if i % 2 else 0):   # capped flows across a tight link
+            paths.append(np.array([rng.integers(0, tight), tight + rng.integers(0, roomy)]))
+            caps.append(rng.choice([0.5, 0.2]))
+        caps = np.array(caps)
+        assert np.array_equal(max_min_rates(paths, cap, caps), _max_min_by_definition(paths, cap, caps))

@@ -114,26 +114,31 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     lk = local[links]                                  # local link id of each of their entries
     cnt = per_link[used]                               # unfrozen flows per link (first round)
     starts = ptr[:-1][flows]                           # first entry of each flow (first round)
+    first = True
     while len(flows):
         if starts is None:
             starts = np.zeros(len(flows), dtype=np.int64)
             np.cumsum(flen[:-1], out=starts[1:])
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
-        # per flow: smallest share on its path (and its own cap)
-        share_e = share[lk]
-        fmin = np.minimum(np.minimum.reduceat(share_e, starts), fcap)
-        capped = fcap <= fmin * tol
-        if capped.all():  # every flow at its own cap: the last round, no bottleneck to find
-            rate[flows] = fmin
-            break
-        # a link is a bottleneck if its share is at most tol x the smallest fmin of its flows, that
-        # is (rounding is monotone) if no flow on it has tol x fmin below the link's share
-        fmin_e = np.repeat(fmin, flen)
-        slower = np.zeros(U, dtype=bool)
-        slower[lk[share_e > fmin_e * tol]] = True
-        bottleneck = (cnt > 0) & ~slower
-        hit = np.maximum.reduceat(bottleneck[lk], starts) | capped
+        split = _first_round_split(share, lk, starts, flen, fcap, cnt, tol) if first else None
+        first = False
+        if split is not None:
+            fmin, hit = split
+        else:
+            # per flow: smallest share on its path (and its own cap)
+            share_e = share[lk]
+            fmin = np.minimum(np.minimum.reduceat(share_e, starts), fcap)
+            capped = fcap <= fmin * tol
+            if capped.all():  # every flow at its own cap: the last round, no bottleneck to find
+                rate[flows] = fmin
+                break
+            # a link is a bottleneck if its share is at most tol x the smallest fmin of its flows, that
+            # is (rounding is monotone) if no flow on it has tol x fmin below the link's share
+            slower = np.zeros(U, dtype=bool)
+            slower[lk[share_e > np.repeat(fmin * tol, flen)]] = True
+            bottleneck = (cnt > 0) & ~slower
+            hit = np.maximum.reduceat(bottleneck[lk], starts) | capped
         if not hit.any():  # numerical safety: freeze the globally tightest flows
             hit = fmin <= fmin.min() * tol
         if not hit.any():  # cannot happen with valid inputs; never spin
@@ -143,7 +148,7 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
             break
         rate[flows[hit]] = fmin[hit]
         done_e = np.repeat(hit, flen)
-        rem -= np.bincount(lk[done_e], weights=fmin_e[done_e], minlength=U)
+        rem -= np.bincount(lk[done_e], weights=np.repeat(fmin[hit], flen[hit]), minlength=U)
         np.maximum(rem, 0.0, out=rem)
         keep, keep_e = ~hit, ~done_e
         flows, flen, fcap, lk = flows[keep], flen[keep], fcap[keep], lk[keep_e]
@@ -154,3 +159,40 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
             local[left] = np.arange(len(left))
             lk, rem, cnt, U = local[lk], rem[left], cnt[left], len(left)
     return rate
+
+
+def _first_round_split(share, lk, starts, flen, fcap, cnt, tol):
+    """(fmin, hit) of progressive filling's first round, as the round computes them, working out in
+    full only the flows that cross a link whose share is below the largest finite cap. The others
+    (`easy`: a finite cap and every link's share at least the largest one) have fmin = their cap and
+    are capped; on each link they share, they make it no bottleneck exactly when share > cap x tol,
+    which with one cap for all of them is a test per link (the counts of the others give which
+    links carry them). None where that does not hold or pays (fewer than half the flows easy)."""
+    finite = np.isfinite(fcap)
+    if not finite.any():
+        return None
+    top = fcap[finite].max()
+    easy = np.minimum.reduceat((share >= top)[lk], starts) & finite   # every link of the path free
+    if 2 * np.count_nonzero(easy) < len(fcap):
+        return None
+    c = fcap[easy]
+    if not (c == c[0]).all():
+        return None
+    hard = ~easy
+    fmin, hit = fcap.copy(), easy.copy()
+    slower = np.zeros(len(share), dtype=bool)
+    lk_h = lk[np.repeat(hard, flen)]                 # the entries of the other flows, in order
+    if len(lk_h):
+        flen_h, fcap_h = flen[hard], fcap[hard]
+        starts_h = np.zeros(len(flen_h), dtype=np.int64)
+        np.cumsum(flen_h[:-1], out=starts_h[1:])
+        share_e = share[lk_h]
+        fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
+        fmin[hard] = fmin_h
+        slower[lk_h[share_e > np.repeat(fmin_h * tol, flen_h)]] = True
+    # links that carry an easy flow (cap c[0], fmin = c[0]): slower where share > c[0] x tol
+    slower |= (cnt > np.bincount(lk_h, minlength=len(share))) & (share > c[0] * tol)
+    if len(lk_h):
+        bottleneck = (cnt > 0) & ~slower
+        hit[hard] = np.maximum.reduceat(bottleneck[lk_h], starts_h) | (fcap_h <= fmin_h * tol)
+    return fmin, hit
