@@ -112,3 +112,12 @@ def test_one_peak_per_machine():
     other = dataclasses.replace(cpu, gpu=dataclasses.replace(cpu.gpu, peak_flops=2 * cpu.gpu.peak_flops))
     with pytest.raises(TwinError, match="one machine has one peak"):
         prepare(other)
+
+
+def test_profile_for_gpu_reads_the_heads_as_the_whole_files_say():
+    """profile_for_gpu chooses from each file's top-level keys; the choice equals the loaded files'."""
+    for name in list_profiles():
+        whole = load_profile(name)
+        assert profile_for_gpu(whole.name).name == whole.name
+        for alias in whole.gpus:
+            assert alias in profile_for_gpu(alias.upper()).gpus

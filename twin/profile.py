@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import tomllib
+
 from topologies.datafile import read_spec, shipped
 from twin.common import TwinError
 from twin.schema import PROFILE, check
@@ -361,13 +363,29 @@ def list_profiles() -> list[str]:
 def profile_for_gpu(gpu_name: str) -> Profile:
     """The profile whose `gpus` list names this GPU (case-insensitive; also matched as a substring)."""
     key = gpu_name.lower().strip()
-    profiles = [load_profile(n) for n in list_profiles()]
-    for p in profiles:
-        if key == p.name or key in p.gpus:
-            return p
+    aliases = {n: _names_of(n) for n in list_profiles()}
+    for n, (name, gpus) in aliases.items():
+        if key == name or key in gpus:
+            return load_profile(n)
     # longest alias contained in the name wins ("AMD Instinct MI250X GCD" -> mi250x)
-    best = max(((len(a), p) for p in profiles for a in p.gpus if a in key), default=None, key=lambda t: t[0])
+    best = max(((len(a), n) for n, (_, gpus) in aliases.items() for a in gpus if a in key), default=None,
+               key=lambda t: t[0])
     if best is None:
         raise TwinError(f"no kernel profile for GPU {gpu_name!r}: add a `profile` key to the system file "
                         f"or a profile under calibration/profiles/ (have: {', '.join(list_profiles())})")
-    return best[1]
+    return load_profile(best[1])
+
+
+def _names_of(file: str) -> tuple[str, tuple[str, ...]]:
+    """The `name` and `gpus` of a shipped profile, read from its top-level keys only (the text before
+    its first table), so that choosing a profile does not parse every fitted table (cpu.toml: ~190 kB).
+    A file whose head does not parse is loaded whole, which says what is wrong with it."""
+    text = (PROFILES_DIR / f"{file}.toml").read_text()
+    cut = text.find("\n[")
+    try:
+        head = tomllib.loads(text if cut < 0 else text[:cut + 1])
+        gpus = head.get("gpus", [])
+        return str(head.get("name", file)), tuple(str(g).lower() for g in gpus)
+    except (tomllib.TOMLDecodeError, TypeError):
+        p = load_profile(file)
+        return p.name, p.gpus
