@@ -37,8 +37,14 @@ RATE_ROUNDING = 1 + 1e-9  # the rate bound is raised by this much, so that float
 def phase_bounds(model, rings: np.ndarray) -> tuple[float, float]:
     """(upper bound on the bus rate in bytes/s, lower bound on the step latency alpha in s) of flat
     rings over the rows of `rings` (machine-wide GPU ids) on `model`'s machine, all rings at once."""
-    src, dst, sv, dv, _, weight, cap = model._ring_channels(rings)
     net, gpn = model.net, model.system.gpus_per_node
+    # Only the rings through the first node they use: any subset of the flows gives a bound (on a
+    # link, a subset's rates sum to at most its capacity too; a max over fewer flows is smaller), and
+    # these are exact where the rings repeat node by node (contiguous placement: the rings through
+    # one node fill its NICs as the rings through any other node fill theirs).
+    node = rings // gpn
+    rings = rings[(node == node.min()).any(axis=1)]
+    src, dst, sv, dv, _, weight, cap = model._ring_channels(rings)
     w = np.asarray(weight, dtype=float)
     n = len(src)
     cross = (src // gpn) != (dst // gpn)
