@@ -496,8 +496,8 @@ def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
     next one short, and each grid's steps time-slice their own way (8 ranks: a stretch of 1.9-3.1
     in the 35 runs of cpu-2026-12-01c); one op's span from one grid's steps then sets its shape's
     rate for every grid. Fitted from those runs' traces of the 13 benched grids (in place of their
-    bench steps; benchmarks/cpu_op_points.py), the 35 runs' per-op median |error| is 16 % (23
-    within 20 %) this way against 29 % (8) from the spans, 19 % against 30 % on the 22 grids not
+    bench steps; benchmarks/cpu_op_points.py), the 35 runs' per-op median |error| is 17 % (24
+    within 20 %) this way against 27 % (8) from the spans, 18 % against 30 % on the 22 grids not
     benched. Files without cpu_s: the spans."""
     comp = [row for _, row in rows if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     timed = [row for row in comp if "cpu_s" in row]
