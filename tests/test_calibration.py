@@ -53,8 +53,9 @@ def test_fitted_profile_drives_the_twin(tmp_path):
     assert prof.ranks == 2 and prof.activation_bytes == 4
     assert prof.launch_s == pytest.approx(3e-5) and prof.hbm_bandwidth == pytest.approx(1e10, rel=1e-3)
     assert prof.overlap_slowdown == pytest.approx(1.2)
-    # attention efficiency of the base profile's per-rank peak (41.6e9): 0.25 * 2.08e9 / 41.6e9 in 1 ms
-    assert prof.attention_fwd_efficiency == pytest.approx(0.0125) and prof.attention_bwd_efficiency == pytest.approx(0.005)
+    # attention efficiency of the base profile's per-rank peak (64e9): 0.25 * 2.08e9 / 64e9 in 1 ms
+    assert prof.attention_fwd_efficiency == pytest.approx(0.008125)
+    assert prof.attention_bwd_efficiency == pytest.approx(0.005 * 41.6 / 64)
     table = prof.collectives()
     # a non-data payload counted at 2 bytes per element travels at 4 on an fp32 CPU
     assert table.time("all_reduce", "x", 2, 1 << 19) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
@@ -190,7 +191,7 @@ def test_the_roofline_gemm_rate_is_the_measured_square_gemm(tmp_path):
     peak (which stays the system's); the source names the file and what one rank alone reached."""
     prof = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "square")))
     assert prof.gemm_flops == pytest.approx(2.0 * 64 ** 3 / 1e-4, rel=1e-5)
-    assert prof.peak_flops == 41.6e9 and "64^3 NN GEMM" in prof.sources["gemm_flops"]
+    assert prof.peak_flops == 64e9 and "64^3 NN GEMM" in prof.sources["gemm_flops"]
     alone = {**copy.deepcopy(MEASUREMENT), "grid": "1x1x1x1", "ranks": 1, "ranks_per_node": 1, "collectives": [],
              "gemm": [{"m": 64, "n": 64, "k": 64, "layout": "NN", "seconds": 2e-5}]}
     path = tmp_path / "both.toml"
