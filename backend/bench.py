@@ -53,7 +53,7 @@ from twin.common import TwinError
 from twin.grid import AXES, Grid
 from twin.model import load_model
 from twin.program import Options, build_program
-from twin.trace import Span
+from twin.trace import Span, covered_share
 
 LAYOUTS = ("NN", "NT", "TN")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -154,23 +154,6 @@ def bench_ops(dtype: torch.dtype, device: torch.device, min_time_s: float = 0.2)
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
-
-def _covered(span, others) -> float:
-    """Fraction of `span`'s duration during which one of the spans `others` was running."""
-    if span.duration_s <= 0:
-        return 0.0
-    a, b = span.start_s, span.start_s + span.duration_s
-    ivs = sorted((max(a, o.start_s), min(b, o.start_s + o.duration_s)) for o in others
-                 if o.start_s < b and o.start_s + o.duration_s > a)
-    covered, end = 0.0, a
-    for lo, hi in ivs:
-        lo = max(lo, end)
-        if hi > lo:
-            covered += hi - lo
-            end = hi
-    return covered / span.duration_s
-
-
 WARMUP_STEPS = 2  # steps before the recorded ones: as many as validation leaves out of a run (calibration/validate.py)
 
 
@@ -232,7 +215,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
         for a, b in zip(comp, comp[1:]):
             gap = max(0.0, b.start_s - (a.start_s + a.duration_s))
             gaps.append(gap)
-            if gap > 0 and _covered(Span(ctx.rank, "gap", "gap", "compute", a.start_s + a.duration_s, gap), colls) == 0:
+            if gap > 0 and covered_share(Span(ctx.rank, "gap", "gap", "compute", a.start_s + a.duration_s, gap), colls) == 0:
                 free.append(gap)
             # the collective that completed last inside the gap is the one the compute op waited for
             done = [c for c in colls if a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s]
@@ -243,7 +226,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             per_op.setdefault(sp.name, []).append(sp.duration_s)
             if "cpu_us" in sp.args:
                 per_cpu.setdefault(sp.name, []).append(sp.args["cpu_us"] / 1e6)
-            cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else _covered(sp, colls))
+            cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else covered_share(sp, colls))
             if sp.kind in COLLECTIVE_KINDS:
                 wake.setdefault(sp.name, []).append(waited.get(sp.name, 0.0))
     net.recorder = NULL_RECORDER

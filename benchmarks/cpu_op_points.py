@@ -32,25 +32,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def covered(span, others) -> float:
-    """Share of `span` during which one of `others` ran (as backend.bench._covered, without torch)."""
-    a, b = span.start_s, span.start_s + span.duration_s
-    if b <= a:
-        return 0.0
-    ivs = sorted((max(a, o.start_s), min(b, o.start_s + o.duration_s)) for o in others
-                 if o.start_s < b and o.start_s + o.duration_s > a)
-    total, end = 0.0, a
-    for lo, hi in ivs:
-        lo = max(lo, end)
-        if hi > lo:
-            total, end = total + hi - lo, hi
-    return total / (b - a)
-
-
 def rewrite(bench: dict, run_dir: Path, with_cpu: bool) -> dict:
     """`bench` with its compute step rows measured in the run at `run_dir` instead."""
     from calibration.validate import COLLECTIVES
-    from twin.trace import read_trace
+    from twin.trace import covered_share, read_trace
     spans = read_trace(run_dir / "trace")
     per: dict[str, list[tuple[float, float, float]]] = {}
     for rank in {s.rank for s in spans}:
@@ -59,7 +44,7 @@ def rewrite(bench: dict, run_dir: Path, with_cpu: bool) -> dict:
         for s in mine:
             if s.kind not in COLLECTIVES:
                 cpu = min(s.args.get("cpu_us", s.duration_s * 1e6) / 1e6, s.duration_s)
-                per.setdefault(s.name, []).append((s.duration_s, cpu, covered(s, colls)))
+                per.setdefault(s.name, []).append((s.duration_s, cpu, covered_share(s, colls)))
     rows = []
     for row in bench["steps"]:
         row = {k: v for k, v in row.items() if k != "cpu_s"}

@@ -68,6 +68,21 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = ("ring", "hierarchical")
 
 
+def ring_phases_time(kind: str, nbytes: float, rates, alphas, sizes) -> float:
+    """Seconds of a ring collective of `nbytes` run as phases of rings (one phase for a flat ring;
+    inner then across-node for a hierarchical one): phase i has rings of sizes[i] members, bus rate
+    rates[i] (bytes/s) and per-step latency alphas[i] (s). An all-reduce makes two passes."""
+    mult = 2.0 if kind == "all_reduce" else 1.0
+    latency, transfer, data = 0.0, 0.0, float(nbytes)
+    for rate, alpha, q in zip(rates, alphas, sizes):
+        latency += mult * (q - 1) * alpha
+        # phases are pipelined chunk by chunk (the library's tree/hierarchical algorithms stream
+        # the inner and outer stages concurrently): the slowest phase's transfer sets the pace
+        transfer = max(transfer, mult * (q - 1) / q * data / rate)
+        data /= q  # the next (across-node) phase carries 1/q of the data per ring
+    return latency + transfer
+
+
 class _FlowSet:
     """Flows of one step of a set of rings, with how to turn flow rates into each ring's bus rate.
     A flow may be carried by several sub-flows (`parent` maps sub-flow -> flow) on different paths."""
@@ -325,15 +340,7 @@ class CollectiveModel:
         algorithm = self._algorithm(axis, algorithm)
         rates = self._bus_rates(axes, algorithm)[axis]
         _, alphas, sizes = self._phases(axis, algorithm)
-        mult = 2.0 if kind == "all_reduce" else 1.0
-        latency, transfer, data = 0.0, 0.0, float(nbytes)
-        for rate, alpha, q in zip(rates, alphas, sizes):
-            latency += mult * (q - 1) * alpha
-            # phases are pipelined chunk by chunk (the library's tree/hierarchical algorithms stream
-            # the inner and outer stages concurrently): the slowest phase's transfer sets the pace
-            transfer = max(transfer, mult * (q - 1) / q * data / rate)
-            data /= q  # the next (across-node) phase carries 1/q of the data per ring
-        return latency + transfer
+        return ring_phases_time(kind, nbytes, rates, alphas, sizes)
 
     # -- public API -------------------------------------------------------------------------------
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset[str] = frozenset()) -> float:

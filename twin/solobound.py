@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from topologies.network import GLOBAL, LOCAL
+from twin.collectives import ring_phases_time
 
 RATE_ROUNDING = 1 + 1e-9  # the rate bound is raised by this much, so that float rounding keeps it above the routed rate
 
@@ -126,13 +127,7 @@ class SoloBound:
 
     def _ring_time(self, kind: str, axis: str, nbytes: float, algorithm: str) -> float:
         rates, alphas, sizes = self._phases(axis, algorithm)
-        mult = 2.0 if kind == "all_reduce" else 1.0
-        latency, transfer, data = 0.0, 0.0, float(nbytes)
-        for rate, alpha, q in zip(rates, alphas, sizes):
-            latency += mult * (q - 1) * alpha
-            transfer = max(transfer, mult * (q - 1) / q * data / rate)
-            data /= q
-        return latency + transfer
+        return ring_phases_time(kind, nbytes, rates, alphas, sizes)
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
         key = (kind, axis, nbytes)

@@ -59,6 +59,22 @@ class Span:
     args: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def covered_share(span: Span, others: list[Span]) -> float:
+    """Fraction (0-1) of `span`'s duration during which one of the spans `others` was running."""
+    if span.duration_s <= 0:
+        return 0.0
+    a, b = span.start_s, span.start_s + span.duration_s
+    ivs = sorted((max(a, o.start_s), min(b, o.start_s + o.duration_s)) for o in others
+                 if o.start_s < b and o.start_s + o.duration_s > a)
+    covered, end = 0.0, a
+    for lo, hi in ivs:
+        lo = max(lo, end)
+        if hi > lo:
+            covered += hi - lo
+            end = hi
+    return min(1.0, covered / span.duration_s)  # start + duration - start may round above duration
+
+
 def op_args(op: Op) -> dict:
     """The args of an op's trace event: what identifies it across twin and backend."""
     return span_args(op.kind, op.stream, op.index, op.axis, op.bytes, op.m, op.n, op.k, op.layout, op.flops)
