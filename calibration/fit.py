@@ -267,7 +267,10 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                                                       f"({len(over)} axes, at least 1), {src}") if over
                                                else "no overlap measured with this many ranks: 1"),
                 "compute_scale = " + _compute_scale(square, ranks, most, src)]
-                + ([_host_line(hosts, src)] if hosts else [])
+                # the executor's host runs the compute ops on CPU only: the twin then charges host time
+                # per op and issues collectives in program order (twin.program.host_ordered); a GPU's
+                # host launches ahead of its kernels, so its gaps are no cost of the ops
+                + ([_host_line(hosts, src)] if hosts and devices == {"cpu"} else [])
                 + _attention(group, ranks, base_data["peak_flops"]["value"], _scale_value(square, ranks, most), src)
                 + [""]))
         for r in group:
