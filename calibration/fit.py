@@ -81,6 +81,11 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MODELED = ("gemm", "attention")  # compute kinds with their own microbenchmarked model
 COVERED = 0.5  # a compute op counts as overlapped when a collective ran during this share of its span
 
+# what the CPU executor does (the twin issues collectives in program order where a profile says so)
+HOST_ORDERED_SOURCE = ("executor: on a CPU the host is the device, and backend/executor.py runs each op of "
+                       "the program on it in program order: a collective is issued only once the compute op "
+                       "before it has run, and a compute op starts only after the host waited for the "
+                       "collectives issued before it that it needs (twin.program.host_ordered)")
 BASE_CPU = Path(__file__).resolve().parent / "base" / "cpu.toml"  # assumed CPU figures bench does not reach
 BASE_SCALARS = ("peak_flops", "gemm_flops", "compute_units", "tile_m", "tile_n", "k_half", "hbm_bandwidth",
                 "launch_s", "attention_fwd_efficiency", "attention_bwd_efficiency", "overlap_slowdown",
@@ -317,6 +322,9 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
         out.append(f'{key} = {{ NN = {e["NN"]}, NT = {e["NT"]}, TN = {e["TN"]}, source = "{_quote("base profile " + base_path.name + ": " + e.get("source", ""))}" }}')
     if first is not None:  # measured on CPU only: absent (0) elsewhere
         out += [ln for ln in first.splitlines() if ln.startswith("host_op_s =")]
+    if devices == {"cpu"}:
+        files = "; ".join(describe(r) for r in runs)
+        out.append(f'host_ordered = {{ value = true, source = "{_quote(HOST_ORDERED_SOURCE)}; measured on device cpu: {_quote(files)}" }}')
     out.append("")
     costs = _in_training(by_ranks, "\n".join(out + shares + gemms + colls), shares, share_at, fit, gemms)
     fit.toml = "\n".join(out + shares + gemms + colls + costs)

@@ -99,6 +99,48 @@ def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
     assert load_profile(str(gpu_path)).host_op_s == 0
 
 
+def test_program_order_issue_is_an_explicit_sourced_profile_field(tmp_path):
+    """The twin issues collectives in program order (twin.program.host_ordered) where the profile says
+    the executor's host runs each op in order (`host_ordered`, which calibration writes for CPU
+    measurements with its source), not wherever a host time per op happens to be measured."""
+    from twin.common import TwinError
+    from twin.grid import Grid
+    from twin.simulate import simulate_grid
+    from twin.study import prepare
+    data = copy.deepcopy(MEASUREMENT)
+    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
+                        "seconds": 2e-4, "mean_s": 3e-4})
+    cpu_path = tmp_path / "cpu-order.toml"
+    cpu_path.write_text(fit_profile([write(tmp_path, data)], "cpu-order").toml)
+    prof = load_profile(str(cpu_path))
+    assert prof.host_ordered and "backend/executor.py" in prof.sources["host_ordered"]
+    assert "m.json (testhost" in prof.sources["host_ordered"]
+    gpu = copy.deepcopy(data)
+    gpu["machine"]["device"] = "cuda:0"
+    gpu_path = tmp_path / "gpu-order.toml"
+    gpu_path.write_text(fit_profile([write(tmp_path, gpu, "g.json")], "gpu-order").toml)
+    assert not load_profile(str(gpu_path)).host_ordered
+    assert load_profile("cpu").host_ordered
+    for name in ("h200", "a100", "mi250x-gcd", "gh200"):
+        assert not load_profile(name).host_ordered
+    # the shipped CPU profile without the field: the same host time per op, collectives issued as
+    # soon as their inputs are ready, a different iteration
+    shipped = load_profile("cpu")
+    from twin.profile import PROFILES_DIR
+    text = (PROFILES_DIR / "cpu.toml").read_text()
+    free = tmp_path / "cpu-free.toml"
+    free.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("host_ordered =")))
+    assert not load_profile(str(free)).host_ordered and load_profile(str(free)).host_op_s == shipped.host_op_s
+    grid = Grid.parse("2x1x1x1")  # the x all-reduces wait for the host to reach them: 0.1125 s vs 0.1120 s
+    t = [simulate_grid(prepare("cpu", "gpt-tiny", 2, profile=p, gemm_tuning=False), grid).iteration_time_s
+         for p in ("cpu", str(free))]
+    assert t[0] != pytest.approx(t[1], rel=1e-6)
+    bad = tmp_path / "cpu-bad.toml"
+    bad.write_text(text.replace("host_ordered = { value = true", "host_ordered = { value = 1"))
+    with pytest.raises(TwinError, match="host_ordered"):
+        load_profile(str(bad))
+
+
 def _steps_rows(micro_gemm_s: float, iso_ar_s) -> list[dict]:
     """Recorded training-step rows: elementwise ops on a line (20 us + bytes / 2 GB/s), GEMMs 1.5x
     their microbenchmark time, x all-reduces 3x their time alone + 50 us (program bytes: 2 per element)."""

@@ -163,6 +163,10 @@ class Profile:
     # collective issues, measured by `backend bench`; 0 where not measured (GPU profiles: hidden
     # behind the asynchronous kernel queue)
     host_op_s: float = 0.0
+    # the executor's host runs each op in program order, so the twin issues collectives in program
+    # order too (twin.program.host_ordered): a CPU executor, whose host is the device; False where the
+    # host only launches kernels ahead of a device (GPU profiles)
+    host_ordered: bool = False
     op_cost: tuple[OpCost, ...] = ()  # measured costs of op kinds inside training (replace the roofline)
     compute_contention: float = 1.0   # GEMM and attention times x this (measured inside training)
     collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
@@ -266,6 +270,9 @@ def load_profile(name_or_path: str) -> Profile:
     kw = {k: _value(path, k, data[k], sources) for k in _SCALARS}
     if "host_op_s" in data:  # optional: measured on CPU only
         kw["host_op_s"] = _value(path, "host_op_s", data["host_op_s"], sources)
+    if "host_ordered" in data:  # optional: what the executor does (true for a CPU executor)
+        kw["host_ordered"] = data["host_ordered"]["value"]
+        sources["host_ordered"] = data["host_ordered"]["source"]
     for k in _INTS:
         kw[k] = int(kw[k])
     for k in ("layout_penalty", "layout_penalty_small"):

@@ -120,7 +120,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
     prog = program or program_for(study, grid)
-    if study.profile.host_op_s > 0:  # the host runs the ops: calibration fits host_op_s on CPU only
+    if study.profile.host_ordered:  # the executor's host runs each op in program order (CPU)
         prog = host_ordered(prog)
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
