@@ -4,7 +4,7 @@ import pytest
 
 from twin.common import TwinError
 from twin.grid import Grid
-from twin.search import Bandwidth, analytical, candidate_grids, rank_grids
+from twin.search import Bandwidth, analytical, candidate_grids, estimate_grids, rank_grids
 from twin.simulate import choose_grid, search
 from twin.study import prepare
 
@@ -57,9 +57,10 @@ def test_search_simulates_the_best_and_auto_picks_the_fastest():
     assert len(cands) >= 3 and all(c.simulated_s is not None for c in cands)
     assert all(c.bound_s <= c.simulated_s for c in cands[3:])  # simulated because they might be faster
     fastest = min(c.simulated_s for c in cands)
-    # the next SCAN grids of the ranking that it did not simulate cannot beat the fastest
+    # the grids of grid auto's pool (the top 3 + SCAN of the routing-free estimate) that it did not
+    # simulate cannot beat the fastest
     shown = {str(c.grid) for c in cands}
-    scanned = rank_grids(study, keep=3 + sim_mod.SCAN)[3:3 + sim_mod.SCAN]
+    scanned = estimate_grids(study)[:3 + sim_mod.SCAN]
     assert scanned and all(sim_mod.BOUND_SLACK * lower_bound(study, c.grid) >= fastest
                            for c in scanned if str(c.grid) not in shown)
     best, how = choose_grid(study, simulate_top=3)
@@ -85,6 +86,9 @@ def test_lower_bound_is_below_every_simulation(system, model, gpus, batch):
         cm = model_for(study, g)
         for (kind, axis, nbytes, conc), t in list(cm._times.items()):
             assert t >= cm.time(kind, axis, nbytes) * BOUND_SLACK * 0.9, (g, kind, axis, conc)
+    # grid auto (the top of the routing-free estimate, bounded) picks the fastest of every grid
+    fastest = min(grids, key=lambda g: (simulate_grid(study, g).iteration_time_s, str(g)))
+    assert str(choose_grid(study)[0].grid) == str(fastest)
 
 
 def test_nothing_fits_is_a_twin_error():

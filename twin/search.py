@@ -222,16 +222,9 @@ def _pairs(grids) -> set[tuple[int, int]]:
     return {(g.axis_size(a), g.stride(a)) for g in grids for a in AXES if g.axis_size(a) > 1}
 
 
-def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[Candidate]:
-    """The valid grids (power-of-two ones for a power-of-two GPU count) that fit in HBM, best analytical
-    estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound,
-    followed by every other valid grid with its optimistic bound (`exact` False), best bound first.
-
-    The real collective model is probed once per (group size, stride). With `keep`, every grid first
-    gets an optimistic estimate from probes that route nothing (twin.solobound: at least each
-    probe's bandwidths, at most its latency; the estimate only grows with times, so it is below the
-    exact one); exact probes are then made only for grids whose optimistic estimate beats the
-    `keep`-th best exact one so far, which finds the exact best `keep` of all grids."""
+def valid_grids(study: Study) -> list[Grid]:
+    """The grids that run the study (candidate_grids that check_grid accepts). Raises TwinError, saying
+    why, when none does."""
     valid, reasons = [], []
     for grid in candidate_grids(study.gpus):
         try:
@@ -246,6 +239,34 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
                             f"{study.system.name} within {study.system.gpu.hbm_bytes / 2**30:.0f} GiB per GPU "
                             "(the model does not fit: use more GPUs, micro-batches or a smaller batch)")
         raise TwinError(f"no grid of {study.gpus} GPUs can run {study.model.name}: {reasons[-1]}")
+    return valid
+
+
+def estimate_grids(study: Study, grids: list[Grid] | None = None) -> list[Candidate]:
+    """Every valid grid (or each of `grids`) with its optimistic analytical estimate, best first: the
+    analytical model on probes that route nothing (twin.solobound: at least each probe's bandwidths,
+    at most its latency; the estimate only grows with times, so it is at most the exact one). Each
+    Candidate has `exact` False. This is the order grid auto looks at grids in (twin.simulate)."""
+    grids = valid_grids(study) if grids is None else grids
+    optimistic = bandwidth_for(study, optimistic=True)
+    _probe_all(optimistic, _pairs(grids))
+    out = [analytical(study, g, optimistic) for g in grids]
+    for c in out:
+        c.exact = False
+    out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
+    return out
+
+
+def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[Candidate]:
+    """The valid grids (power-of-two ones for a power-of-two GPU count) that fit in HBM, best analytical
+    estimate first: all of them, or (with `keep`) at least the best `keep`, found by branch and bound,
+    followed by every other valid grid with its optimistic bound (`exact` False), best bound first.
+
+    The real collective model is probed once per (group size, stride). With `keep`, every grid first
+    gets an optimistic estimate (estimate_grids: below the exact one); exact probes are then made
+    only for grids whose optimistic estimate beats the `keep`-th best exact one so far, which finds
+    the exact best `keep` of all grids."""
+    valid = valid_grids(study)
     exact_bw = Bandwidth(study, collectives) if collectives is not None else bandwidth_for(study)
     if collectives is not None or keep is None:
         if collectives is None:
@@ -253,26 +274,28 @@ def rank_grids(study: Study, collectives=None, keep: int | None = None) -> list[
         out = [analytical(study, grid, exact_bw) for grid in valid]
         out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
         return out
-    optimistic = bandwidth_for(study, optimistic=True)
-    _probe_all(optimistic, _pairs(valid))
-    bounds = sorted(((analytical(study, g, optimistic), str(g)) for g in valid), key=lambda b: (b[0].analytical_s, b[1]))
+    bounds = estimate_grids(study, valid)
     out, i = [], 0
     while i < len(bounds):
         best = sorted(c.analytical_s for c in out)
         kth = best[keep - 1] if len(best) >= keep else math.inf
         batch = []
-        while i < len(bounds) and bounds[i][0].analytical_s <= kth and len(batch) < BRANCH_BATCH:
-            batch.append(bounds[i][0].grid)
+        while i < len(bounds) and bounds[i].analytical_s <= kth and len(batch) < BRANCH_BATCH:
+            batch.append(bounds[i].grid)
             i += 1
         if not batch:
             break
         _probe_all(exact_bw, _pairs(batch))
         out += [analytical(study, grid, exact_bw) for grid in batch]
     out.sort(key=lambda c: (c.analytical_s, str(c.grid)))
-    rest = [b[0] for b in bounds[i:]]
-    for c in rest:
-        c.exact = False
-    return out + rest
+    return out + bounds[i:]
+
+
+def exact_estimate(study: Study, grid: Grid) -> Candidate:
+    """The exact analytical estimate of one grid (its probes routed, kept for the process)."""
+    bw = bandwidth_for(study)
+    _probe_all(bw, _pairs([grid]))
+    return analytical(study, grid, bw)
 
 
 KEEP_GRIDS = 24  # programs and collective models kept: a search bounds up to 16 grids, then simulates some

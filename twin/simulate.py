@@ -3,7 +3,9 @@
 Pieces: the study (twin.study: system spec, model, kernel profile), the program of the grid
 (twin.program), the collective model (twin.collectives.CollectiveModel on the job's rank placement),
 and the engine (twin.engine). `--grid auto` ranks every valid grid with the analytical model of
-twin.search (`rank_grids`) and simulates the best few (`search`, `choose_grid` here).
+twin.search on routing-free probes (`estimate_grids`) and simulates the best few and any other of
+the top few that its lower bound does not rule out (`choose_grid` here); `search` ranks with the
+exact probes (`rank_grids`) for its table and then does the same.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import Candidate, lower_bound, model_for, program_for, quick_bounds, rank_grids, study_key
+from twin.search import (Candidate, estimate_grids, exact_estimate, lower_bound, model_for, program_for, quick_bounds,
+                         rank_grids, study_key)
 from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
@@ -59,19 +62,23 @@ def min_ops_per_rank(study: Study) -> int:
     return len(build_program(study.model, Grid(1, 1, 1, 1), study.options, study.batch, study.seq_len).ops)
 
 
-# After the analytical top `simulate_top`, the search bounds the next SCAN grids of the ranking from
-# below (twin.search.lower_bound: the grid's own collective model without the other axes' traffic,
-# compute without overlap slowdown, the longest path through the program) and simulates them in the
-# order of their bounds while BOUND_SLACK x a bound is below the fastest simulated time. The bound
-# would be exact if contention never sped a collective up; in the flow model it sometimes does (a
-# flow's sub-flows on adaptive paths: up to 7% on a data all-reduce with z running, Alps and
-# Perlmutter), so the exhaustive check (benchmarks/search_exhaustive.py: every valid grid of several
-# studies simulated) measures simulated / bound: at least 0.99956 over every grid of Frontier, Alps
-# and Perlmutter studies (1.0 on Frontier), the fastest grid at analytical rank 1 to 12, and the
-# grid chosen the fastest of all in every study. The slack is 4x the worst shortfall measured; SCAN
-# leaves room beyond rank 12. A grid's bound is first taken without routing (twin.search.quick_bound,
-# at most lower_bound: proved, and checked on every grid by the same benchmark); only grids that
-# bound does not rule out have their axes routed for lower_bound.
+# Grid auto looks at the analytical top simulate_top + SCAN of every valid grid, ranked by the
+# analytical model on routing-free probes (twin.search.estimate_grids: twin.solobound's bounds on
+# each probe, so no whole-machine probe is routed for ranking; the exact ranking of `twin search`
+# routes one per data-axis size, about 0.17 s each on Frontier). It simulates the best
+# `simulate_top`, bounds the others from below (twin.search.lower_bound: the grid's own collective
+# model without the other axes' traffic, compute without overlap slowdown, the longest path through
+# the program) and simulates them in the order of their bounds while BOUND_SLACK x a bound is below
+# the fastest simulated time. The bound would be exact if contention never sped a collective up; in
+# the flow model it sometimes does (a flow's sub-flows on adaptive paths: up to 7% on a data
+# all-reduce with z running, Alps and Perlmutter), so the exhaustive check
+# (benchmarks/search_exhaustive.py: every valid grid of several studies simulated) measures
+# simulated / bound: at least 0.99956 over every grid of Frontier, Alps and Perlmutter studies (1.0
+# on Frontier), and the grid chosen the fastest of all in every study, the fastest at rank 1 to 12
+# of the estimate. The slack is 4x the worst shortfall measured; SCAN leaves room beyond rank 12. A
+# grid's bound is first taken without routing (twin.search.quick_bound, at most lower_bound: proved,
+# and checked on every grid by the same benchmark); only grids that bound does not rule out have
+# their axes routed for lower_bound.
 SCAN = 16
 BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
@@ -155,29 +162,59 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
-    """Every valid grid ranked by the analytical model (twin.search.rank_grids); the best
-    `simulate_top` simulated; the next SCAN in the ranking bounded from below (twin.search.quick_bound,
-    then twin.search.lower_bound) and simulated in the order of their bounds while a bound is below
-    the fastest simulated time (the others cannot beat it). Returns the best `top` of the ranking and
-    any grid simulated beyond them, in ranking order."""
-    ranked = _search(study, top, simulate_top, collectives)
-    return ranked[:top] + [c for c in ranked[top:] if c.simulated_s is not None]
-
-
-def _search(study: Study, top: int, simulate_top: int, collectives) -> list[Candidate]:
-    """The ranking of `search`, its simulated grids with their results and its bounded ones with their bounds."""
-    scan = 0 if collectives is not None else SCAN
-    ranked = rank_grids(study, collectives, keep=max(top, simulate_top + scan))
-    head, pool = ranked[:simulate_top], ranked[simulate_top:simulate_top + scan]
+    """Every valid grid ranked by the analytical model (twin.search.rank_grids: the best `top` exactly),
+    the best `simulate_top` of them simulated; then grid auto's bound search (`_bound_search`) over
+    the analytical top simulate_top + SCAN of the routing-free estimate, with the fastest simulated
+    so far as the time to beat, so that search and grid auto find the same fastest grid. Returns the
+    best `top` of the ranking and any grid simulated beyond them (with its exact estimate), in
+    ranking order."""
+    ranked = rank_grids(study, collectives, keep=None if collectives is not None else top)
+    shown = ranked[:top]
     best = math.inf
-    for c in head:
+    for c in shown[:simulate_top]:
         best = min(best, _simulate(study, c, collectives))
-    # Best first: a grid's key is the largest lower bound the search has for it, first the one that
-    # routes nothing (quick_bound), then lower_bound (which routes the grid's axes) once the quick
-    # bound is the smallest key; a grid is simulated once its lower_bound is. The grids simulated,
-    # and their order, are those of simulating the pool in lower_bound order while a bound is below
-    # the fastest simulated time (quick_bound <= lower_bound), without routing the axes of grids
-    # whose quick bound already rules them out.
+    if collectives is not None:
+        return shown
+    done = {str(c.grid) for c in shown if c.simulated_s is not None}
+    pool = [c for c in estimate_grids(study)[:simulate_top + SCAN] if str(c.grid) not in done]
+    _bound_search(study, pool, best)
+    listed = {str(c.grid) for c in shown}
+    for c in pool:
+        if c.simulated_s is not None and str(c.grid) in listed:
+            twin = next(s for s in shown if str(s.grid) == str(c.grid))
+            twin.result, twin.simulated_s, twin.bound_s = c.result, c.simulated_s, c.bound_s
+    extra = []
+    for c in pool:
+        if c.simulated_s is not None and str(c.grid) not in listed:
+            e = exact_estimate(study, c.grid)
+            e.result, e.simulated_s, e.bound_s = c.result, c.simulated_s, c.bound_s
+            extra.append(e)
+    return shown + sorted(extra, key=lambda c: (c.analytical_s, str(c.grid)))
+
+
+def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
+    """The grids grid auto looks at: the analytical top simulate_top + SCAN by the routing-free estimate
+    (twin.search.estimate_grids; with a stand-in collective model, the top simulate_top of the exact
+    ranking), the best `simulate_top` simulated, the others through `_bound_search`."""
+    if collectives is not None:
+        looked = rank_grids(study, collectives)[:simulate_top]
+    else:
+        looked = estimate_grids(study)[:simulate_top + SCAN]
+    best = math.inf
+    for c in looked[:simulate_top]:
+        best = min(best, _simulate(study, c, collectives))
+    _bound_search(study, looked[simulate_top:], best)
+    return looked
+
+
+def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
+    """Simulate the grids of `pool` that could beat `best` (seconds), best bound first; returns the
+    fastest simulated time. Each grid's key is the largest lower bound the search has for it, first
+    the one that routes nothing (quick_bound), then lower_bound (which routes the grid's axes) once
+    the quick bound is the smallest key; a grid is simulated once its lower_bound is the smallest
+    key. The grids simulated are those of simulating the pool in lower_bound order while BOUND_SLACK x
+    a bound is below the fastest simulated time (quick_bound <= lower_bound), without routing the
+    axes of grids whose quick bound already rules them out."""
     queue = []
     for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):
         c.bound_s = bound
@@ -189,11 +226,11 @@ def _search(study: Study, top: int, simulate_top: int, collectives) -> list[Cand
             break  # neither this grid nor any with a larger bound can beat the fastest simulated grid
         c = pool[i]
         if exact:
-            best = min(best, _simulate(study, c, collectives))
+            best = min(best, _simulate(study, c, None))
         else:
             c.bound_s = lower_bound(study, c.grid)
             heapq.heappush(queue, (c.bound_s, name, True, i))
-    return ranked
+    return best
 
 
 def _simulate(study: Study, c: Candidate, collectives) -> float:
@@ -205,12 +242,12 @@ def _simulate(study: Study, c: Candidate, collectives) -> float:
 def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated (its Candidate, with its symmetric-mode
     result), and a line saying how it was chosen."""
-    ranked = _search(study, 1, simulate_top, collectives)
-    sims = [c for c in ranked if c.simulated_s is not None]
+    looked = _auto(study, simulate_top, collectives)
+    sims = [c for c in looked if c.simulated_s is not None]
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
-    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in ranked)
-    looked = simulate_top + (0 if collectives is not None else SCAN)
-    return best, (f"auto: fastest simulated of the analytical top {min(looked, len(ranked))} "
+    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in looked)
+    how = "" if collectives is not None else " (routing-free estimate)"
+    return best, (f"auto: fastest simulated of the analytical top {len(looked)}{how} "
                   f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)}"
                   + (f"; {bounded} more ruled out by their lower bound" if bounded else "") + ")")
 

@@ -70,9 +70,9 @@ def phase_bounds(model, rings: np.ndarray) -> tuple[float, float]:
         hop = b != t
         add(x[hop], net.gpu_link(b[hop], t[hop]))
     link, flow = np.concatenate(links), np.concatenate(flows)
-    share = np.bincount(link, weights=1.0 / w[flow], minlength=net.n_links)
-    used = np.flatnonzero(share)
-    rate = min(float((w * np.asarray(cap, dtype=float)).min()), float((model.capacity[used] / share[used]).min()))
+    used, on = np.unique(link, return_inverse=True)  # the links used (a machine has ~1e6: no array that long)
+    share = np.bincount(on, weights=1.0 / w[flow])
+    rate = min(float((w * np.asarray(cap, dtype=float)).min()), float((model.capacity[used] / share).min()))
     lat = np.bincount(flow, weights=net.latency[link], minlength=n)
     if len(x) and net.S:
         sa, sb = net.switch_of_nic(nic_a), net.switch_of_nic(nic_b)
