@@ -117,7 +117,7 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     first, _ = choose_grid(study)
     calls = []
     monkeypatch.setattr(sim_mod, "_simulate_grid", lambda *a, **k: calls.append("simulate"))
-    monkeypatch.setattr(search_mod, "critical_path_s", lambda *a, **k: calls.append("bound"))
+    monkeypatch.setattr(search_mod, "_path_ns", lambda *a, **k: calls.append("bound"))
     again, how = choose_grid(prepare("perlmutter", "gpt-1b", 16, batch=16))
     assert calls == [] and str(again.grid) == str(first.grid) and again.simulated_s == first.simulated_s
     cands = search(study, top=3, simulate_top=2)  # the same head and pool as grid auto: all kept

@@ -37,6 +37,7 @@ from typing import Callable
 
 from topologies.memo import digest
 from twin.common import TwinError
+from twin.engine import NS
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, linear_dims
@@ -420,21 +421,82 @@ def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> 
     if program_class(like) != program_class(grid) or like.z < grid.z:
         raise ValueError(f"grid {like} cannot stand for grid {grid} in a bound")
     prog = program_for(study, like)
-    km = study.kernels
+    compute_ns, collectives = _compute_ns(study, like, prog)
     none = frozenset()
-    slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
     scale = like.tensor_size, grid.tensor_size
+    ns = list(compute_ns)
+    times: dict[tuple, int] = {}
+    for i, kind, axis, nbytes, shard in collectives:
+        key = kind, axis, nbytes * scale[0] // scale[1] if shard else nbytes
+        t = times.get(key)
+        if t is None:
+            t = times[key] = int(model.time(*key, concurrent=none) * NS + 0.5)
+        ns[i] = t
+    shape = _shape(prog)
+    if shape is not None:
+        return _path_ns(shape, ns) / NS
+    # not in program order (an edited program): the engine handles any order
+    from twin.engine import simulate_program
+    durations = [t / NS for t in ns]
+    return simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
 
-    def nbytes(op) -> int:
-        return op.bytes * scale[0] // scale[1] if op.axis == "data" and op.weight != "norms" else op.bytes
 
-    durations = [model.time(op.kind, op.axis, nbytes(op), concurrent=none) if op.is_collective
-                 else slow * km.op_time(op) for op in prog.ops]
-    t = critical_path_s(prog, durations)
-    if t is None:  # not in program order (an edited program): the engine handles any order
-        from twin.engine import simulate_program
-        t = simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
-    return t
+_COMPUTE: dict[tuple[bytes, str], tuple] = {}
+
+
+def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple]]:
+    """For `_longest_path` on the grid's program: each op's least time in whole ns as the engine rounds
+    it (a compute op its time alone, collectives 0), and each collective as (index, kind, axis, bytes,
+    whether it is a data all-reduce of a gradient shard). Kept for the programs kept (program_for)."""
+    key = (study_key(study), str(grid))
+    hit = _COMPUTE.get(key)
+    if hit is not None and hit[0] is prog:
+        return hit[1], hit[2]
+    km = study.kernels
+    slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
+    ns = [0 if op.is_collective else int(slow * km.op_time(op) * NS + 0.5) for op in prog.ops]
+    colls = [(op.index, op.kind, op.axis, op.bytes, op.axis == "data" and op.weight != "norms")
+             for op in prog.ops if op.is_collective]
+    _COMPUTE[key] = (prog, ns, colls)
+    if len(_COMPUTE) > KEEP_GRIDS:
+        _COMPUTE.pop(next(iter(_COMPUTE)))
+    return ns, colls
+
+
+_SHAPES: dict[int, tuple] = {}
+
+
+def _shape(prog) -> tuple[list[int], list[tuple[int, ...]], int] | None:
+    """(stream number of each op, its deps, number of streams) of a program whose ops are in program
+    order (each dep an earlier op), else None. Kept for the last few programs."""
+    hit = _SHAPES.get(id(prog))
+    if hit is not None and hit[0] is prog:
+        return hit[1]
+    streams: dict[str, int] = {}
+    shape = ([streams.setdefault(op.stream, len(streams)) for op in prog.ops], [tuple(op.deps) for op in prog.ops],
+             0)
+    ok = all(op.index == i and all(d < i for d in op.deps) for i, op in enumerate(prog.ops))
+    shape = (shape[0], shape[1], len(streams)) if ok else None
+    _SHAPES[id(prog)] = (prog, shape)  # holds prog, so its id is not reused while kept
+    if len(_SHAPES) > KEEP_GRIDS:
+        _SHAPES.pop(next(iter(_SHAPES)))
+    return shape
+
+
+def _path_ns(shape, ns: list[int]) -> int:
+    """End of the last op (ns) when op i takes ns[i] whatever else runs: each op starts when its stream's
+    previous op and its deps are done (`shape`: see _shape)."""
+    stream, deps, n = shape
+    end = [0] * len(ns)
+    last = [0] * n
+    for i, s in enumerate(stream):
+        t = last[s]
+        for d in deps[i]:
+            if end[d] > t:
+                t = end[d]
+        t += ns[i]
+        end[i] = last[s] = t
+    return max(last, default=0)
 
 
 def critical_path_s(prog, durations: list[float]) -> float | None:
@@ -442,21 +504,7 @@ def critical_path_s(prog, durations: list[float]) -> float | None:
     when its stream's previous op and its deps are done, as in the engine's symmetric mode (times in
     whole nanoseconds, each duration rounded as the engine rounds it). None if a dep is not an
     earlier op (then program order is not an order the ops can run in)."""
-    from twin.engine import NS
-    end = [0] * len(prog.ops)
-    last: dict[str, int] = {}
-    finish = 0
-    for i, op in enumerate(prog.ops):
-        if op.index != i:
-            return None
-        t = last.get(op.stream, 0)
-        for d in op.deps:
-            if d >= i:
-                return None
-            if end[d] > t:
-                t = end[d]
-        t += int(durations[i] * NS + 0.5)
-        end[i] = last[op.stream] = t
-        if t > finish:
-            finish = t
-    return finish / NS
+    shape = _shape(prog)
+    if shape is None:
+        return None
+    return _path_ns(shape, [int(d * NS + 0.5) for d in durations]) / NS
