@@ -18,7 +18,9 @@ as exposed ranked grids whose y all-reduces cross nodes first, because the z tra
 hidden in the engine anyway: on 8,192 Frontier GCDs, gpt-80b, the top 3 simulated at 8.2-8.3 s
 while grids ranked tenth and below simulated at 6.7 s; docs/fidelity.md.) There is no contention
 between axes here (the engine has it). The estimate ranks grids; the engine then simulates the best
-few, and as many more as could still beat the fastest simulated (twin.simulate.search).
+few, and as many more as could still beat the fastest simulated (twin.simulate). Grid auto orders
+grids by the estimate on routing-free probes (`estimate_grids`), which needs no whole-machine probe
+routed; `twin search` ranks its table with the exact probes (`rank_grids`).
 
 Everything runs in this process: the collective model's routes and rates are memoised by content
 (topologies.memo), so probes share them with each other and with the simulations (the probe of
@@ -101,6 +103,7 @@ class Bandwidth:
         self.fixed = collectives  # a stand-in model used for every grid (tests)
         self.bound = bound        # probe twin.solobound's bounds instead: at least the bandwidths, at most the latency
         self._cache: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._machine: bytes | None = None
 
     def _probe(self, p: int, stride: int) -> tuple[float, float, float]:
         key = (p, stride)
@@ -112,7 +115,9 @@ class Bandwidth:
                 model = collective_model(self.study, grid)
                 if self.bound:
                     from twin.solobound import SoloBound
-                    model = SoloBound(model, _SOLO_PHASES, machine_key(self.study))
+                    if self._machine is None:  # the same for every study this is kept for (bandwidth_for)
+                        self._machine = machine_key(self.study)
+                    model = SoloBound(model, _SOLO_PHASES, self._machine)
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
             lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
             t_ar = model.time("all_reduce", axis, PROBE_BYTES, concurrent=frozenset())
