@@ -130,3 +130,34 @@ def test_rates_equal_the_definition_with_most_flows_at_one_cap():
             caps.append(rng.choice([0.5, 0.2]))
         caps = np.array(caps)
         assert np.array_equal(max_min_rates(paths, cap, caps), _max_min_by_definition(paths, cap, caps))
+
+
+def test_first_round_of_mostly_capped_flows_equals_the_definition():
+    """The first round worked out on the uncapped or tight flows only (twin.flows._first_round): links
+    that carry both flows frozen at their cap and flows frozen at a tight link's share, and flows left
+    for later rounds, must give exactly the definition's rates (sums in the same order)."""
+    rng = np.random.default_rng(13)
+    for i in range(60):
+        tight, roomy = int(rng.integers(2, 10)), int(rng.integers(8, 40))
+        cap = np.concatenate([rng.uniform(0.3, 3.0, tight), rng.uniform(20, 60, roomy)])
+        c = rng.choice([0.1, 1 / 3, 0.7])
+        paths, caps = [], []
+        for _ in range(int(rng.integers(40, 200))):    # easy: roomy links only, one cap
+            paths.append(rng.choice(roomy, size=int(rng.integers(1, 5)), replace=False) + tight)
+            caps.append(c)
+        for _ in range(int(rng.integers(1, 30))):      # hard: a tight link and roomy ones
+            k = int(rng.integers(1, 3))
+            paths.append(np.concatenate([rng.choice(tight, size=k, replace=False),
+                                         rng.choice(roomy, size=int(rng.integers(0, 3)), replace=False) + tight]))
+            caps.append(rng.choice([np.inf, c, 2 * c, 0.05]))
+        order = rng.permutation(len(paths))
+        paths, caps = [paths[j] for j in order], np.array(caps)[order]
+        assert np.array_equal(max_min_rates(paths, cap, caps), _max_min_by_definition(paths, cap, caps))
+    # a flow left for round 2 whose bottleneck then is a link where only capped flows froze: its
+    # rate is the capacity minus c + c + ... (k times, in turn), which k x c need not equal
+    for k in range(7, 40):
+        for c in (0.1, 1 / 3, 0.7):
+            cap = np.array([0.1 * c, 1.9 * c, (k + 1.5) * c, 1e3])   # T2, T, M, roomy
+            paths = [np.array([0, 1]), np.array([1, 2])] + [np.array([2])] * k + [np.array([3])] * (k + 2)
+            caps = np.array([np.inf, np.inf] + [c] * (2 * k + 2))
+            assert np.array_equal(max_min_rates(paths, cap, caps), _max_min_by_definition(paths, cap, caps))

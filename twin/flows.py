@@ -96,49 +96,54 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     rem = cap_link[used].copy()                        # remaining capacity of each used link
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
-    U = len(rem)
     tol = 1 + rtol
-    fcap = cap_flow[~empty]
-    if fcap.size and np.isfinite(top := fcap.max()) and (rem / per_link[used] >= top).all():
-        # every link's first fair share (the first round's, computed alike) is at least every
-        # flow's cap, so the first round freezes every flow at its own cap: rate = cap
-        rate[~empty] = fcap
+    flows = np.flatnonzero(~empty)                     # unfrozen flows
+    fcap = cap_flow[flows]
+    share = rem / per_link[used]                       # every used link's first fair share
+    if np.isfinite(top := fcap.max()) and (share >= top).all():
+        # every link's first fair share is at least every flow's cap, so the first round freezes
+        # every flow at its own cap: rate = cap
+        rate[flows] = fcap
         return rate
-    # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
-    local = np.empty(len(cap_link), dtype=np.int64)
-    local[used] = np.arange(len(used))
+    flen = lens[flows]                                 # their path lengths
+    starts = ptr[:-1][flows]                           # first entry of each flow (first round)
+    first = _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol)
+    if first is not None:
+        fmin, hit, rest = first
+        if rest is None:  # the first round froze every flow
+            rate[flows] = fmin
+            return rate
+        rate[flows[hit]] = fmin[hit]
+        keep, lk, rem, cnt = rest
+        flows, flen, fcap, starts = flows[keep], flen[keep], fcap[keep], None
+    else:
+        # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
+        local = np.empty(len(cap_link), dtype=np.int64)
+        local[used] = np.arange(len(used))
+        lk = local[links]                              # local link id of each entry
+        cnt = per_link[used]                           # unfrozen flows per link
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
-    flows = np.flatnonzero(~empty)                     # unfrozen flows
-    flen = lens[flows]                                 # their path lengths
-    lk = local[links]                                  # local link id of each of their entries
-    cnt = per_link[used]                               # unfrozen flows per link (first round)
-    starts = ptr[:-1][flows]                           # first entry of each flow (first round)
-    first = True
+    U = len(rem)
     while len(flows):
         if starts is None:
             starts = np.zeros(len(flows), dtype=np.int64)
             np.cumsum(flen[:-1], out=starts[1:])
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(cnt > 0, rem / np.maximum(cnt, 1), np.inf)
-        split = _first_round_split(share, lk, starts, flen, fcap, cnt, tol) if first else None
-        first = False
-        if split is not None:
-            fmin, hit = split
-        else:
-            # per flow: smallest share on its path (and its own cap)
-            share_e = share[lk]
-            fmin = np.minimum(np.minimum.reduceat(share_e, starts), fcap)
-            capped = fcap <= fmin * tol
-            if capped.all():  # every flow at its own cap: the last round, no bottleneck to find
-                rate[flows] = fmin
-                break
-            # a link is a bottleneck if its share is at most tol x the smallest fmin of its flows, that
-            # is (rounding is monotone) if no flow on it has tol x fmin below the link's share
-            slower = np.zeros(U, dtype=bool)
-            slower[lk[share_e > np.repeat(fmin * tol, flen)]] = True
-            bottleneck = (cnt > 0) & ~slower
-            hit = np.maximum.reduceat(bottleneck[lk], starts) | capped
+        # per flow: smallest share on its path (and its own cap)
+        share_e = share[lk]
+        fmin = np.minimum(np.minimum.reduceat(share_e, starts), fcap)
+        capped = fcap <= fmin * tol
+        if capped.all():  # every flow at its own cap: the last round, no bottleneck to find
+            rate[flows] = fmin
+            break
+        # a link is a bottleneck if its share is at most tol x the smallest fmin of its flows, that
+        # is (rounding is monotone) if no flow on it has tol x fmin below the link's share
+        slower = np.zeros(U, dtype=bool)
+        slower[lk[share_e > np.repeat(fmin * tol, flen)]] = True
+        bottleneck = (cnt > 0) & ~slower
+        hit = np.maximum.reduceat(bottleneck[lk], starts) | capped
         if not hit.any():  # numerical safety: freeze the globally tightest flows
             hit = fmin <= fmin.min() * tol
         if not hit.any():  # cannot happen with valid inputs; never spin
@@ -161,38 +166,83 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     return rate
 
 
-def _first_round_split(share, lk, starts, flen, fcap, cnt, tol):
-    """(fmin, hit) of progressive filling's first round, as the round computes them, working out in
-    full only the flows that cross a link whose share is below the largest finite cap. The others
-    (`easy`: a finite cap and every link's share at least the largest one) have fmin = their cap and
-    are capped; on each link they share, they make it no bottleneck exactly when share > cap x tol,
-    which with one cap for all of them is a test per link (the counts of the others give which
-    links carry them). None where that does not hold or pays (fewer than half the flows easy)."""
+def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol):
+    """Progressive filling's first round (as the loop of _max_min computes it) where most flows are
+    `easy`: a finite cap, the same for all of them, and every link of the path with a first fair
+    share (`share`, of the `used` links) at least the largest finite cap. An easy flow freezes at its
+    cap; on each link it crosses, it makes the link no bottleneck exactly when share > cap x tol,
+    which with one cap for all of them is a test per link. So only the other flows (`hard`) and the
+    links they cross are worked out entry by entry. The links of the flows left unfrozen get their
+    remaining capacity exactly as the loop's bincount gives it: capacity minus the frozen rates on
+    the link added up in entry order; where only easy flows froze there, that sum is c + c + ...
+    (a table by count), elsewhere the link's frozen entries are found and added in order.
+
+    Returns None where that does not hold or pays (fewer than half the flows easy, easy caps that
+    differ); else (fmin, hit, rest) over the flows: their first-round rate and whether they froze,
+    rest None when every flow froze, else (indices of the unfrozen flows, their entries' link ids
+    0..U-1, the remaining capacity of those U links, the unfrozen flows per link)."""
     finite = np.isfinite(fcap)
     if not finite.any():
         return None
     top = fcap[finite].max()
-    easy = np.minimum.reduceat((share >= top)[lk], starts) & finite   # every link of the path free
+    wide = np.zeros(len(cap_link), dtype=bool)
+    wide[used[share >= top]] = True
+    easy = np.minimum.reduceat(wide[links], starts) & finite   # every link of the path wide
     if 2 * np.count_nonzero(easy) < len(fcap):
         return None
     c = fcap[easy]
     if not (c == c[0]).all():
         return None
-    hard = ~easy
+    c = c[0]
     fmin, hit = fcap.copy(), easy.copy()
-    slower = np.zeros(len(share), dtype=bool)
-    lk_h = lk[np.repeat(hard, flen)]                 # the entries of the other flows, in order
-    if len(lk_h):
-        flen_h, fcap_h = flen[hard], fcap[hard]
-        starts_h = np.zeros(len(flen_h), dtype=np.int64)
-        np.cumsum(flen_h[:-1], out=starts_h[1:])
-        share_e = share[lk_h]
-        fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
-        fmin[hard] = fmin_h
-        slower[lk_h[share_e > np.repeat(fmin_h * tol, flen_h)]] = True
-    # links that carry an easy flow (cap c[0], fmin = c[0]): slower where share > c[0] x tol
-    slower |= (cnt > np.bincount(lk_h, minlength=len(share))) & (share > c[0] * tol)
-    if len(lk_h):
-        bottleneck = (cnt > 0) & ~slower
-        hit[hard] = np.maximum.reduceat(bottleneck[lk_h], starts_h) | (fcap_h <= fmin_h * tol)
-    return fmin, hit
+    hard = np.flatnonzero(~easy)
+    if len(hard) == 0:
+        return fmin, hit, None
+    # the hard flows' entries, and the links they cross numbered 0..H-1
+    flen_h, fcap_h = flen[hard], fcap[hard]
+    starts_h = np.zeros(len(hard), dtype=np.int64)
+    np.cumsum(flen_h[:-1], out=starts_h[1:])
+    pos = np.repeat(starts[hard] - starts_h, flen_h) + np.arange(starts_h[-1] + flen_h[-1])
+    lg = links[pos]
+    seen = np.zeros(len(cap_link), dtype=bool)
+    seen[lg] = True
+    ul = np.flatnonzero(seen)
+    local = np.empty(len(cap_link), dtype=np.int64)
+    local[ul] = np.arange(len(ul))
+    lh = local[lg]
+    cnt = per_link[ul]                                 # flows per link, easy ones included
+    share_h = cap_link[ul] / cnt                       # as `share` has them
+    share_e = share_h[lh]
+    fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
+    slower = np.zeros(len(ul), dtype=bool)
+    slower[lh[share_e > np.repeat(fmin_h * tol, flen_h)]] = True
+    hard_cnt = np.bincount(lh, minlength=len(ul))
+    slower |= (cnt > hard_cnt) & (share_h > c * tol)   # an easy flow on the link is slower
+    hit_h = np.maximum.reduceat(~slower[lh], starts_h) | (fcap_h <= fmin_h * tol)
+    fmin[hard], hit[hard] = fmin_h, hit_h
+    if hit_h.all():
+        return fmin, hit, None
+    left = ~hit_h
+    lr = lh[np.repeat(left, flen_h)]                   # the unfrozen flows' entries
+    need = np.zeros(len(ul), dtype=bool)
+    need[lr] = True                                    # the links they cross
+    easy_cnt = cnt - hard_cnt
+    sums = np.add.accumulate(np.concatenate([[0.0], np.full(int(easy_cnt[need].max()), c)]))
+    acc = np.zeros(len(ul))
+    acc[need] = sums[easy_cnt[need]]                   # c added easy_cnt times, in turn
+    mixed = np.zeros(len(ul), dtype=bool)
+    mixed[lh[np.repeat(hit_h, flen_h)]] = True
+    mixed &= need                                      # a hard flow froze there too: add in order
+    if mixed.any():
+        on = np.zeros(len(cap_link), dtype=bool)
+        on[ul[mixed]] = True
+        e = np.flatnonzero(on[links])                  # every entry on those links, in order
+        w = np.repeat(np.where(hit, fmin, 0.0), flen)  # adding 0 (an unfrozen flow) changes no sum
+        acc[mixed] = np.bincount(local[links[e]], weights=w[e], minlength=len(ul))[mixed]
+    nl = np.flatnonzero(need)
+    rem = cap_link[ul[nl]] - acc[nl]
+    np.maximum(rem, 0.0, out=rem)
+    renum = np.empty(len(ul), dtype=np.int64)
+    renum[nl] = np.arange(len(nl))
+    lk = renum[lr]
+    return fmin, hit, (hard[left], lk, rem, np.bincount(lk, minlength=len(nl)))
