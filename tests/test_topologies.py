@@ -301,3 +301,18 @@ def test_adaptive_routing_chooses_as_its_definition(name):
             net = copy.copy(net)
             net.capacity = net.capacity * rng.choice([1.0, 0.5, 2.0], net.n_links)
         assert np.array_equal(adaptive(net, s, d, demand, seed=n), _adaptive_by_definition(net, s, d, demand, n))
+
+
+def test_network_arrays_are_read_only_and_keys_follow_a_replaced_capacity():
+    """Memos key a network by its system (no hashing of its link arrays): the arrays cannot change in
+    place, and a copy given other capacities (as the adaptive-routing test does) gets another key."""
+    from topologies.memo import array_key
+    from topologies.routing import network_key
+    net = Network(load_system("alps"), 2)
+    with pytest.raises(ValueError):
+        net.capacity[0] = 1.0
+    other = copy.copy(net)
+    other.capacity = net.capacity * 0.5
+    assert network_key(other) != network_key(net)
+    assert array_key(net.latency) != array_key(net.capacity)
+    assert network_key(Network(load_system("alps"), 2)) == network_key(net)

@@ -12,6 +12,7 @@ bytes of results, least recently used first out.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -29,6 +30,32 @@ def digest(*parts) -> bytes:
             h.update(repr(p).encode())
         h.update(b"|")
     return h.digest()
+
+
+_ARRAY_KEYS: dict[int, tuple] = {}
+
+
+def array_key(a: np.ndarray) -> bytes:
+    """Digest of an array, remembered for as long as that very array lives (capacity vectors are
+    built once per network or collective model and never changed), or the key `remember_key` gave it."""
+    hit = _ARRAY_KEYS.get(id(a))
+    if hit is not None and hit[0]() is a:
+        return hit[1]
+    key = digest(a)
+    remember_key(a, key)
+    return key
+
+
+def remember_key(a: np.ndarray, key: bytes) -> None:
+    """Let `array_key(a)` answer `key` while `a` lives, without hashing it: for a read-only array
+    whose content `key` determines (a digest of what it was computed from)."""
+    try:
+        ref = weakref.ref(a)
+    except TypeError:
+        return
+    if len(_ARRAY_KEYS) > 256:
+        _ARRAY_KEYS.clear()
+    _ARRAY_KEYS[id(a)] = (ref, key)
 
 
 class Memo:

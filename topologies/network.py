@@ -23,11 +23,13 @@ t mod switches_per_group.
 
 from __future__ import annotations
 
+import pickle
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from topologies.memo import digest, remember_key
 from topologies.system import SystemSpec
 
 if TYPE_CHECKING:
@@ -70,6 +72,13 @@ class Network:
         self.n_pairs = groups * (groups - 1) // 2
         self.n_links = self.b_glob + 2 * self.n_pairs * self.L
         self._build_arrays()
+        # the arrays follow from the system and the group count: read-only, and keyed by those for
+        # the process' memos (topologies.memo.array_key), so that nothing hashes megabytes of links
+        spec = digest(pickle.dumps(system), groups)
+        for name in ("src", "dst", "kind", "capacity", "latency"):
+            a = getattr(self, name)
+            a.flags.writeable = False
+            remember_key(a, digest(spec, name))
 
     # -- link index formulas (vectorized) ---------------------------------------------------------
     def gpu_link(self, a, b):

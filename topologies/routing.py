@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from topologies.memo import Memo, digest
+from topologies.memo import Memo, array_key, digest
 from topologies.network import Network
 from twin.common import InputError
 
@@ -346,7 +346,7 @@ def network_key(net: Network) -> bytes:
     key = _NET_KEYS.get(net)
     if key is None:
         key = _NET_KEYS[net] = digest(net.groups, net.nodes, net.gpn, net.nics_per_node, net.S, net.E, net.L,
-                                      net.system.nodes_per_group, net.gpu_nic, net.capacity)
+                                      net.system.nodes_per_group, net.gpu_nic, array_key(net.capacity))
     return key
 
 

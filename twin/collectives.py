@@ -57,11 +57,11 @@ import numpy as np
 
 from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
 from topologies.placement import place
-from topologies.memo import Memo, digest
+from topologies.memo import Memo, array_key, digest, remember_key
 from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from twin.common import TwinError
-from twin.flows import array_key, max_min_rates
+from twin.flows import max_min_rates
 from twin.grid import AXES, Grid
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -157,6 +157,10 @@ def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.nda
         cap[(net.kind == NIC_SW) | (net.kind == SW_NIC)] *= per_nic
         channel_cap = system.nic_bandwidth
     cap.flags.writeable = False
+    c = system.collectives
+    remember_key(cap, digest(network_key(net), "collectives", inter_node_cap, c.intra_node_efficiency,
+                             c.inter_node_channel_efficiency, system.nic_bandwidth, system.gpus_per_node,
+                             system.nics_per_node))
     if len(_CAPACITY) >= 8:
         _CAPACITY.pop(next(iter(_CAPACITY)))
     _CAPACITY[key] = (net, cap, channel_cap)

@@ -14,32 +14,13 @@ regular traffic of collectives), and each round costs O(flows x path length).
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import numpy as np
 
-from topologies.memo import Memo, digest
+from topologies.memo import Memo, array_key, digest
 
 RATES = Memo(64 * 2**20, lambda r: r.nbytes)  # rates already computed in this process
-_ARRAY_KEYS: dict[int, tuple] = {}
-
-
-def array_key(a: np.ndarray) -> bytes:
-    """Digest of an array, remembered for as long as that very array lives (capacity vectors are
-    built once per collective model and never changed)."""
-    hit = _ARRAY_KEYS.get(id(a))
-    if hit is not None and hit[0]() is a:
-        return hit[1]
-    key = digest(a)
-    try:
-        ref = weakref.ref(a)
-    except TypeError:
-        return key
-    if len(_ARRAY_KEYS) > 256:
-        _ARRAY_KEYS.clear()
-    _ARRAY_KEYS[id(a)] = (ref, key)
-    return key
 
 
 def _csr(paths) -> tuple[np.ndarray, np.ndarray]:
