@@ -71,14 +71,26 @@ class Network:
         self.b_glob = self.b_loc + groups * self.S * (self.S - 1)
         self.n_pairs = groups * (groups - 1) // 2
         self.n_links = self.b_glob + 2 * self.n_pairs * self.L
-        self._build_arrays()
+        self._build_arrays(ends=False)
         # the arrays follow from the system and the group count: read-only, and keyed by those for
         # the process' memos (topologies.memo.array_key), so that nothing hashes megabytes of links
         spec = digest(pickle.dumps(system), groups)
-        for name in ("src", "dst", "kind", "capacity", "latency"):
+        for name in ("kind", "capacity", "latency"):
             a = getattr(self, name)
             a.flags.writeable = False
             remember_key(a, digest(spec, name))
+
+    @cached_property
+    def src(self) -> np.ndarray:
+        """Vertex each link leaves (built on first use: routing and the flow model use the formulas)."""
+        self._build_arrays(ends=True)
+        return self.__dict__["src"]
+
+    @cached_property
+    def dst(self) -> np.ndarray:
+        """Vertex each link enters (built with `src`)."""
+        self._build_arrays(ends=True)
+        return self.__dict__["dst"]
 
     # -- link index formulas (vectorized) ---------------------------------------------------------
     def gpu_link(self, a, b):
@@ -157,52 +169,61 @@ class Network:
         return port.reshape(G * G, L).astype(small), cable.reshape(G * G, L).astype(small), local.astype(small)
 
     # -- arrays ---------------------------------------------------------------------------------
-    def _build_arrays(self) -> None:
+    def _build_arrays(self, ends: bool) -> None:
+        """kind, capacity and latency of every link; with `ends`, src and dst instead."""
         s, df, g = self.system, self.system.dragonfly, self.gpn
         n = self.n_links
-        self.src = np.empty(n, dtype=np.int64)
-        self.dst = np.empty(n, dtype=np.int64)
-        self.kind = np.empty(n, dtype=np.int8)
-        self.capacity = np.empty(n)
-        self.latency = np.empty(n)
+        if ends:
+            src, dst = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        else:
+            self.kind = np.empty(n, dtype=np.int8)
+            self.capacity = np.empty(n)
+            self.latency = np.empty(n)
 
-        def put(base, src, dst, kind, cap, lat):
-            k = len(src)
+        def put(base, k, a, b, kind, cap, lat):
             sl = slice(base, base + k)
-            self.src[sl], self.dst[sl], self.kind[sl] = src, dst, kind
-            self.capacity[sl], self.latency[sl] = cap, lat
+            if ends:
+                src[sl], dst[sl] = a(), b()
+            else:
+                self.kind[sl], self.capacity[sl], self.latency[sl] = kind, cap, lat
 
         # node fabric: for each node, every ordered pair (la, lb), la != lb, in formula order
         la, lb = np.nonzero(~np.eye(g, dtype=bool))
-        node = np.repeat(np.arange(self.nodes, dtype=np.int64), len(la))
-        a, b = node * g + np.tile(la, self.nodes), node * g + np.tile(lb, self.nodes)
-        put(self.b_gpu, a, b, GPU_GPU, np.tile(s.node_links[la, lb], self.nodes), s.link_latency)
-        if df is None:
-            return
-        gpu = np.arange(self.n_gpus, dtype=np.int64)
-        nic_v = self.nic0 + self.nic_of_gpu(gpu)
-        put(self.b_gn, np.stack([gpu, nic_v], 1).ravel(), np.stack([nic_v, gpu], 1).ravel(),
-            np.tile([GPU_NIC, NIC_GPU], self.n_gpus), s.gpu_nic_bandwidth, s.link_latency)
-        nic = np.arange(self.n_nics, dtype=np.int64)
-        sw_v = self.sw0 + self.switch_of_nic(nic)
-        put(self.b_ns, np.stack([self.nic0 + nic, sw_v], 1).ravel(), np.stack([sw_v, self.nic0 + nic], 1).ravel(),
-            np.tile([NIC_SW, SW_NIC], self.n_nics), min(s.nic_bandwidth, df.link_bandwidth),
-            np.tile([df.nic_latency, df.switch_latency + df.nic_latency], self.n_nics))
-        # local: for each switch a, every other switch b of its group, in formula order
-        S = self.S
-        la, lb = np.nonzero(~np.eye(S, dtype=bool))
-        grp = np.repeat(np.arange(self.groups, dtype=np.int64), len(la))
-        a, b = grp * S + np.tile(la, self.groups), grp * S + np.tile(lb, self.groups)
-        put(self.b_loc, self.sw0 + a, self.sw0 + b, LOCAL, df.link_bandwidth,
-            df.switch_latency + df.local_cable_latency)
-        if self.n_pairs == 0 or self.L == 0:
-            return
-        lo, hi = np.triu_indices(self.groups, 1)   # pair order matches global_link's formula
-        lo, hi = np.repeat(lo, self.L), np.repeat(hi, self.L)
-        j = np.tile(np.arange(self.L), self.n_pairs)
-        s_lo, s_hi = self.sw0 + self.global_switch(lo, hi, j), self.sw0 + self.global_switch(hi, lo, j)
-        put(self.b_glob, np.stack([s_lo, s_hi], 1).ravel(), np.stack([s_hi, s_lo], 1).ravel(), GLOBAL,
-            df.link_bandwidth, df.switch_latency + df.global_cable_latency)
+        node = np.repeat(np.arange(self.nodes, dtype=np.int64), len(la)) if ends else None
+        put(self.b_gpu, self.nodes * len(la), lambda: node * g + np.tile(la, self.nodes),
+            lambda: node * g + np.tile(lb, self.nodes), GPU_GPU, np.tile(s.node_links[la, lb], self.nodes),
+            s.link_latency)
+        if df is not None:
+            gpu = np.arange(self.n_gpus, dtype=np.int64)
+            nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
+            put(self.b_gn, 2 * self.n_gpus, lambda: np.stack([gpu, nic_v], 1).ravel(),
+                lambda: np.stack([nic_v, gpu], 1).ravel(), np.tile([GPU_NIC, NIC_GPU], self.n_gpus),
+                s.gpu_nic_bandwidth, s.link_latency)
+            nic = np.arange(self.n_nics, dtype=np.int64)
+            sw_v = self.sw0 + self.switch_of_nic(nic) if ends else None
+            put(self.b_ns, 2 * self.n_nics, lambda: np.stack([self.nic0 + nic, sw_v], 1).ravel(),
+                lambda: np.stack([sw_v, self.nic0 + nic], 1).ravel(), np.tile([NIC_SW, SW_NIC], self.n_nics),
+                min(s.nic_bandwidth, df.link_bandwidth),
+                np.tile([df.nic_latency, df.switch_latency + df.nic_latency], self.n_nics))
+            # local: for each switch a, every other switch b of its group, in formula order
+            S = self.S
+            la, lb = np.nonzero(~np.eye(S, dtype=bool))
+            grp = np.repeat(np.arange(self.groups, dtype=np.int64), len(la)) if ends else None
+            put(self.b_loc, self.groups * len(la), lambda: self.sw0 + grp * S + np.tile(la, self.groups),
+                lambda: self.sw0 + grp * S + np.tile(lb, self.groups), LOCAL, df.link_bandwidth,
+                df.switch_latency + df.local_cable_latency)
+            if self.n_pairs and self.L:
+                lo, hi = np.triu_indices(self.groups, 1)   # pair order matches global_link's formula
+                lo, hi = np.repeat(lo, self.L), np.repeat(hi, self.L)
+                j = np.tile(np.arange(self.L), self.n_pairs)
+                if ends:
+                    s_lo, s_hi = self.sw0 + self.global_switch(lo, hi, j), self.sw0 + self.global_switch(hi, lo, j)
+                put(self.b_glob, 2 * self.n_pairs * self.L, lambda: np.stack([s_lo, s_hi], 1).ravel(),
+                    lambda: np.stack([s_hi, s_lo], 1).ravel(), GLOBAL, df.link_bandwidth,
+                    df.switch_latency + df.global_cable_latency)
+        if ends:
+            src.flags.writeable = dst.flags.writeable = False
+            self.__dict__["src"], self.__dict__["dst"] = src, dst
 
     # -- lookup and views -------------------------------------------------------------------------
     @cached_property
