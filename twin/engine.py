@@ -59,6 +59,7 @@ from twin.program import Program
 from twin.symmetry import RankClasses, one_class_per_rank, rank_classes
 
 NS = 1e9  # nanoseconds per second
+LOCKSTEP_RANKS = 64  # full mode with at least this many distinct ranks tries twin.lockstep first
 
 
 @dataclass
@@ -444,7 +445,8 @@ class _GroupStream:
 def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
-                     record: bool = False, merge_alike: bool = True, comm_share: float = 1.0) -> EngineResult:
+                     record: bool = False, merge_alike: bool = True, comm_share: float = 1.0,
+                     lockstep: bool | None = None) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -475,9 +477,23 @@ def simulate_program(program: Program, compute_s: list[float],
     else:
         classes = one_class_per_rank(grid, slowdown, axes)
     nsim = len(classes)
-    sim = _Sim(program, nsim, record, collective_s)
     if not 0 < comm_share <= 1:
         raise ValueError(f"comm_share must be in (0, 1], got {comm_share}")
+    if lockstep is None:
+        lockstep = nsim >= LOCKSTEP_RANKS
+    if full and lockstep and nsim == nranks and comm_share == 1.0 and not record:
+        from twin.lockstep import simulate_lockstep
+        res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown)
+        if res is not None:
+            end, compute_ns, exposed_ns, _ = res
+            compute = compute_ns / nranks
+            exposed = {a: exposed_ns.get(k, 0) / nranks for k, a in enumerate(AXES)}
+            idle = end - compute - sum(exposed.values())
+            ops = (len(by_stream["compute"]) + sum(len(by_stream[a]) for a in axes)) * nranks
+            return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
+                                exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
+                                simulated_ops=ops, ranks=nranks, spans=[], classes=nsim)
+    sim = _Sim(program, nsim, record, collective_s)
     sim.comm_slow = 1.0 / comm_share
     base_ns = [t * NS for t in compute_s]
     todo = {k: [(i, sim.cross[i]) for i in ops] for k, ops in by_stream.items()}

@@ -1,0 +1,625 @@
+"""Full mode rank by rank, stepped in lockstep: every op once, over all ranks at once (numpy).
+
+Every rank runs the same program; only timings differ. So instead of one event per rank and op
+(twin.engine), this walks the program once in program order (a valid order: deps and stream
+predecessors come first) with each op's start and end as an array over ranks (compute ops) or over
+the groups of its axis (collectives): start = max(stream free, ends of its deps on its members), end =
+the op's work integrated over the rate changes inside it, with the event engine's arithmetic (integer
+nanoseconds, the same float expressions, the same rounding), so that the result is the engine's to
+the nanosecond.
+
+Rate changes come from two timelines, which depend on the very intervals being computed:
+- the global concurrency mask: axis a has collectives in flight anywhere (a collective is re-rated
+  whenever another axis starts or stops having collectives in flight, twin.engine);
+- each rank's busy state: a collective of the rank in flight (its compute op is re-rated when that
+  starts or stops: overlap_slowdown).
+A sweep takes both timelines from the sweep before (none for the first) and rebuilds them from its
+own intervals; when they come back unchanged, the sweep's intervals are consistent with the rate
+changes they cause: the engine's unique causal solution (an op's end depends only on events strictly
+before it). Sweeps are repeated until then (a few; MAX_SWEEPS, else the event engine runs).
+
+Ties. The event engine orders events at one nanosecond by its buckets. Where that order can change
+a result, this module cannot reproduce it and says so (`simulate_lockstep` returns None, and the
+event engine runs instead): a rate change at the very nanosecond an op ends (unless it is caused by
+that op's end), a start and an end of one rank's (or one axis') collectives at the same nanosecond
+that the engine may split a running op at or not (unless one ends and its stream successor, or a
+collective waiting on it, starts), and equal-time waits whose blame (the breakdown's exposed
+communication) differs by the order. Only exactly reproducible runs use lockstep; tests compare both
+engines on random programs, grids and factors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from twin.grid import AXES
+from twin.symmetry import axis_groups
+
+NS = 1e9
+MAX_SWEEPS = 40
+INF = 1 << 62       # a time never reached (ns)
+BIG = 1 << 40       # row offset for per-rank timelines searched as one sorted array (ns: 18 minutes)
+IDLE, PRED = -2, -1  # blame classes: a compute op (idle), the stream's previous collective
+
+
+class _Ambiguous(Exception):
+    """The event engine's order of same-nanosecond events decides the result here."""
+
+
+def _conc(mask: int, k: int) -> frozenset:
+    return frozenset(AXES[b] for b in range(len(AXES)) if b != k and mask >> b & 1)
+
+
+class _Lockstep:
+    def __init__(self, program, compute_s, collective_s, slow: np.ndarray, overlap: float):
+        self.ops = ops = program.ops
+        self.n = n = len(ops)
+        grid = program.grid
+        self.R = R = grid.size
+        self.collective_s = collective_s
+        self.base = [t * NS for t in compute_s]
+        self.f1 = np.asarray(slow, dtype=np.float64) * 1.0
+        self.fo = self.f1 * overlap
+        self.ax = [AXES.index(op.axis) if op.stream != "compute" else -1 for op in ops]
+        self.cross = [tuple(d for d in op.deps if ops[d].stream != op.stream) for op in ops]
+        self.axes = sorted({k for k in self.ax if k >= 0})
+        self.members, self.gid = {}, {}
+        for k in self.axes:
+            m = axis_groups(grid, AXES[k])
+            self.members[k] = m
+            g = np.empty(R, dtype=np.int64)
+            g[m] = np.arange(len(m))[:, None]
+            self.gid[k] = g
+        self.colls = [i for i in range(n) if self.ax[i] >= 0]
+        self.pred = [-1] * n   # previous op on the same stream
+        last: dict[str, int] = {}
+        for op in ops:
+            self.pred[op.index] = last.get(op.stream, -1)
+            last[op.stream] = op.index
+        # the order ops are stepped in: compute ops in program order, each collective right after the
+        # last of its dependencies and its stream predecessor (so that every collective that can start
+        # while a compute op runs is stepped before it: twin.lockstep's docstring)
+        keys: list[tuple] = [()] * n
+        for i in range(n):
+            if self.ax[i] < 0:
+                keys[i] = (i,)
+            else:
+                parents = [keys[d] for d in ops[i].deps] + ([keys[self.pred[i]]] if self.pred[i] >= 0 else [])
+                keys[i] = max(parents, default=(-1,)) + (i,)
+        self.order = sorted(range(n), key=lambda i: keys[i])
+        at = {i: k for k, i in enumerate(self.order)}
+        uses = [-1] * n
+        for i in range(n):
+            for d in self.cross[i]:
+                if uses[d] < 0 or at[i] > at[uses[d]]:
+                    uses[d] = i
+        self.last_use = uses
+        self.off = np.zeros(n, dtype=np.int64)   # each collective's groups in the flat start/end arrays
+        pos = 0
+        for i in range(n):
+            if self.ax[i] >= 0:
+                self.off[i] = pos
+                pos += len(self.members[self.ax[i]])
+        self.total = pos
+        self.axis_ops = {k: np.array([i for i in range(n) if self.ax[i] == k], dtype=np.int64) for k in self.axes}
+        self.axis_off = {k: self.off[v] for k, v in self.axis_ops.items()}
+        self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
+                                dtype=np.int64)
+        self.dependents: dict[int, set] = {}
+        for i in range(n):
+            for d in self.cross[i]:
+                self.dependents.setdefault(d, set()).add(i)
+        self.dur: dict[tuple[int, int], float] = {}
+        self.rows = np.arange(R, dtype=np.int64)
+
+    # -- durations ---------------------------------------------------------------------------------
+    def durations(self, i: int, k: int, masks: np.ndarray) -> np.ndarray:
+        """Duration (ns) of collective op i under each concurrency mask (bits of the other axes)."""
+        u, inv = np.unique(masks, return_inverse=True)
+        vals = np.empty(len(u))
+        for j, m in enumerate(u.tolist()):
+            v = self.dur.get((i, m))
+            if v is None:
+                v = self.dur[i, m] = self.collective_s(i, _conc(m, k)) * NS
+            vals[j] = v
+        return vals[inv.reshape(-1)]
+
+    def end_on_ranks(self, d: int, cend: dict, gend: dict) -> np.ndarray:
+        k = self.ax[d]
+        return cend[d] if k < 0 else gend[d][self.gid[k]]
+
+    # -- one sweep ---------------------------------------------------------------------------------
+    def sweep(self, mask_tl, final: bool = False):
+        """One pass over the program against the given concurrency timeline. Only a final pass judges
+        ties and records what blame needs."""
+        ops, R = self.ops, self.R
+        self.final = final
+        Tm, Cm, Am = mask_tl
+        self.FS = np.full(self.total, INF, dtype=np.int64)   # start and end of each (collective, group);
+        self.FE = np.full(self.total, INF, dtype=np.int64)   # INF: not stepped yet
+        self.cur = {k: np.zeros(R, dtype=np.int64) for k in self.axes}  # per axis and rank: next start/end
+        prev_c = np.zeros(R, dtype=np.int64)
+        free = {k: np.zeros(len(self.members[k]), dtype=np.int64) for k in self.axes}
+        cend: dict[int, np.ndarray] = {}
+        gstart: dict[int, np.ndarray] = {}
+        gend: dict[int, np.ndarray] = {}
+        gblk: dict[int, np.ndarray] = {}   # blame class key of each group's start (see _blocker)
+        gamb: dict[int, np.ndarray] = {}   # the class is ambiguous (tie)
+        gdep: dict[int, np.ndarray] = {}   # when each group's dependencies were done (-1: none)
+        galt: dict[int, tuple] = {}        # (groups, classes) of the ambiguous blockers
+        self._wid = 0
+        waits = []                          # (ranks, t1, t2, collective op) of compute waits
+        compute_ns = 0
+        ambiguous = False
+        for i in self.order:
+            k = self.ax[i]
+            deps = self.cross[i]
+            if k < 0:
+                T0 = prev_c
+                S = T0
+                for d in deps:
+                    S = np.maximum(S, self.end_on_ranks(d, cend, gend))
+                if deps and final:
+                    w = S > T0
+                    if w.any():
+                        self._waits(r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
+                E = self.compute_op(i, S)
+                if E is None:
+                    ambiguous = True
+                    E = self._last_E
+                compute_ns += int((E - S).sum())
+                prev_c = E
+                if self.last_use[i] >= 0:
+                    cend[i] = E
+            else:
+                M = self.members[k]
+                T0 = free[k]
+                S = T0
+                ends = []
+                dmax = np.full(len(T0), -1, dtype=np.int64)  # when its last dependency was done
+                for d in deps:
+                    e = self.end_on_ranks(d, cend, gend)[M]
+                    ends.append((d, e))
+                    dmax = np.maximum(dmax, e.max(axis=1))
+                S = np.maximum(T0, dmax)
+                gdep[i] = dmax
+                blk, amb, alt = self._blocker(i, k, T0, S, ends) if final else (None, None, None)
+                E = self.collective_op(i, k, S, Tm[k], Cm[k], Am[k])
+                if E is None:
+                    ambiguous = True
+                    E = self._last_E
+                o = self.off[i]
+                self.FS[o:o + len(S)] = S
+                self.FE[o:o + len(S)] = E
+                gstart[i], gend[i], gblk[i], gamb[i] = S, E, blk, amb
+                if alt is not None:
+                    galt[i] = alt
+                free[k] = E
+            for d in deps:
+                if self.last_use[d] == i and d in cend:
+                    del cend[d]
+        return dict(gstart=gstart, gend=gend, gdep=gdep, gblk=gblk, gamb=gamb, galt=galt, waits=waits, compute_ns=compute_ns,
+                    end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]), ambiguous=ambiguous)
+
+    def _waits(self, r, t1, t2, deps, cend, gend, waits) -> None:
+        """Record the compute waits [t1, t2] of ranks r for blame: one row (wait id, t1, t2, class) per
+        candidate the wait may have ended with (the deps done at t2; the engine's order picks one)."""
+        cands = []
+        for d in deps:
+            hit = self.end_on_ranks(d, cend, gend)[r] == t2
+            if hit.any():
+                kd = self.ax[d]
+                j = np.nonzero(hit)[0]
+                cands.append((j, np.full(len(j), IDLE, dtype=np.int64) if kd < 0 else d * BIG + self.gid[kd][r[j]]))
+        j = np.concatenate([c[0] for c in cands])
+        cls = np.concatenate([c[1] for c in cands])
+        u = np.unique(np.stack([j, cls], axis=1), axis=0)   # one row per distinct (wait, class)
+        j, cls = u[:, 0], u[:, 1]
+        coll = np.zeros(len(r), dtype=bool)
+        coll[j[cls >= 0]] = True   # waits that may have ended with a collective (else no blame)
+        keep = coll[j]
+        j, cls = j[keep], cls[keep]
+        if len(j):
+            waits.append((j + self._wid, t1[j], t2[j], cls))
+        self._wid += len(r)
+
+    def _blocker(self, i, k, T0, S, ends):
+        """The blame class of each group's start: PRED (waited for nothing: the stream's previous op),
+        IDLE (last waited for a compute op), or d * BIG + group (a collective d of that group); where
+        equal-time candidates differ (the engine's order picks one), all candidates as (group, class)
+        rows, for blame to follow each."""
+        G = len(S)
+        key = np.full(G, PRED, dtype=np.int64)
+        amb = np.zeros(G, dtype=bool)
+        waited = S > T0
+        first = np.ones(G, dtype=bool)
+        cand = []
+        for d, e in ends:
+            hit = e == S[:, None]
+            hits = hit.any(axis=1)
+            if not hits.any():
+                continue
+            kd = self.ax[d]
+            if kd < 0:
+                cls = np.full(e.shape, IDLE, dtype=np.int64)
+            else:
+                cls = d * BIG + self.gid[kd][self.members[k]]
+            lo = np.where(hit, cls, np.iinfo(np.int64).max).min(axis=1)
+            hi = np.where(hit, cls, np.iinfo(np.int64).min).max(axis=1)
+            amb |= hits & (lo != hi)
+            amb |= hits & ~first & (key != lo)
+            amb |= hits & ~waited  # a dependency done exactly when the stream freed: PRED or it
+            key = np.where(hits & first & waited, lo, key)
+            first &= ~hits
+            gi, mj = np.nonzero(hit)
+            cand.append((gi, cls[gi, mj]))
+        if not amb.any():
+            return key, amb, None
+        g = np.concatenate([c[0] for c in cand] + [np.nonzero(~waited)[0]])
+        c = np.concatenate([c[1] for c in cand] + [np.full(int((~waited).sum()), PRED, dtype=np.int64)])
+        keep = amb[g]
+        u = np.unique(np.stack([g[keep], c[keep]], axis=1), axis=0)
+        return key, amb, (u[:, 0], u[:, 1])
+
+    def _time(self, k: int, e: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Time of event e (2j: start, 2j + 1: end of the axis' j-th collective) of axis k on ranks r."""
+        ao = self.axis_off[k]
+        last = 2 * len(ao)
+        f = ao[np.minimum(e, last - 1) >> 1] + self.gid[k][r]
+        t = np.where(e & 1, self.FE[f], self.FS[f])
+        return np.where(e >= last, INF, t)
+
+    def compute_op(self, i, S):
+        """End (ns) of compute op i started at S on every rank, re-rated when its rank's collectives in
+        flight go from none to some or back (overlap_slowdown), as twin.engine does."""
+        R = self.R
+        cur = self.cur
+        cnt = np.zeros(R, dtype=np.int64)
+        for k in self.axes:   # events at or before S have happened
+            c = cur[k]
+            r = self.rows
+            while len(r):
+                m = self._time(k, c[r], r) <= S[r]
+                r = r[m]
+                c[r] += 1
+            cnt += c & 1
+        f = np.where(cnt > 0, self.fo, self.f1)
+        w = np.full(R, self.base[i])
+        E = S + np.floor(w * f + 0.5).astype(np.int64)
+        r, seg, ok = self.rows, S, True
+        while len(r):
+            times = {k: self._time(k, cur[k][r], r) for k in self.axes}
+            tn = np.min(np.stack(list(times.values())), axis=0) if times else np.full(len(r), INF)
+            Er = E[r]
+            if self.final:
+                at = tn == Er
+                if at.any() and not self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], cnt[r[at]], times, at):
+                    ok = False
+            act = tn < Er
+            if not act.any():
+                break
+            r, tn, w, f, seg = r[act], tn[act], w[act], f[act], seg[act]
+            # take every event at tn: ends before starts (an axis' stream successor starts after its end)
+            c0 = cnt[r]
+            ends = np.zeros(len(r), dtype=np.int64)
+            starts = np.zeros(len(r), dtype=np.int64)
+            end_op = np.full(len(r), -1, dtype=np.int64)
+            start_ops = []
+            for k in self.axes:
+                c = cur[k]
+                while True:
+                    e = c[r]
+                    m = self._time(k, e, r) == tn
+                    if not m.any():
+                        break
+                    is_end = m & (e & 1 == 1)
+                    ends += is_end
+                    starts += m & ~is_end
+                    q = self.axis_ops[k][np.minimum(e, 2 * len(self.axis_ops[k]) - 1) >> 1]
+                    end_op = np.where(is_end, q, end_op)
+                    start_ops.append((m & ~is_end, q, k))
+                    c[r[m]] += 1
+            c1 = c0 - ends + starts
+            pair = (c0 > 0) & (ends == c0) & (starts > 0)
+            toggle = ((c0 == 0) & (starts > 0)) | ((c0 > 0) & (c1 == 0)) | pair
+            if self.final and pair.any() and not self._pair_ok(pair, ends, end_op, start_ops):
+                ok = False
+            cnt[r] = c1
+            t = toggle
+            w = np.where(t, np.maximum(0.0, w - (tn - seg) / f), w)
+            seg = np.where(t, tn, seg)
+            f = np.where(t, np.where(c1 > 0, self.fo[r], self.f1[r]), f)
+            E[r] = np.where(t, tn + np.floor(w * f + 0.5).astype(np.int64), E[r])
+        self._last_E = E
+        return E if ok else None
+
+    def _pair_ok(self, pair, ends, end_op, start_ops) -> bool:
+        """Every collective of a rank ends at t and some start at t: the engine splits the compute op
+        there (off, then on) only if nothing starts before the end. Certain when one ends and each start
+        is its stream successor or waits for it (it starts in or after that end)."""
+        if (pair & (ends != 1)).any():
+            self.why = "busy: several collectives of a rank end as others start"
+            return False
+        n = self.n
+        for m, q, k in start_ops:
+            sel = pair & m
+            if not sel.any():
+                continue
+            eo = end_op[sel]
+            same_axis = np.array([self.ax[x] == k for x in eo.tolist()]) if len(eo) else np.zeros(0, bool)
+            dep = np.isin(eo * n + q[sel], self.depkeys)
+            if not (same_axis | dep).all():
+                self.why = "busy: a collective starts as another ends"
+                return False
+        return True
+
+    def _end_tie(self, i, r, tn, w, f, seg, cnt, times, at) -> bool:
+        """Busy changes at the very nanosecond compute op i ends on ranks r (collectives stepped before
+        it, so none waits for it): harmless only if taking them first leaves the end where it is."""
+        ends = np.zeros(len(r), dtype=np.int64)
+        starts = np.zeros(len(r), dtype=np.int64)
+        for k in self.axes:
+            c = self.cur[k][r].copy()
+            while True:
+                m = self._time(k, c, r) == tn
+                if not m.any():
+                    break
+                ends += m & (c & 1 == 1)
+                starts += m & (c & 1 == 0)
+                c += m
+        c1 = cnt - ends + starts
+        toggle = ((cnt == 0) & (starts > 0)) | ((cnt > 0) & (c1 == 0)) | ((cnt > 0) & (ends == cnt) & (starts > 0))
+        if not toggle.any():
+            return True
+        f2 = np.where(c1 > 0, self.fo[r], self.f1[r])
+        w2 = np.maximum(0.0, w - (tn - seg) / f)
+        if (toggle & (np.floor(w2 * f2 + 0.5) != 0)).any():
+            self.why = "busy changes as a compute op ends"
+            return False
+        return True
+
+    def collective_op(self, i, k, S, Tm, Cm, Am):
+        """End (ns) of collective op i on every group of axis k started at S, re-rated at the
+        concurrency changes of the other axes."""
+        idx = np.searchsorted(Tm, S, side="right")
+        mask = np.where(idx > 0, Cm[np.maximum(idx - 1, 0)], 0)
+        dur = self.durations(i, k, mask)
+        frac = np.ones(len(S))
+        E = S + np.floor(dur + 0.5).astype(np.int64)
+        g = np.arange(len(S))
+        seg = S
+        ok = True
+        while True:
+            tn = Tm[idx]
+            act = tn < E[g]
+            if self.final:
+                at = tn == E[g]
+                if at.any() and not self._end_tie_collective(i, k, g[at], tn[at], frac[at], dur[at], seg[at],
+                                                             idx[at], Tm, Cm):
+                    self.why = 'collective end tie'; ok = False
+            if not act.any():
+                break
+            g, tn, idx = g[act], tn[act], idx[act]
+            frac, dur, seg = frac[act], dur[act], seg[act]
+            if self.final and (Am[idx] & (tn > seg)).any():
+                self.why = 'mask pair'; ok = False
+            frac = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
+            seg = tn
+            dur = self.durations(i, k, Cm[idx])
+            E[g] = tn + np.floor(frac * dur + 0.5).astype(np.int64)
+            idx = idx + 1
+        self._last_E = E
+        return E if ok else None
+
+    def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> bool:
+        """Concurrency changes at the very nanosecond collective op i ends on groups g: harmless if
+        taking them before the end leaves it, or if each is another axis starting with collectives
+        that wait for op i on a member of the group (they start after its end)."""
+        j = idx.copy()
+        while True:
+            more = Tm[j + 1] == tn
+            if not more.any():
+                break
+            j = j + more
+        dur2 = self.durations(i, k, Cm[j])
+        frac2 = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
+        moved = np.floor(frac2 * dur2 + 0.5) != 0
+        if not moved.any():
+            return True
+        mine = self.members[k]
+        for gg, t in zip(g[moved].tolist(), tn[moved].tolist()):
+            ranks = set(mine[gg].tolist())
+            for q in self.colls:
+                kq = self.ax[q]
+                if kq == k:
+                    continue
+                if (self._ge[q] == t).any():
+                    self.why = 'coll end tie: other ends'; return False  # another axis may stop there
+                hs = np.nonzero(self._gs[q] == t)[0]
+                if not len(hs):
+                    continue
+                if i not in self.cross[q]:
+                    self.why = 'coll end tie: not dep'; return False
+                for h in hs.tolist():
+                    if not ranks.intersection(self.members[kq][h].tolist()):
+                        self.why = 'coll end tie: disjoint'; return False
+        return True
+
+    # -- breakdown ---------------------------------------------------------------------------------
+    def blame(self, out) -> dict[int, int] | None:
+        """Exposed communication (ns summed over ranks) per axis: each compute wait that ended with a
+        collective walks back what delayed it (twin.engine._Sim.blame), all walks at once. Where the
+        engine's order of equal-time events decides what a wait or a start waited for, every candidate
+        is followed; None if they disagree."""
+        gstart, gblk, gamb, galt = out["gstart"], out["gblk"], out["gamb"], out["galt"]
+        exposed = {k: 0 for k in range(len(AXES))}
+        if not out["waits"] or not self.colls:
+            return exposed
+        offa = np.zeros(self.n, dtype=np.int64)
+        pos = 0
+        for i in self.colls:
+            offa[i] = pos
+            pos += len(gstart[i])
+        st = np.concatenate([gstart[i] for i in self.colls])
+        blk = np.concatenate([gblk[i] for i in self.colls])
+        amb = np.concatenate([gamb[i] for i in self.colls])
+        if galt:
+            af = np.concatenate([offa[i] + g for i, (g, _) in galt.items()])
+            ac = np.concatenate([c for _, c in galt.values()])
+            o = np.argsort(af, kind="stable")
+            af, ac = af[o], ac[o]
+        ax = np.array(self.ax)
+        pred = np.array(self.pred)
+        wid = np.concatenate([w[0] for w in out["waits"]])
+        t1 = np.concatenate([w[1] for w in out["waits"]])
+        t2 = np.concatenate([w[2] for w in out["waits"]])
+        cls = np.concatenate([w[3] for w in out["waits"]])
+        acc = np.zeros((len(wid), len(AXES)), dtype=np.int64)
+        done_w, done_acc = [], []
+        while len(wid):
+            # follow each row's class: IDLE ends the walk, PRED goes to the stream's previous op
+            # (none: the walk ends), a collective class to that collective on its group
+            live = cls >= 0
+            done_w.append(wid[~live])
+            done_acc.append(acc[~live])
+            wid, t1, t2, cls, acc = wid[live], t1[live], t2[live], cls[live], acc[live]
+            op, grp = cls // BIG, cls % BIG
+            f = offa[op] + grp
+            start = st[f]
+            a = ax[op]
+            fin = start <= t1
+            rows = np.arange(len(wid))
+            acc[rows, a] += np.where(fin, t2 - t1, t2 - start)
+            done_w.append(wid[fin])
+            done_acc.append(acc[fin])
+            go = ~fin
+            wid, t1, acc, op, grp, f = wid[go], t1[go], acc[go], op[go], grp[go], f[go]
+            t2 = start[go]
+            nxt = blk[f]
+            forks = amb[f]
+            if forks.any():
+                one = ~forks
+                fi = np.nonzero(forks)[0]
+                lo = np.searchsorted(af, f[fi], "left")
+                cnt = np.searchsorted(af, f[fi], "right") - lo
+                rep = np.repeat(fi, cnt)
+                at = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo, cnt)
+                take = np.concatenate([np.nonzero(one)[0], rep])
+                nxt = np.concatenate([nxt[one], ac[at]])
+                wid, t1, t2, acc, op, grp = wid[take], t1[take], t2[take], acc[take], op[take], grp[take]
+            p = pred[op]
+            is_pred = nxt == PRED
+            cls = np.where(is_pred, np.where(p >= 0, p * BIG + grp, IDLE), nxt)
+        w = np.concatenate(done_w)
+        A = np.concatenate(done_acc)
+        o = np.argsort(w, kind="stable")
+        w, A = w[o], A[o]
+        _, first, counts = np.unique(w, return_index=True, return_counts=True)
+        if (A != np.repeat(A[first], counts, axis=0)).any():
+            self.why = "blame differs by the order of equal-time events"
+            return None
+        tot = A[first].sum(axis=0)
+        return {k: int(tot[k]) for k in range(len(AXES))}
+
+    # -- timelines ---------------------------------------------------------------------------------
+    def mask_timeline(self, gstart, gend, gdep):
+        """For each axis k: the times of concurrency changes of the other axes (sorted, sentinel at the
+        end), the mask of the other axes in flight after each, and whether it is ambiguous.
+
+        An axis' in-flight count over all its groups turns 0 -> 1 and 1 -> 0 at the ends of the union of
+        their collectives' intervals. Where intervals touch (every collective in flight ends at t and
+        some start at t) the engine's order decides: one ending and its stream successor starting
+        turn it off and on (a split at t); several ending with at least two successors starting at
+        once in their own ends (their dependencies done before t) keep it on; other cases are marked
+        ambiguous."""
+        events = []  # (time, amb, axis, on)
+        for k in self.axes:
+            ops = [i for i in self.colls if self.ax[i] == k]
+            if not ops:
+                continue
+            st = np.concatenate([gstart[i] for i in ops])
+            en = np.concatenate([gend[i] for i in ops])
+            dm = np.concatenate([gdep[i] for i in ops])
+            opid = np.repeat(np.array(ops), [len(gstart[i]) for i in ops])
+            grp = np.concatenate([np.arange(len(gstart[i])) for i in ops])
+            order = np.argsort(st, kind="stable")
+            st, en, dm, opid, grp = st[order], en[order], dm[order], opid[order], grp[order]
+            cm = np.maximum.accumulate(en)
+            prev = np.concatenate([[-1], cm[:-1]])
+            new = st >= prev
+            new[0] = True
+            touch = new & (st == prev)
+            amb = np.zeros(len(st), dtype=bool)
+            if touch.any():
+                ends_sorted = np.sort(en)
+                tj = np.nonzero(touch)[0]
+                t = st[tj]
+                n_end = np.searchsorted(ends_sorted, t, "right") - np.searchsorted(ends_sorted, t, "left")
+                n_start = np.searchsorted(st, t, "right") - np.searchsorted(st, t, "left")
+                first = np.searchsorted(st, t, "left")
+                p = np.array([self.pred[x] for x in opid.tolist()])
+                pe = np.array([int(gend[a][b]) if a >= 0 else -2 for a, b in zip(p.tolist(), grp.tolist())])
+                succ = pe == st                  # its stream predecessor ended as it started
+                immediate = succ & (dm < st)     # ... and started in that very end
+                all_imm = np.array([bool(immediate[a:a + c].all()) for a, c in zip(first.tolist(), n_start.tolist())])
+                pair = (n_end == 1) & (n_start == 1) & succ[tj]
+                merge = ~pair & (n_start >= 2) & all_imm
+                amb[tj] = ~(pair | merge)
+                new[tj[merge]] = False
+            idx = np.nonzero(new)[0]
+            for j in idx.tolist():
+                if j > 0:
+                    events.append((int(prev[j]), bool(amb[j]), k, 0))
+                events.append((int(st[j]), bool(amb[j]), k, 1))
+            events.append((int(cm[-1]), False, k, 0))
+        events.sort(key=lambda e: (e[0], e[1]))  # unambiguous first at one time
+        T = np.array([e[0] for e in events] + [np.iinfo(np.int64).max // 2], dtype=np.int64)
+        A = np.array([e[1] for e in events] + [False], dtype=bool)
+        masks = []
+        m = 0
+        for e in events:
+            m ^= 1 << e[2]
+            masks.append(m)
+        masks.append(m)
+        masks = np.array(masks, dtype=np.int64)
+        axis = np.array([e[2] for e in events] + [-1])
+        out_T, out_C, out_A = {}, {}, {}
+        for k in self.axes:
+            keep = axis != k
+            out_T[k] = T[keep]
+            out_C[k] = masks[keep] & ~(1 << k)
+            out_A[k] = A[keep]
+        return out_T, out_C, out_A
+
+def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: float,
+                      max_sweeps: int = MAX_SWEEPS):
+    """Simulate every rank of `program` (twin.engine.simulate_program's full mode, rank by rank,
+    comm_share 1, no spans) in lockstep. slow[r]: rank r's compute slowdown factor. Returns
+    (iteration ns, compute ns summed over ranks, exposed ns per axis summed over ranks, sweeps), or
+    None where the event engine's order of same-nanosecond events would decide (module docstring)."""
+    ls = _Lockstep(program, compute_s, collective_s, slow, overlap_slowdown)
+    if any(d >= i for i in range(ls.n) for d in ls.cross[i]):
+        return None
+    ls._gs = ls._ge = None
+    big = np.array([INF])
+    mask_tl = ({k: big for k in ls.axes}, {k: np.zeros(1, dtype=np.int64) for k in ls.axes},
+               {k: np.zeros(1, dtype=bool) for k in ls.axes})
+    for sweep in range(1, max_sweeps + 1):
+        out = ls.sweep(mask_tl)
+        ls._gs, ls._ge = out["gstart"], out["gend"]
+        new_mask = ls.mask_timeline(out["gstart"], out["gend"], out["gdep"])
+        same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
+        mask_tl = new_mask
+        if same:
+            break
+    else:
+        ls.why = f"no fixed point in {max_sweeps} sweeps"
+        return None
+    # the final sweep again, now able to judge end ties against the consistent intervals
+    out = ls.sweep(mask_tl, final=True)
+    if out["ambiguous"]:
+        return None
+    exposed = ls.blame(out)
+    if exposed is None:
+        return None
+    return out["end"], out["compute_ns"], exposed, sweep
