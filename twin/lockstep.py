@@ -94,15 +94,13 @@ class _Lockstep:
                 if uses[d] < 0 or at[i] > at[uses[d]]:
                     uses[d] = i
         self.last_use = uses
-        self.off = np.zeros(n, dtype=np.int64)   # each collective's groups in the flat start/end arrays
-        pos = 0
-        for i in range(n):
-            if self.ax[i] >= 0:
-                self.off[i] = pos
-                pos += len(self.members[self.ax[i]])
-        self.total = pos
         self.axis_ops = {k: np.array([i for i in range(n) if self.ax[i] == k], dtype=np.int64) for k in self.axes}
-        self.axis_off = {k: self.off[v] for k, v in self.axis_ops.items()}
+        self.apos = np.zeros(n, dtype=np.int64)  # a collective's position on its axis' stream
+        for v in self.axis_ops.values():
+            self.apos[v] = np.arange(len(v))
+        self.G = {k: len(self.members[k]) for k in self.axes}
+        self.dtab: dict[int, np.ndarray] = {}
+        self.keep_spans = False
         self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
                                 dtype=np.int64)
         self.dependents: dict[int, set] = {}
@@ -115,14 +113,19 @@ class _Lockstep:
     # -- durations ---------------------------------------------------------------------------------
     def durations(self, i: int, k: int, masks: np.ndarray) -> np.ndarray:
         """Duration (ns) of collective op i under each concurrency mask (bits of the other axes)."""
-        u, inv = np.unique(masks, return_inverse=True)
-        vals = np.empty(len(u))
-        for j, m in enumerate(u.tolist()):
-            v = self.dur.get((i, m))
-            if v is None:
-                v = self.dur[i, m] = self.collective_s(i, _conc(m, k)) * NS
-            vals[j] = v
-        return vals[inv.reshape(-1)]
+        t = self.dtab.get(i)
+        if t is None:
+            t = self.dtab[i] = np.full(1 << len(AXES), np.nan)
+        v = t[masks]
+        miss = np.isnan(v)
+        if miss.any():
+            for m in np.nonzero(np.bincount(masks[miss], minlength=len(t)))[0].tolist():
+                d = self.dur.get((i, m))
+                if d is None:
+                    d = self.dur[i, m] = self.collective_s(i, _conc(m, k)) * NS
+                t[m] = d
+            v = t[masks]
+        return v
 
     def end_on_ranks(self, d: int, cend: dict, gend: dict) -> np.ndarray:
         k = self.ax[d]
@@ -134,9 +137,12 @@ class _Lockstep:
         ties and records what blame needs."""
         ops, R = self.ops, self.R
         self.final = final
+        self.ties = []
+        self.cspans = {}
         Tm, Cm, Am = mask_tl
-        self.FS = np.full(self.total, INF, dtype=np.int64)   # start and end of each (collective, group);
-        self.FE = np.full(self.total, INF, dtype=np.int64)   # INF: not stepped yet
+        # per axis: row 2j the starts, row 2j + 1 the ends of the axis' j-th collective on each group,
+        # a last row of INF; INF where not stepped yet. Rank r's events on axis k: AT[k][e * G + gid].
+        self.AT = {k: np.full((2 * len(self.axis_ops[k]) + 1) * self.G[k], INF, dtype=np.int64) for k in self.axes}
         self.cur = {k: np.zeros(R, dtype=np.int64) for k in self.axes}  # per axis and rank: next start/end
         prev_c = np.zeros(R, dtype=np.int64)
         free = {k: np.zeros(len(self.members[k]), dtype=np.int64) for k in self.axes}
@@ -168,6 +174,8 @@ class _Lockstep:
                     ambiguous = True
                     E = self._last_E
                 compute_ns += int((E - S).sum())
+                if self.keep_spans:
+                    self.cspans[i] = (S, E)
                 prev_c = E
                 if self.last_use[i] >= 0:
                     cend[i] = E
@@ -188,9 +196,9 @@ class _Lockstep:
                 if E is None:
                     ambiguous = True
                     E = self._last_E
-                o = self.off[i]
-                self.FS[o:o + len(S)] = S
-                self.FE[o:o + len(S)] = E
+                G, j = self.G[k], 2 * int(self.apos[i])
+                self.AT[k][j * G:(j + 1) * G] = S
+                self.AT[k][(j + 1) * G:(j + 2) * G] = E
                 gstart[i], gend[i], gblk[i], gamb[i] = S, E, blk, amb
                 if alt is not None:
                     galt[i] = alt
@@ -213,8 +221,9 @@ class _Lockstep:
                 cands.append((j, np.full(len(j), IDLE, dtype=np.int64) if kd < 0 else d * BIG + self.gid[kd][r[j]]))
         j = np.concatenate([c[0] for c in cands])
         cls = np.concatenate([c[1] for c in cands])
-        u = np.unique(np.stack([j, cls], axis=1), axis=0)   # one row per distinct (wait, class)
-        j, cls = u[:, 0], u[:, 1]
+        if len(j) > len(r):   # a wait with several candidates: one row per distinct (wait, class)
+            u = np.unique(np.stack([j, cls], axis=1), axis=0)
+            j, cls = u[:, 0], u[:, 1]
         coll = np.zeros(len(r), dtype=bool)
         coll[j[cls >= 0]] = True   # waits that may have ended with a collective (else no blame)
         keep = coll[j]
@@ -262,74 +271,91 @@ class _Lockstep:
         return key, amb, (u[:, 0], u[:, 1])
 
     def _time(self, k: int, e: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """Time of event e (2j: start, 2j + 1: end of the axis' j-th collective) of axis k on ranks r."""
-        ao = self.axis_off[k]
-        last = 2 * len(ao)
-        f = ao[np.minimum(e, last - 1) >> 1] + self.gid[k][r]
-        t = np.where(e & 1, self.FE[f], self.FS[f])
-        return np.where(e >= last, INF, t)
+        """Time of event e (2j: start, 2j + 1: end of the axis' j-th collective; the last: INF) of axis
+        k on ranks r."""
+        return self.AT[k][e * self.G[k] + self.gid[k][r]]
 
     def compute_op(self, i, S):
         """End (ns) of compute op i started at S on every rank, re-rated when its rank's collectives in
         flight go from none to some or back (overlap_slowdown), as twin.engine does."""
-        R = self.R
-        cur = self.cur
-        cnt = np.zeros(R, dtype=np.int64)
-        for k in self.axes:   # events at or before S have happened
+        rows, cur, axes = self.rows, self.cur, self.axes
+        cnt = np.zeros(self.R, dtype=np.int64)   # collectives of the rank in flight
+        nt = {}                                   # per axis: each rank's next start or end after S
+        for k in axes:   # events at or before S have happened
             c = cur[k]
-            r = self.rows
+            t = self._time(k, c, rows)
+            r = np.nonzero(t <= S)[0]
             while len(r):
-                m = self._time(k, c[r], r) <= S[r]
-                r = r[m]
                 c[r] += 1
+                tt = self._time(k, c[r], r)
+                t[r] = tt
+                r = r[tt <= S[r]]
+            nt[k] = t
             cnt += c & 1
         f = np.where(cnt > 0, self.fo, self.f1)
-        w = np.full(R, self.base[i])
-        E = S + np.floor(w * f + 0.5).astype(np.int64)
-        r, seg, ok = self.rows, S, True
-        while len(r):
-            times = {k: self._time(k, cur[k][r], r) for k in self.axes}
-            tn = np.min(np.stack(list(times.values())), axis=0) if times else np.full(len(r), INF)
-            Er = E[r]
-            if self.final:
-                at = tn == Er
-                if at.any() and not self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], cnt[r[at]], times, at):
-                    ok = False
-            act = tn < Er
-            if not act.any():
-                break
-            r, tn, w, f, seg = r[act], tn[act], w[act], f[act], seg[act]
+        w0 = self.base[i]
+        E = S + np.floor(w0 * f + 0.5).astype(np.int64)
+        tn = nt[axes[0]] if axes else np.full(self.R, INF)
+        for k in axes[1:]:
+            tn = np.minimum(tn, nt[k])
+        ok = True
+        if self.final:
+            at = np.nonzero(tn == E)[0]
+            if len(at) and not self._end_tie(i, at, tn[at], np.full(len(at), w0), f[at], S[at], cnt[at]):
+                ok = False
+        r = np.nonzero(tn < E)[0]
+        if not len(r):
+            self._last_E = E
+            return E if ok else None
+        w = np.full(len(r), w0)
+        f, seg, tn, c0 = f[r], S[r], tn[r], cnt[r]
+        nt = {k: v[r] for k, v in nt.items()}
+        while True:
             # take every event at tn: ends before starts (an axis' stream successor starts after its end)
-            c0 = cnt[r]
             ends = np.zeros(len(r), dtype=np.int64)
             starts = np.zeros(len(r), dtype=np.int64)
             end_op = np.full(len(r), -1, dtype=np.int64)
             start_ops = []
-            for k in self.axes:
-                c = cur[k]
-                while True:
-                    e = c[r]
-                    m = self._time(k, e, r) == tn
-                    if not m.any():
-                        break
-                    is_end = m & (e & 1 == 1)
-                    ends += is_end
-                    starts += m & ~is_end
-                    q = self.axis_ops[k][np.minimum(e, 2 * len(self.axis_ops[k]) - 1) >> 1]
-                    end_op = np.where(is_end, q, end_op)
-                    start_ops.append((m & ~is_end, q, k))
-                    c[r[m]] += 1
+            for k in axes:
+                c, t = cur[k], nt[k]
+                m = np.nonzero(t == tn)[0]
+                while len(m):
+                    rm = r[m]
+                    e = c[rm]
+                    is_end = (e & 1) == 1
+                    ends[m] += is_end
+                    starts[m] += ~is_end
+                    q = self.axis_ops[k][np.minimum(e >> 1, len(self.axis_ops[k]) - 1)]
+                    end_op[m[is_end]] = q[is_end]
+                    if self.final:
+                        start_ops.append((m[~is_end], q[~is_end], k))
+                    c[rm] += 1
+                    tt = self._time(k, c[rm], rm)
+                    t[m] = tt
+                    m = m[tt == tn[m]]
             c1 = c0 - ends + starts
             pair = (c0 > 0) & (ends == c0) & (starts > 0)
             toggle = ((c0 == 0) & (starts > 0)) | ((c0 > 0) & (c1 == 0)) | pair
             if self.final and pair.any() and not self._pair_ok(pair, ends, end_op, start_ops):
                 ok = False
-            cnt[r] = c1
-            t = toggle
-            w = np.where(t, np.maximum(0.0, w - (tn - seg) / f), w)
-            seg = np.where(t, tn, seg)
-            f = np.where(t, np.where(c1 > 0, self.fo[r], self.f1[r]), f)
-            E[r] = np.where(t, tn + np.floor(w * f + 0.5).astype(np.int64), E[r])
+            w = np.where(toggle, np.maximum(0.0, w - (tn - seg) / f), w)
+            seg = np.where(toggle, tn, seg)
+            f = np.where(toggle, np.where(c1 > 0, self.fo[r], self.f1[r]), f)
+            Er = np.where(toggle, tn + np.floor(w * f + 0.5).astype(np.int64), E[r])
+            E[r] = Er
+            c0 = c1
+            tn = nt[axes[0]]
+            for k in axes[1:]:
+                tn = np.minimum(tn, nt[k])
+            if self.final:
+                at = np.nonzero(tn == Er)[0]
+                if len(at) and not self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], c0[at]):
+                    ok = False
+            act = np.nonzero(tn < Er)[0]
+            if not len(act):
+                break
+            r, w, f, seg, tn, c0 = r[act], w[act], f[act], seg[act], tn[act], c0[act]
+            nt = {k: v[act] for k, v in nt.items()}
         self._last_E = E
         return E if ok else None
 
@@ -342,18 +368,18 @@ class _Lockstep:
             return False
         n = self.n
         for m, q, k in start_ops:
-            sel = pair & m
+            sel = pair[m]
             if not sel.any():
                 continue
-            eo = end_op[sel]
-            same_axis = np.array([self.ax[x] == k for x in eo.tolist()]) if len(eo) else np.zeros(0, bool)
+            eo = end_op[m[sel]]
+            same_axis = np.array([self.ax[x] == k for x in eo.tolist()], dtype=bool)
             dep = np.isin(eo * n + q[sel], self.depkeys)
             if not (same_axis | dep).all():
                 self.why = "busy: a collective starts as another ends"
                 return False
         return True
 
-    def _end_tie(self, i, r, tn, w, f, seg, cnt, times, at) -> bool:
+    def _end_tie(self, i, r, tn, w, f, seg, cnt) -> bool:
         """Busy changes at the very nanosecond compute op i ends on ranks r (collectives stepped before
         it, so none waits for it): harmless only if taking them first leaves the end where it is."""
         ends = np.zeros(len(r), dtype=np.int64)
@@ -394,9 +420,8 @@ class _Lockstep:
             act = tn < E[g]
             if self.final:
                 at = tn == E[g]
-                if at.any() and not self._end_tie_collective(i, k, g[at], tn[at], frac[at], dur[at], seg[at],
-                                                             idx[at], Tm, Cm):
-                    self.why = 'collective end tie'; ok = False
+                if at.any():
+                    self._end_tie_collective(i, k, g[at], tn[at], frac[at], dur[at], seg[at], idx[at], Tm, Cm)
             if not act.any():
                 break
             g, tn, idx = g[act], tn[act], idx[act]
@@ -411,10 +436,9 @@ class _Lockstep:
         self._last_E = E
         return E if ok else None
 
-    def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> bool:
+    def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> None:
         """Concurrency changes at the very nanosecond collective op i ends on groups g: harmless if
-        taking them before the end leaves it, or if each is another axis starting with collectives
-        that wait for op i on a member of the group (they start after its end)."""
+        taking them before the end leaves it; the others are kept for `ties_ok`."""
         j = idx.copy()
         while True:
             more = Tm[j + 1] == tn
@@ -424,25 +448,32 @@ class _Lockstep:
         dur2 = self.durations(i, k, Cm[j])
         frac2 = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
         moved = np.floor(frac2 * dur2 + 0.5) != 0
-        if not moved.any():
-            return True
-        mine = self.members[k]
         for gg, t in zip(g[moved].tolist(), tn[moved].tolist()):
-            ranks = set(mine[gg].tolist())
+            self.ties.append((i, k, gg, t))
+
+    def ties_ok(self, gstart, gend) -> bool:
+        """The kept end ties, judged on the final intervals: harmless if each concurrency change there
+        is another axis starting with collectives that wait for the ending one on a member of its group
+        (they start after its end)."""
+        for i, k, gg, t in self.ties:
+            ranks = set(self.members[k][gg].tolist())
             for q in self.colls:
                 kq = self.ax[q]
                 if kq == k:
                     continue
-                if (self._ge[q] == t).any():
-                    self.why = 'coll end tie: other ends'; return False  # another axis may stop there
-                hs = np.nonzero(self._gs[q] == t)[0]
+                if (gend[q] == t).any():
+                    self.why = "another axis may stop as a collective ends"
+                    return False
+                hs = np.nonzero(gstart[q] == t)[0]
                 if not len(hs):
                     continue
                 if i not in self.cross[q]:
-                    self.why = 'coll end tie: not dep'; return False
+                    self.why = "another axis starts as a collective ends"
+                    return False
                 for h in hs.tolist():
                     if not ranks.intersection(self.members[kq][h].tolist()):
-                        self.why = 'coll end tie: disjoint'; return False
+                        self.why = "another axis starts as a collective ends"
+                        return False
         return True
 
     # -- breakdown ---------------------------------------------------------------------------------
@@ -521,6 +552,18 @@ class _Lockstep:
         tot = A[first].sum(axis=0)
         return {k: int(tot[k]) for k in range(len(AXES))}
 
+    def spans(self, out) -> list[tuple[int, int, float, float]]:
+        """Every op of every rank as the engine records it: (rank, op, start s, duration s)."""
+        res = []
+        for i in range(self.n):
+            k = self.ax[i]
+            if k < 0:
+                S, E = self.cspans[i]
+            else:
+                S, E = out["gstart"][i][self.gid[k]], out["gend"][i][self.gid[k]]
+            res += [(r, i, t / NS, d / NS) for r, t, d in zip(range(self.R), S.tolist(), (E - S).tolist())]
+        return res
+
     # -- timelines ---------------------------------------------------------------------------------
     def mask_timeline(self, gstart, gend, gdep):
         """For each axis k: the times of concurrency changes of the other axes (sorted, sentinel at the
@@ -532,18 +575,15 @@ class _Lockstep:
         turn it off and on (a split at t); several ending with at least two successors starting at
         once in their own ends (their dependencies done before t) keep it on; other cases are marked
         ambiguous."""
-        events = []  # (time, amb, axis, on)
+        Ts, As, Xs = [], [], []
         for k in self.axes:
-            ops = [i for i in self.colls if self.ax[i] == k]
-            if not ops:
-                continue
-            st = np.concatenate([gstart[i] for i in ops])
-            en = np.concatenate([gend[i] for i in ops])
-            dm = np.concatenate([gdep[i] for i in ops])
-            opid = np.repeat(np.array(ops), [len(gstart[i]) for i in ops])
-            grp = np.concatenate([np.arange(len(gstart[i])) for i in ops])
+            G, nk = self.G[k], len(self.axis_ops[k])
+            ev = self.AT[k][:-G].reshape(nk, 2, G)
+            st, en = ev[:, 0, :].reshape(-1), ev[:, 1, :].reshape(-1)
+            dm = np.concatenate([gdep[i] for i in self.axis_ops[k].tolist()])
+            pe = np.concatenate([np.full(G, -2, dtype=np.int64), en[:-G]])  # its stream predecessor's end
             order = np.argsort(st, kind="stable")
-            st, en, dm, opid, grp = st[order], en[order], dm[order], opid[order], grp[order]
+            st, en, dm, pe = st[order], en[order], dm[order], pe[order]
             cm = np.maximum.accumulate(en)
             prev = np.concatenate([[-1], cm[:-1]])
             new = st >= prev
@@ -555,58 +595,57 @@ class _Lockstep:
                 tj = np.nonzero(touch)[0]
                 t = st[tj]
                 n_end = np.searchsorted(ends_sorted, t, "right") - np.searchsorted(ends_sorted, t, "left")
-                n_start = np.searchsorted(st, t, "right") - np.searchsorted(st, t, "left")
                 first = np.searchsorted(st, t, "left")
-                p = np.array([self.pred[x] for x in opid.tolist()])
-                pe = np.array([int(gend[a][b]) if a >= 0 else -2 for a, b in zip(p.tolist(), grp.tolist())])
+                n_start = np.searchsorted(st, t, "right") - first
                 succ = pe == st                  # its stream predecessor ended as it started
-                immediate = succ & (dm < st)     # ... and started in that very end
-                all_imm = np.array([bool(immediate[a:a + c].all()) for a, c in zip(first.tolist(), n_start.tolist())])
+                immediate = succ & (dm < st)     # ... and it started in that very end
+                c = np.concatenate([[0], np.cumsum(immediate)])
+                all_imm = c[first + n_start] - c[first] == n_start
                 pair = (n_end == 1) & (n_start == 1) & succ[tj]
                 merge = ~pair & (n_start >= 2) & all_imm
                 amb[tj] = ~(pair | merge)
                 new[tj[merge]] = False
             idx = np.nonzero(new)[0]
-            for j in idx.tolist():
-                if j > 0:
-                    events.append((int(prev[j]), bool(amb[j]), k, 0))
-                events.append((int(st[j]), bool(amb[j]), k, 1))
-            events.append((int(cm[-1]), False, k, 0))
-        events.sort(key=lambda e: (e[0], e[1]))  # unambiguous first at one time
-        T = np.array([e[0] for e in events] + [np.iinfo(np.int64).max // 2], dtype=np.int64)
-        A = np.array([e[1] for e in events] + [False], dtype=bool)
-        masks = []
-        m = 0
-        for e in events:
-            m ^= 1 << e[2]
-            masks.append(m)
-        masks.append(m)
-        masks = np.array(masks, dtype=np.int64)
-        axis = np.array([e[2] for e in events] + [-1])
+            t = np.empty(2 * len(idx) + 1, dtype=np.int64)   # off (of the component before), on; last off
+            t[0:-1:2], t[1:-1:2], t[-1] = prev[idx], st[idx], cm[-1]
+            a = np.zeros(len(t), dtype=bool)
+            a[0:-1:2], a[1:-1:2] = amb[idx], amb[idx]
+            Ts.append(t[1:])
+            As.append(a[1:])
+            Xs.append(np.full(len(t) - 1, k, dtype=np.int64))
+        T, A, X = np.concatenate(Ts), np.concatenate(As), np.concatenate(Xs)
+        o = np.lexsort((np.arange(len(T)), A, T))   # by time, unambiguous first, then as emitted
+        T, A, X = T[o], A[o], X[o]
+        masks = np.bitwise_xor.accumulate(np.left_shift(1, X))
+        T = np.append(T, INF - 1)
+        A = np.append(A, False)
+        masks = np.append(masks, masks[-1] if len(masks) else 0)
+        X = np.append(X, -1)
         out_T, out_C, out_A = {}, {}, {}
         for k in self.axes:
-            keep = axis != k
+            keep = X != k
             out_T[k] = T[keep]
             out_C[k] = masks[keep] & ~(1 << k)
             out_A[k] = A[keep]
         return out_T, out_C, out_A
 
+
 def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: float,
-                      max_sweeps: int = MAX_SWEEPS):
+                      max_sweeps: int = MAX_SWEEPS, spans: bool = False):
     """Simulate every rank of `program` (twin.engine.simulate_program's full mode, rank by rank,
     comm_share 1, no spans) in lockstep. slow[r]: rank r's compute slowdown factor. Returns
     (iteration ns, compute ns summed over ranks, exposed ns per axis summed over ranks, sweeps), or
     None where the event engine's order of same-nanosecond events would decide (module docstring)."""
     ls = _Lockstep(program, compute_s, collective_s, slow, overlap_slowdown)
+    ls.keep_spans = spans
     if any(d >= i for i in range(ls.n) for d in ls.cross[i]):
         return None
-    ls._gs = ls._ge = None
-    big = np.array([INF])
+    big = np.array([INF - 1])
     mask_tl = ({k: big for k in ls.axes}, {k: np.zeros(1, dtype=np.int64) for k in ls.axes},
                {k: np.zeros(1, dtype=bool) for k in ls.axes})
+    # sweeps after the first judge ties as they go: the one that reproduces its timeline is the answer
     for sweep in range(1, max_sweeps + 1):
-        out = ls.sweep(mask_tl)
-        ls._gs, ls._ge = out["gstart"], out["gend"]
+        out = ls.sweep(mask_tl, final=sweep > 1)
         new_mask = ls.mask_timeline(out["gstart"], out["gend"], out["gdep"])
         same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
         mask_tl = new_mask
@@ -615,11 +654,13 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
     else:
         ls.why = f"no fixed point in {max_sweeps} sweeps"
         return None
-    # the final sweep again, now able to judge end ties against the consistent intervals
-    out = ls.sweep(mask_tl, final=True)
-    if out["ambiguous"]:
+    if sweep == 1:
+        out = ls.sweep(mask_tl, final=True)
+    if out["ambiguous"] or not ls.ties_ok(out["gstart"], out["gend"]):
         return None
     exposed = ls.blame(out)
     if exposed is None:
         return None
+    if spans:
+        return out["end"], out["compute_ns"], exposed, sweep, ls.spans(out)
     return out["end"], out["compute_ns"], exposed, sweep
