@@ -37,6 +37,7 @@ from twin.symmetry import axis_groups
 
 NS = 1e9
 MAX_SWEEPS = 40
+FLUSH = 1 << 20     # compute waits kept before their blame walks run (memory)
 INF = 1 << 62       # a time never reached (ns)
 BIG = 1 << 40       # row offset for per-rank timelines searched as one sorted array (ns: 18 minutes)
 IDLE, PRED = -2, -1  # blame classes: a compute op (idle), the stream's previous collective
@@ -101,6 +102,8 @@ class _Lockstep:
         self.G = {k: len(self.members[k]) for k in self.axes}
         self.dtab: dict[int, np.ndarray] = {}
         self.keep_spans = False
+        self.ax_arr = np.array(self.ax, dtype=np.int64)
+        self.pred_arr = np.array(self.pred, dtype=np.int64)
         self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
                                 dtype=np.int64)
         self.dependents: dict[int, set] = {}
@@ -147,14 +150,18 @@ class _Lockstep:
         prev_c = np.zeros(R, dtype=np.int64)
         free = {k: np.zeros(len(self.members[k]), dtype=np.int64) for k in self.axes}
         cend: dict[int, np.ndarray] = {}
-        gstart: dict[int, np.ndarray] = {}
+        gstart: dict[int, np.ndarray] = {}  # views of AT
         gend: dict[int, np.ndarray] = {}
-        gblk: dict[int, np.ndarray] = {}   # blame class key of each group's start (see _blocker)
-        gamb: dict[int, np.ndarray] = {}   # the class is ambiguous (tie)
-        gdep: dict[int, np.ndarray] = {}   # when each group's dependencies were done (-1: none)
-        galt: dict[int, tuple] = {}        # (groups, classes) of the ambiguous blockers
+        gimm: dict[int, np.ndarray] = {}    # each group's dependencies were done before it started
+        if final:   # per axis, [j * G + group]: what the j-th collective's start waited for last (blame)
+            self.BLK = {k: np.full(len(self.axis_ops[k]) * self.G[k], PRED, dtype=np.int64) for k in self.axes}
+            self.AMB = {k: np.zeros(len(self.axis_ops[k]) * self.G[k], dtype=bool) for k in self.axes}
+            self.galt = {}                  # op -> (groups, classes) of its ambiguous blockers
+            self.exposed = {k: 0 for k in range(len(AXES))}
+            self.blame_ok = True
         self._wid = 0
-        waits = []                          # (ranks, t1, t2, collective op) of compute waits
+        waits = []                          # rows (wait id, t1, t2, class) of compute waits, for blame
+        pending = 0
         compute_ns = 0
         ambiguous = False
         for i in self.order:
@@ -168,7 +175,10 @@ class _Lockstep:
                 if deps and final:
                     w = S > T0
                     if w.any():
-                        self._waits(r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
+                        pending += self._waits(r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
+                        if pending > FLUSH:
+                            self.blame(waits)
+                            waits, pending = [], 0
                 E = self.compute_op(i, S)
                 if E is None:
                     ambiguous = True
@@ -182,7 +192,6 @@ class _Lockstep:
             else:
                 M = self.members[k]
                 T0 = free[k]
-                S = T0
                 ends = []
                 dmax = np.full(len(T0), -1, dtype=np.int64)  # when its last dependency was done
                 for d in deps:
@@ -190,24 +199,33 @@ class _Lockstep:
                     ends.append((d, e))
                     dmax = np.maximum(dmax, e.max(axis=1))
                 S = np.maximum(T0, dmax)
-                gdep[i] = dmax
-                blk, amb, alt = self._blocker(i, k, T0, S, ends) if final else (None, None, None)
+                gimm[i] = dmax < S
+                if final:
+                    G, j = self.G[k], int(self.apos[i])
+                    blk, amb, alt = self._blocker(i, k, T0, S, ends)
+                    self.BLK[k][j * G:(j + 1) * G] = blk
+                    self.AMB[k][j * G:(j + 1) * G] = amb
+                    if alt is not None:
+                        self.galt[i] = alt
+                del ends
                 E = self.collective_op(i, k, S, Tm[k], Cm[k], Am[k])
                 if E is None:
                     ambiguous = True
                     E = self._last_E
                 G, j = self.G[k], 2 * int(self.apos[i])
-                self.AT[k][j * G:(j + 1) * G] = S
-                self.AT[k][(j + 1) * G:(j + 2) * G] = E
-                gstart[i], gend[i], gblk[i], gamb[i] = S, E, blk, amb
-                if alt is not None:
-                    galt[i] = alt
-                free[k] = E
+                at = self.AT[k]
+                at[j * G:(j + 1) * G] = S
+                at[(j + 1) * G:(j + 2) * G] = E
+                gstart[i], gend[i] = at[j * G:(j + 1) * G], at[(j + 1) * G:(j + 2) * G]
+                free[k] = gend[i]
             for d in deps:
                 if self.last_use[d] == i and d in cend:
                     del cend[d]
-        return dict(gstart=gstart, gend=gend, gdep=gdep, gblk=gblk, gamb=gamb, galt=galt, waits=waits, compute_ns=compute_ns,
-                    end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]), ambiguous=ambiguous)
+        if final and waits:
+            self.blame(waits)
+        return dict(gstart=gstart, gend=gend, gimm=gimm, compute_ns=compute_ns,
+                    end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]),
+                    ambiguous=ambiguous or (final and not self.blame_ok))
 
     def _waits(self, r, t1, t2, deps, cend, gend, waits) -> None:
         """Record the compute waits [t1, t2] of ranks r for blame: one row (wait id, t1, t2, class) per
@@ -231,6 +249,7 @@ class _Lockstep:
         if len(j):
             waits.append((j + self._wid, t1[j], t2[j], cls))
         self._wid += len(r)
+        return len(j)
 
     def _blocker(self, i, k, T0, S, ends):
         """The blame class of each group's start: PRED (waited for nothing: the stream's previous op),
@@ -477,36 +496,37 @@ class _Lockstep:
         return True
 
     # -- breakdown ---------------------------------------------------------------------------------
-    def blame(self, out) -> dict[int, int] | None:
-        """Exposed communication (ns summed over ranks) per axis: each compute wait that ended with a
-        collective walks back what delayed it (twin.engine._Sim.blame), all walks at once. Where the
-        engine's order of equal-time events decides what a wait or a start waited for, every candidate
-        is followed; None if they disagree."""
-        gstart, gblk, gamb, galt = out["gstart"], out["gblk"], out["gamb"], out["galt"]
-        exposed = {k: 0 for k in range(len(AXES))}
-        if not out["waits"] or not self.colls:
-            return exposed
-        offa = np.zeros(self.n, dtype=np.int64)
-        pos = 0
-        for i in self.colls:
-            offa[i] = pos
-            pos += len(gstart[i])
-        st = np.concatenate([gstart[i] for i in self.colls])
-        blk = np.concatenate([gblk[i] for i in self.colls])
-        amb = np.concatenate([gamb[i] for i in self.colls])
-        if galt:
-            af = np.concatenate([offa[i] + g for i, (g, _) in galt.items()])
-            ac = np.concatenate([c for _, c in galt.values()])
-            o = np.argsort(af, kind="stable")
-            af, ac = af[o], ac[o]
-        ax = np.array(self.ax)
-        pred = np.array(self.pred)
-        wid = np.concatenate([w[0] for w in out["waits"]])
-        t1 = np.concatenate([w[1] for w in out["waits"]])
-        t2 = np.concatenate([w[2] for w in out["waits"]])
-        cls = np.concatenate([w[3] for w in out["waits"]])
+    def _node(self, op, grp):
+        """For collectives `op` on groups `grp`: start, blame class, ambiguity, and the key of the
+        ambiguous ones' candidate list."""
+        start = np.empty(len(op), dtype=np.int64)
+        blk = np.empty(len(op), dtype=np.int64)
+        amb = np.empty(len(op), dtype=bool)
+        ax = self.ax_arr[op]
+        for k in self.axes:
+            m = ax == k
+            if not m.any():
+                continue
+            G = self.G[k]
+            j = self.apos[op[m]] * G + grp[m]
+            start[m] = self.AT[k][j + self.apos[op[m]] * G]   # row 2 * apos
+            blk[m] = self.BLK[k][j]
+            amb[m] = self.AMB[k][j]
+        return start, blk, amb, ax
+
+    def blame(self, waits) -> None:
+        """Exposed communication (ns summed over ranks) per axis, added to self.exposed: each compute
+        wait that ended with a collective walks back what delayed it (twin.engine._Sim.blame), all walks
+        at once. Where the engine's order of equal-time events decides what a wait or a start waited
+        for, every candidate is followed; self.blame_ok turns False if they disagree."""
+        wid = np.concatenate([w[0] for w in waits])
+        t1 = np.concatenate([w[1] for w in waits])
+        t2 = np.concatenate([w[2] for w in waits])
+        cls = np.concatenate([w[3] for w in waits])
+        waits.clear()
         acc = np.zeros((len(wid), len(AXES)), dtype=np.int64)
         done_w, done_acc = [], []
+        alt = None
         while len(wid):
             # follow each row's class: IDLE ends the walk, PRED goes to the stream's previous op
             # (none: the walk ends), a collective class to that collective on its group
@@ -515,30 +535,32 @@ class _Lockstep:
             done_acc.append(acc[~live])
             wid, t1, t2, cls, acc = wid[live], t1[live], t2[live], cls[live], acc[live]
             op, grp = cls // BIG, cls % BIG
-            f = offa[op] + grp
-            start = st[f]
-            a = ax[op]
+            start, nxt, forks, a = self._node(op, grp)
             fin = start <= t1
-            rows = np.arange(len(wid))
-            acc[rows, a] += np.where(fin, t2 - t1, t2 - start)
+            acc[np.arange(len(wid)), a] += np.where(fin, t2 - t1, t2 - start)
             done_w.append(wid[fin])
             done_acc.append(acc[fin])
             go = ~fin
-            wid, t1, acc, op, grp, f = wid[go], t1[go], acc[go], op[go], grp[go], f[go]
+            wid, t1, acc, op, grp, nxt, forks = wid[go], t1[go], acc[go], op[go], grp[go], nxt[go], forks[go]
             t2 = start[go]
-            nxt = blk[f]
-            forks = amb[f]
             if forks.any():
+                if alt is None:
+                    keys = np.concatenate([op_ * BIG + g for op_, (g, _) in self.galt.items()])
+                    vals = np.concatenate([c for _, c in self.galt.values()])
+                    o = np.argsort(keys, kind="stable")
+                    alt = keys[o], vals[o]
+                af, ac = alt
                 one = ~forks
                 fi = np.nonzero(forks)[0]
-                lo = np.searchsorted(af, f[fi], "left")
-                cnt = np.searchsorted(af, f[fi], "right") - lo
+                key = op[fi] * BIG + grp[fi]
+                lo = np.searchsorted(af, key, "left")
+                cnt = np.searchsorted(af, key, "right") - lo
                 rep = np.repeat(fi, cnt)
                 at = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo, cnt)
                 take = np.concatenate([np.nonzero(one)[0], rep])
                 nxt = np.concatenate([nxt[one], ac[at]])
                 wid, t1, t2, acc, op, grp = wid[take], t1[take], t2[take], acc[take], op[take], grp[take]
-            p = pred[op]
+            p = self.pred_arr[op]
             is_pred = nxt == PRED
             cls = np.where(is_pred, np.where(p >= 0, p * BIG + grp, IDLE), nxt)
         w = np.concatenate(done_w)
@@ -548,9 +570,10 @@ class _Lockstep:
         _, first, counts = np.unique(w, return_index=True, return_counts=True)
         if (A != np.repeat(A[first], counts, axis=0)).any():
             self.why = "blame differs by the order of equal-time events"
-            return None
+            self.blame_ok = False
         tot = A[first].sum(axis=0)
-        return {k: int(tot[k]) for k in range(len(AXES))}
+        for k in range(len(AXES)):
+            self.exposed[k] += int(tot[k])
 
     def spans(self, out) -> list[tuple[int, int, float, float]]:
         """Every op of every rank as the engine records it: (rank, op, start s, duration s)."""
@@ -565,7 +588,7 @@ class _Lockstep:
         return res
 
     # -- timelines ---------------------------------------------------------------------------------
-    def mask_timeline(self, gstart, gend, gdep):
+    def mask_timeline(self, gimm):
         """For each axis k: the times of concurrency changes of the other axes (sorted, sentinel at the
         end), the mask of the other axes in flight after each, and whether it is ambiguous.
 
@@ -580,10 +603,10 @@ class _Lockstep:
             G, nk = self.G[k], len(self.axis_ops[k])
             ev = self.AT[k][:-G].reshape(nk, 2, G)
             st, en = ev[:, 0, :].reshape(-1), ev[:, 1, :].reshape(-1)
-            dm = np.concatenate([gdep[i] for i in self.axis_ops[k].tolist()])
+            imm = np.concatenate([gimm[i] for i in self.axis_ops[k].tolist()])
             pe = np.concatenate([np.full(G, -2, dtype=np.int64), en[:-G]])  # its stream predecessor's end
             order = np.argsort(st, kind="stable")
-            st, en, dm, pe = st[order], en[order], dm[order], pe[order]
+            st, en, imm, pe = st[order], en[order], imm[order], pe[order]
             cm = np.maximum.accumulate(en)
             prev = np.concatenate([[-1], cm[:-1]])
             new = st >= prev
@@ -598,7 +621,7 @@ class _Lockstep:
                 first = np.searchsorted(st, t, "left")
                 n_start = np.searchsorted(st, t, "right") - first
                 succ = pe == st                  # its stream predecessor ended as it started
-                immediate = succ & (dm < st)     # ... and it started in that very end
+                immediate = succ & imm           # ... and it started in that very end
                 c = np.concatenate([[0], np.cumsum(immediate)])
                 all_imm = c[first + n_start] - c[first] == n_start
                 pair = (n_end == 1) & (n_start == 1) & succ[tj]
@@ -645,8 +668,9 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
                {k: np.zeros(1, dtype=bool) for k in ls.axes})
     # sweeps after the first judge ties as they go: the one that reproduces its timeline is the answer
     for sweep in range(1, max_sweeps + 1):
+        out = None
         out = ls.sweep(mask_tl, final=sweep > 1)
-        new_mask = ls.mask_timeline(out["gstart"], out["gend"], out["gdep"])
+        new_mask = ls.mask_timeline(out["gimm"])
         same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
         mask_tl = new_mask
         if same:
@@ -658,9 +682,7 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
         out = ls.sweep(mask_tl, final=True)
     if out["ambiguous"] or not ls.ties_ok(out["gstart"], out["gend"]):
         return None
-    exposed = ls.blame(out)
-    if exposed is None:
-        return None
+    exposed = ls.exposed
     if spans:
         return out["end"], out["compute_ns"], exposed, sweep, ls.spans(out)
     return out["end"], out["compute_ns"], exposed, sweep
