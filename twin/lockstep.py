@@ -158,12 +158,10 @@ class _Lockstep:
             self.AMB = {k: np.zeros(len(self.axis_ops[k]) * self.G[k], dtype=bool) for k in self.axes}
             self.galt = {}                  # op -> (groups, classes) of its ambiguous blockers
             self.exposed = {k: 0 for k in range(len(AXES))}
-            self.blame_ok = True
         self._wid = 0
         waits = []                          # rows (wait id, t1, t2, class) of compute waits, for blame
         pending = 0
         compute_ns = 0
-        ambiguous = False
         for i in self.order:
             k = self.ax[i]
             deps = self.cross[i]
@@ -180,9 +178,6 @@ class _Lockstep:
                             self.blame(waits)
                             waits, pending = [], 0
                 E = self.compute_op(i, S)
-                if E is None:
-                    ambiguous = True
-                    E = self._last_E
                 compute_ns += int((E - S).sum())
                 if self.keep_spans:
                     self.cspans[i] = (S, E)
@@ -209,9 +204,6 @@ class _Lockstep:
                         self.galt[i] = alt
                 del ends
                 E = self.collective_op(i, k, S, Tm[k], Cm[k], Am[k])
-                if E is None:
-                    ambiguous = True
-                    E = self._last_E
                 G, j = self.G[k], 2 * int(self.apos[i])
                 at = self.AT[k]
                 at[j * G:(j + 1) * G] = S
@@ -224,8 +216,7 @@ class _Lockstep:
         if final and waits:
             self.blame(waits)
         return dict(gstart=gstart, gend=gend, gimm=gimm, compute_ns=compute_ns,
-                    end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]),
-                    ambiguous=ambiguous or (final and not self.blame_ok))
+                    end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]))
 
     def _waits(self, r, t1, t2, deps, cend, gend, waits) -> None:
         """Record the compute waits [t1, t2] of ranks r for blame: one row (wait id, t1, t2, class) per
@@ -317,15 +308,13 @@ class _Lockstep:
         tn = nt[axes[0]] if axes else np.full(self.R, INF)
         for k in axes[1:]:
             tn = np.minimum(tn, nt[k])
-        ok = True
         if self.final:
             at = np.nonzero(tn == E)[0]
-            if len(at) and not self._end_tie(i, at, tn[at], np.full(len(at), w0), f[at], S[at], cnt[at]):
-                ok = False
+            if len(at):
+                self._end_tie(i, at, tn[at], np.full(len(at), w0), f[at], S[at], cnt[at])
         r = np.nonzero(tn < E)[0]
         if not len(r):
-            self._last_E = E
-            return E if ok else None
+            return E
         w = np.full(len(r), w0)
         f, seg, tn, c0 = f[r], S[r], tn[r], cnt[r]
         nt = {k: v[r] for k, v in nt.items()}
@@ -355,8 +344,8 @@ class _Lockstep:
             c1 = c0 - ends + starts
             pair = (c0 > 0) & (ends == c0) & (starts > 0)
             toggle = ((c0 == 0) & (starts > 0)) | ((c0 > 0) & (c1 == 0)) | pair
-            if self.final and pair.any() and not self._pair_ok(pair, ends, end_op, start_ops):
-                ok = False
+            if self.final and pair.any():
+                self._pair_ok(pair, ends, end_op, start_ops)
             w = np.where(toggle, np.maximum(0.0, w - (tn - seg) / f), w)
             seg = np.where(toggle, tn, seg)
             f = np.where(toggle, np.where(c1 > 0, self.fo[r], self.f1[r]), f)
@@ -368,23 +357,21 @@ class _Lockstep:
                 tn = np.minimum(tn, nt[k])
             if self.final:
                 at = np.nonzero(tn == Er)[0]
-                if len(at) and not self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], c0[at]):
-                    ok = False
+                if len(at):
+                    self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], c0[at])
             act = np.nonzero(tn < Er)[0]
             if not len(act):
                 break
             r, w, f, seg, tn, c0 = r[act], w[act], f[act], seg[act], tn[act], c0[act]
             nt = {k: v[act] for k, v in nt.items()}
-        self._last_E = E
-        return E if ok else None
+        return E
 
-    def _pair_ok(self, pair, ends, end_op, start_ops) -> bool:
+    def _pair_ok(self, pair, ends, end_op, start_ops) -> None:
         """Every collective of a rank ends at t and some start at t: the engine splits the compute op
         there (off, then on) only if nothing starts before the end. Certain when one ends and each start
         is its stream successor or waits for it (it starts in or after that end)."""
         if (pair & (ends != 1)).any():
-            self.why = "busy: several collectives of a rank end as others start"
-            return False
+            raise _Ambiguous("busy: several collectives of a rank end as others start")
         n = self.n
         for m, q, k in start_ops:
             sel = pair[m]
@@ -394,11 +381,10 @@ class _Lockstep:
             same_axis = np.array([self.ax[x] == k for x in eo.tolist()], dtype=bool)
             dep = np.isin(eo * n + q[sel], self.depkeys)
             if not (same_axis | dep).all():
-                self.why = "busy: a collective starts as another ends"
-                return False
+                raise _Ambiguous("busy: a collective starts as another ends")
         return True
 
-    def _end_tie(self, i, r, tn, w, f, seg, cnt) -> bool:
+    def _end_tie(self, i, r, tn, w, f, seg, cnt) -> None:
         """Busy changes at the very nanosecond compute op i ends on ranks r (collectives stepped before
         it, so none waits for it): harmless only if taking them first leaves the end where it is."""
         ends = np.zeros(len(r), dtype=np.int64)
@@ -419,8 +405,7 @@ class _Lockstep:
         f2 = np.where(c1 > 0, self.fo[r], self.f1[r])
         w2 = np.maximum(0.0, w - (tn - seg) / f)
         if (toggle & (np.floor(w2 * f2 + 0.5) != 0)).any():
-            self.why = "busy changes as a compute op ends"
-            return False
+            raise _Ambiguous("busy changes as a compute op ends")
         return True
 
     def collective_op(self, i, k, S, Tm, Cm, Am):
@@ -429,11 +414,12 @@ class _Lockstep:
         idx = np.searchsorted(Tm, S, side="right")
         mask = np.where(idx > 0, Cm[np.maximum(idx - 1, 0)], 0)
         dur = self.durations(i, k, mask)
+        dur0, idx0 = dur, idx
         frac = np.ones(len(S))
         E = S + np.floor(dur + 0.5).astype(np.int64)
         g = np.arange(len(S))
         seg = S
-        ok = True
+        split = []   # groups split at an ambiguous pair (the engine may not split there)
         while True:
             tn = Tm[idx]
             act = tn < E[g]
@@ -445,15 +431,48 @@ class _Lockstep:
                 break
             g, tn, idx = g[act], tn[act], idx[act]
             frac, dur, seg = frac[act], dur[act], seg[act]
-            if self.final and (Am[idx] & (tn > seg)).any():
-                self.why = 'mask pair'; ok = False
+            if self.final:
+                a = Am[idx] & (tn > seg)
+                if a.any():
+                    split.append(g[a])
             frac = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
             seg = tn
             dur = self.durations(i, k, Cm[idx])
             E[g] = tn + np.floor(frac * dur + 0.5).astype(np.int64)
             idx = idx + 1
-        self._last_E = E
-        return E if ok else None
+        if split:
+            for gg in np.unique(np.concatenate(split)).tolist():
+                self._check_splits(i, k, int(S[gg]), float(dur0[gg]), int(idx0[gg]), int(E[gg]), Tm, Cm, Am)
+        return E
+
+    def _check_splits(self, i, k, S, dur, idx, E, Tm, Cm, Am) -> None:
+        """A collective's window holds pairs of concurrency changes (one axis off and on at t) that the
+        engine may or may not make, depending on its order of same-time events: the same end whichever
+        it makes, or _Ambiguous. The rate is the same on both sides of a pair, so they only split the
+        work's arithmetic; every combination is computed (Python floats: numpy's arithmetic)."""
+        amb, sure = set(), set()
+        j = idx
+        while Tm[j] < E:
+            (amb if Am[j] else sure).add(int(Tm[j]))
+            j += 1
+        times = sorted(amb - sure)
+        if len(times) > 6:
+            raise _Ambiguous("many ambiguous concurrency changes in one collective")
+        ends = set()
+        for choice in range(1 << len(times)):
+            skip = {t for b, t in enumerate(times) if not choice >> b & 1}
+            frac, d, seg, end, j = 1.0, dur, S, S + int(dur + 0.5), idx
+            while Tm[j] < end:
+                t = int(Tm[j])
+                if t not in skip:
+                    frac = max(0.0, frac - (t - seg) / d) if d > 0 else 0.0
+                    seg = t
+                    d = float(self.durations(i, k, Cm[j:j + 1])[0])
+                    end = t + int(frac * d + 0.5)
+                j += 1
+            ends.add(end)
+        if len(ends) > 1:
+            raise _Ambiguous("a collective's end depends on the engine's order of same-time events")
 
     def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> None:
         """Concurrency changes at the very nanosecond collective op i ends on groups g: harmless if
@@ -470,7 +489,7 @@ class _Lockstep:
         for gg, t in zip(g[moved].tolist(), tn[moved].tolist()):
             self.ties.append((i, k, gg, t))
 
-    def ties_ok(self, gstart, gend) -> bool:
+    def ties_ok(self, gstart, gend) -> None:
         """The kept end ties, judged on the final intervals: harmless if each concurrency change there
         is another axis starting with collectives that wait for the ending one on a member of its group
         (they start after its end)."""
@@ -481,18 +500,15 @@ class _Lockstep:
                 if kq == k:
                     continue
                 if (gend[q] == t).any():
-                    self.why = "another axis may stop as a collective ends"
-                    return False
+                    raise _Ambiguous("another axis may stop as a collective ends")
                 hs = np.nonzero(gstart[q] == t)[0]
                 if not len(hs):
                     continue
                 if i not in self.cross[q]:
-                    self.why = "another axis starts as a collective ends"
-                    return False
+                    raise _Ambiguous("another axis starts as a collective ends")
                 for h in hs.tolist():
                     if not ranks.intersection(self.members[kq][h].tolist()):
-                        self.why = "another axis starts as a collective ends"
-                        return False
+                        raise _Ambiguous("another axis starts as a collective ends")
         return True
 
     # -- breakdown ---------------------------------------------------------------------------------
@@ -518,7 +534,7 @@ class _Lockstep:
         """Exposed communication (ns summed over ranks) per axis, added to self.exposed: each compute
         wait that ended with a collective walks back what delayed it (twin.engine._Sim.blame), all walks
         at once. Where the engine's order of equal-time events decides what a wait or a start waited
-        for, every candidate is followed; self.blame_ok turns False if they disagree."""
+        for, every candidate is followed: _Ambiguous if they disagree."""
         wid = np.concatenate([w[0] for w in waits])
         t1 = np.concatenate([w[1] for w in waits])
         t2 = np.concatenate([w[2] for w in waits])
@@ -569,8 +585,7 @@ class _Lockstep:
         w, A = w[o], A[o]
         _, first, counts = np.unique(w, return_index=True, return_counts=True)
         if (A != np.repeat(A[first], counts, axis=0)).any():
-            self.why = "blame differs by the order of equal-time events"
-            self.blame_ok = False
+            raise _Ambiguous("blame differs by the order of equal-time events")
         tot = A[first].sum(axis=0)
         for k in range(len(AXES)):
             self.exposed[k] += int(tot[k])
@@ -667,20 +682,23 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
     mask_tl = ({k: big for k in ls.axes}, {k: np.zeros(1, dtype=np.int64) for k in ls.axes},
                {k: np.zeros(1, dtype=bool) for k in ls.axes})
     # sweeps after the first judge ties as they go: the one that reproduces its timeline is the answer
-    for sweep in range(1, max_sweeps + 1):
-        out = None
-        out = ls.sweep(mask_tl, final=sweep > 1)
-        new_mask = ls.mask_timeline(out["gimm"])
-        same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
-        mask_tl = new_mask
-        if same:
-            break
-    else:
-        ls.why = f"no fixed point in {max_sweeps} sweeps"
-        return None
-    if sweep == 1:
-        out = ls.sweep(mask_tl, final=True)
-    if out["ambiguous"] or not ls.ties_ok(out["gstart"], out["gend"]):
+    try:
+        for sweep in range(1, max_sweeps + 1):
+            out = None
+            out = ls.sweep(mask_tl, final=sweep > 1)
+            new_mask = ls.mask_timeline(out["gimm"])
+            same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
+            mask_tl = new_mask
+            if same:
+                break
+        else:
+            ls.why = f"no fixed point in {max_sweeps} sweeps"
+            return None
+        if sweep == 1:
+            out = ls.sweep(mask_tl, final=True)
+        ls.ties_ok(out["gstart"], out["gend"])
+    except _Ambiguous as e:
+        ls.why = str(e)
         return None
     exposed = ls.exposed
     if spans:
