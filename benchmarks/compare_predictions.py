@@ -27,6 +27,9 @@ CASES = [
     ["--system", "perlmutter", "--model", "gpt-20b", "--gpus", "512", "--grid", "2x4x4x16", "--no-oar", "--cache-layers", "4"],
     ["--system", "h200", "--model", "gpt-5b", "--gpus", "64"],
     ["--system", "cpu"],
+    # every rank its own compute factor: full mode rank by rank (twin.lockstep where it applies)
+    ["--system", "frontier", "--model", "gpt-5b", "--gpus", "512", "--grid", "2x2x2x64", "--full",
+     "--slowdown", ",".join(f"{r}:{1 + r * 1e-6:.6f}" for r in range(512))],
 ]
 SLOW = [
     ["--system", "frontier"],
@@ -56,7 +59,8 @@ def main() -> None:
         for args, (x, y) in zip(cases, ex.map(lambda c: (run(here, c), run(a.other, c)), cases)):
             same = x == y
             bad += not same
-            print(f"{'same' if same else 'DIFFERENT':9s} {' '.join(args)}")
+            shown = ' '.join(a if len(a) < 80 else a[:40] + f"... ({len(a):,} characters)" for a in args)
+            print(f"{'same' if same else 'DIFFERENT':9s} {shown}")
             if not same:
                 for k in sorted(set(x) | set(y)):
                     if x.get(k) != y.get(k):

@@ -35,6 +35,9 @@ of alike ranks) are one class, simulated once: a stream here stands for a class 
 stream for a class of groups, whose members are classes), and sums over ranks weigh each class by
 its size. Without stragglers that is one class, so full mode gives exactly the symmetric result;
 with `merge_alike=False` every rank is its own class (the same to the rounding of re-rates, ns).
+When every rank is its own class (at least LOCKSTEP_RANKS of them, comm_share 1, no spans recorded),
+twin.lockstep steps the program once over all ranks with numpy and gives this engine's result to
+the nanosecond; where the order of same-nanosecond events would decide, it declines and this engine runs.
 
 Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops. A wait
 of the compute stream ends when the op it waited for last completes; the wait is attributed by
@@ -59,7 +62,7 @@ from twin.program import Program
 from twin.symmetry import RankClasses, one_class_per_rank, rank_classes
 
 NS = 1e9  # nanoseconds per second
-LOCKSTEP_RANKS = 64  # full mode with at least this many distinct ranks tries twin.lockstep first
+LOCKSTEP_RANKS = 128  # full mode with at least this many distinct ranks tries twin.lockstep first
 
 
 @dataclass
@@ -460,6 +463,7 @@ def simulate_program(program: Program, compute_s: list[float],
         the result is every rank's); False runs rank by rank (for tests).
     comm_share: a collective progresses at this share of its rate while the compute stream of one of
         its members runs an op (1: unaffected; CPU profiles measure less).
+    lockstep: try twin.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}

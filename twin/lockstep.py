@@ -1,31 +1,31 @@
 """Full mode rank by rank, stepped in lockstep: every op once, over all ranks at once (numpy).
 
 Every rank runs the same program; only timings differ. So instead of one event per rank and op
-(twin.engine), this walks the program once in program order (a valid order: deps and stream
-predecessors come first) with each op's start and end as an array over ranks (compute ops) or over
-the groups of its axis (collectives): start = max(stream free, ends of its deps on its members), end =
-the op's work integrated over the rate changes inside it, with the event engine's arithmetic (integer
-nanoseconds, the same float expressions, the same rounding), so that the result is the engine's to
-the nanosecond.
+(twin.engine), this steps through the program once with each op's start and end as an array over
+ranks (compute ops) or over the groups of its axis (collectives): start = max(stream free, ends of its
+deps on its members), end = the op's work integrated over the rate changes inside it, with the event
+engine's arithmetic (integer nanoseconds, the same float expressions and rounding), so that the
+result is the engine's to the nanosecond (tests/test_lockstep.py compares every span).
 
-Rate changes come from two timelines, which depend on the very intervals being computed:
-- the global concurrency mask: axis a has collectives in flight anywhere (a collective is re-rated
-  whenever another axis starts or stops having collectives in flight, twin.engine);
-- each rank's busy state: a collective of the rank in flight (its compute op is re-rated when that
-  starts or stops: overlap_slowdown).
-A sweep takes both timelines from the sweep before (none for the first) and rebuilds them from its
-own intervals; when they come back unchanged, the sweep's intervals are consistent with the rate
-changes they cause: the engine's unique causal solution (an op's end depends only on events strictly
-before it). Sweeps are repeated until then (a few; MAX_SWEEPS, else the event engine runs).
+Rate changes come from two sources, as in twin.engine:
+- a rank's busy state (a collective of the rank in flight) re-rates its compute op (overlap_slowdown).
+  Ops are stepped in an order where every collective comes right after the last of its dependencies
+  and its stream predecessor; a collective that starts while a compute op of a rank runs depends on
+  nothing after that op, so it is stepped before it, and the busy changes inside a compute op are read
+  from the collectives already stepped (per axis and rank, a cursor over their starts and ends).
+- the global concurrency mask (which axes have collectives in flight anywhere) re-rates collectives.
+  It depends on every group's intervals, so a sweep takes it from the sweep before (none for the
+  first) and rebuilds it from its own intervals; when it comes back unchanged, the sweep's intervals
+  are consistent with it: the engine's causal solution (an op's end depends only on what happened
+  before it). Usually two sweeps; after MAX_SWEEPS the event engine runs instead.
 
-Ties. The event engine orders events at one nanosecond by its buckets. Where that order can change
-a result, this module cannot reproduce it and says so (`simulate_lockstep` returns None, and the
-event engine runs instead): a rate change at the very nanosecond an op ends (unless it is caused by
-that op's end), a start and an end of one rank's (or one axis') collectives at the same nanosecond
-that the engine may split a running op at or not (unless one ends and its stream successor, or a
-collective waiting on it, starts), and equal-time waits whose blame (the breakdown's exposed
-communication) differs by the order. Only exactly reproducible runs use lockstep; tests compare both
-engines on random programs, grids and factors.
+Ties. The engine orders the events of one nanosecond by its buckets. Where that order can change a
+result, lockstep stops (`simulate_lockstep` returns None and the event engine runs): a rate change at
+the very nanosecond an op ends that would move its end, one rank's collectives ending and others
+starting at the same nanosecond unless one ends and each start is its stream successor or waits for
+it, and waits whose blame (the breakdown's exposed communication) differs with the order. Where a
+concurrency change may or may not happen (several groups of an axis end and others start at one
+nanosecond), both ways are computed and must agree (the rate is the same on both sides).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ NS = 1e9
 MAX_SWEEPS = 40
 FLUSH = 1 << 20     # compute waits kept before their blame walks run (memory)
 INF = 1 << 62       # a time never reached (ns)
-BIG = 1 << 40       # row offset for per-rank timelines searched as one sorted array (ns: 18 minutes)
+BIG = 1 << 40       # a collective's blame class is op * BIG + group
 IDLE, PRED = -2, -1  # blame classes: a compute op (idle), the stream's previous collective
 
 
