@@ -102,6 +102,7 @@ class _Lockstep:
         self.G = {k: len(self.members[k]) for k in self.axes}
         self.dtab: dict[int, np.ndarray] = {}
         self.keep_spans = False
+        self._gm: dict[tuple[int, int], np.ndarray] = {}  # (axis, other axis) -> its groups' members' groups there
         self.ax_arr = np.array(self.ax, dtype=np.int64)
         self.pred_arr = np.array(self.pred, dtype=np.int64)
         self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
@@ -252,7 +253,7 @@ class _Lockstep:
         amb = np.zeros(G, dtype=bool)
         waited = S > T0
         first = np.ones(G, dtype=bool)
-        cand = []
+        seen = []
         for d, e in ends:
             hit = e == S[:, None]
             hits = hit.any(axis=1)
@@ -260,24 +261,33 @@ class _Lockstep:
                 continue
             kd = self.ax[d]
             if kd < 0:
-                cls = np.full(e.shape, IDLE, dtype=np.int64)
+                cls = None
+                lo = IDLE
             else:
-                cls = d * BIG + self.gid[kd][self.members[k]]
-            lo = np.where(hit, cls, np.iinfo(np.int64).max).min(axis=1)
-            hi = np.where(hit, cls, np.iinfo(np.int64).min).max(axis=1)
-            amb |= hits & (lo != hi)
+                gm = self._gm.get((k, kd))
+                if gm is None:
+                    gm = self._gm[k, kd] = self.gid[kd][self.members[k]]
+                cls = d * BIG + gm
+                if hit.shape[1] == 1:
+                    lo = cls[:, 0]
+                else:
+                    lo = np.where(hit, cls, np.iinfo(np.int64).max).min(axis=1)
+                    hi = np.where(hit, cls, np.iinfo(np.int64).min).max(axis=1)
+                    amb |= hits & (lo != hi)
             amb |= hits & ~first & (key != lo)
             amb |= hits & ~waited  # a dependency done exactly when the stream freed: PRED or it
             key = np.where(hits & first & waited, lo, key)
             first &= ~hits
-            gi, mj = np.nonzero(hit)
-            cand.append((gi, cls[gi, mj]))
+            seen.append((hit, cls))
         if not amb.any():
             return key, amb, None
-        g = np.concatenate([c[0] for c in cand] + [np.nonzero(~waited)[0]])
-        c = np.concatenate([c[1] for c in cand] + [np.full(int((~waited).sum()), PRED, dtype=np.int64)])
-        keep = amb[g]
-        u = np.unique(np.stack([g[keep], c[keep]], axis=1), axis=0)
+        gs, cs = [np.nonzero(~waited & amb)[0]], []
+        cs.append(np.full(len(gs[0]), PRED, dtype=np.int64))
+        for hit, cls in seen:
+            gi, mj = np.nonzero(hit & amb[:, None])
+            gs.append(gi)
+            cs.append(np.full(len(gi), IDLE, dtype=np.int64) if cls is None else cls[gi, mj])
+        u = np.unique(np.stack([np.concatenate(gs), np.concatenate(cs)], axis=1), axis=0)
         return key, amb, (u[:, 0], u[:, 1])
 
     def _time(self, k: int, e: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -540,24 +550,39 @@ class _Lockstep:
         t2 = np.concatenate([w[2] for w in waits])
         cls = np.concatenate([w[3] for w in waits])
         waits.clear()
-        acc = np.zeros((len(wid), len(AXES)), dtype=np.int64)
+        # walks with one row add straight to the totals; walks with several (candidates of equal-time
+        # events) keep their rows' sums to compare them at the end
+        fk = np.zeros(len(wid), dtype=bool)
+        if len(wid) > 1:
+            dup = wid[1:] == wid[:-1]   # a wait's candidate rows are adjacent
+            fk[1:] |= dup
+            fk[:-1] |= dup
+        acc = np.zeros((int(fk.sum()), len(AXES)), dtype=np.int64)   # for the rows with fk, in order
+        tot = [0] * len(AXES)
         done_w, done_acc = [], []
         alt = None
         while len(wid):
             # follow each row's class: IDLE ends the walk, PRED goes to the stream's previous op
             # (none: the walk ends), a collective class to that collective on its group
             live = cls >= 0
-            done_w.append(wid[~live])
-            done_acc.append(acc[~live])
-            wid, t1, t2, cls, acc = wid[live], t1[live], t2[live], cls[live], acc[live]
+            fl = live[fk]
+            done_w.append(wid[fk][~fl])
+            done_acc.append(acc[~fl])
+            wid, t1, t2, cls, fk, acc = wid[live], t1[live], t2[live], cls[live], fk[live], acc[fl]
             op, grp = cls // BIG, cls % BIG
             start, nxt, forks, a = self._node(op, grp)
             fin = start <= t1
-            acc[np.arange(len(wid)), a] += np.where(fin, t2 - t1, t2 - start)
-            done_w.append(wid[fin])
-            done_acc.append(acc[fin])
+            amount = np.where(fin, t2 - t1, t2 - start)
+            for k in self.axes:
+                m = (a == k) & ~fk
+                tot[k] += int(amount[m].sum())
+            if fk.any():
+                acc[np.arange(len(acc)), a[fk]] += amount[fk]
+            ff = fin[fk]
+            done_w.append(wid[fk][ff])
+            done_acc.append(acc[ff])
             go = ~fin
-            wid, t1, acc, op, grp, nxt, forks = wid[go], t1[go], acc[go], op[go], grp[go], nxt[go], forks[go]
+            wid, t1, op, grp, nxt, forks, fk, acc = wid[go], t1[go], op[go], grp[go], nxt[go], forks[go], fk[go], acc[~ff]
             t2 = start[go]
             if forks.any():
                 if alt is None:
@@ -566,29 +591,39 @@ class _Lockstep:
                     o = np.argsort(keys, kind="stable")
                     alt = keys[o], vals[o]
                 af, ac = alt
-                one = ~forks
                 fi = np.nonzero(forks)[0]
                 key = op[fi] * BIG + grp[fi]
                 lo = np.searchsorted(af, key, "left")
                 cnt = np.searchsorted(af, key, "right") - lo
                 rep = np.repeat(fi, cnt)
                 at = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo, cnt)
-                take = np.concatenate([np.nonzero(one)[0], rep])
-                nxt = np.concatenate([nxt[one], ac[at]])
-                wid, t1, t2, acc, op, grp = wid[take], t1[take], t2[take], acc[take], op[take], grp[take]
+                # forked rows join the compared ones with what they kept so far (a walk that had one row
+                # added its part to the totals: its candidates then compare only what follows)
+                full = np.zeros((len(wid), len(AXES)), dtype=np.int64)
+                full[fk] = acc
+                take = np.concatenate([np.nonzero(~forks)[0], rep])
+                nxt = np.concatenate([nxt[~forks], ac[at]])
+                newfk = np.concatenate([fk[~forks], np.ones(len(rep), dtype=bool)])
+                wid, t1, t2, op, grp, full = wid[take], t1[take], t2[take], op[take], grp[take], full[take]
+                fk = newfk
+                acc = full[fk]
             p = self.pred_arr[op]
             is_pred = nxt == PRED
             cls = np.where(is_pred, np.where(p >= 0, p * BIG + grp, IDLE), nxt)
+        for k in range(len(AXES)):
+            self.exposed[k] += tot[k]
         w = np.concatenate(done_w)
+        if not len(w):
+            return
         A = np.concatenate(done_acc)
         o = np.argsort(w, kind="stable")
         w, A = w[o], A[o]
         _, first, counts = np.unique(w, return_index=True, return_counts=True)
         if (A != np.repeat(A[first], counts, axis=0)).any():
             raise _Ambiguous("blame differs by the order of equal-time events")
-        tot = A[first].sum(axis=0)
+        s = A[first].sum(axis=0)
         for k in range(len(AXES)):
-            self.exposed[k] += int(tot[k])
+            self.exposed[k] += int(s[k])
 
     def spans(self, out) -> list[tuple[int, int, float, float]]:
         """Every op of every rank as the engine records it: (rank, op, start s, duration s)."""
