@@ -11,11 +11,12 @@ classes of alike ranks the engine simulated (twin.symmetry; "-" in a checkout wi
 2. full mode, no straggler (one class: the symmetric run);
 3. the same with 16 random stragglers (compute x1.25);
 4. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
-   the engine runs rank by rank (the engine's cost per op);
+   the engine runs rank by rank (twin.lockstep: the program stepped once over all ranks with numpy;
+   before it, one event per rank and op);
 with --machine, Frontier's default study (gpt-320b on all 32,768 GCDs, `twin simulate --system
 frontier --grid 2x32x64x8 --full`, about 196 M ops):
 5. symmetric; 6. no straggler; 7. 16 random stragglers; 8. every rank its own factor (rank by rank;
-   about 10 minutes: give --timeout).
+   minutes: give --timeout; the event engine took about 20).
 Memory per simulated rank: (peak of a rank-by-rank case - peak of the symmetric run) / ranks.
 Every case runs in this checkout and, with --baseline, in another (e.g. `git worktree add /tmp/base
 COMMIT`), alternately; ratios are this / baseline. The machine may be shared: the load average is
