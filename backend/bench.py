@@ -24,7 +24,7 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   (issue to completion): what each costs the other when they share the rank's cores;
 - `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered,
   cpu_s, wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
-  (median span; on CPU, a compute op's on-CPU time too), with the share of a compute op's span that
+  (mean span over the steps; on CPU, a compute op's on-CPU time too), with the share of a compute op's span that
   a collective overlapped, and for a
   collective the time the compute op that waited for it took to start after its completion: what ops
   cost inside training, where the ranks share the cores with each other and with gloo's threads (see
@@ -157,6 +157,17 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 WARMUP_STEPS = 2  # steps before the recorded ones: as many as validation leaves out of a run (calibration/validate.py)
 
 
+def per_step(values: list[float]) -> float:
+    """What an op costs per step, from its times in the recorded steps: their mean. The twin sums its
+    ops into an iteration, and the mean of a sum is the sum of the means, whatever the shape of each
+    op's spread (a run's iteration, the median of its step times, each a sum of hundreds of ops, is
+    close to their mean). The upper median of 4 that bench took before is not: summed over a kind's
+    ops, it came out 1.02-1.14x the mean of the same 4 steps with gpt-small on 2x2x2x1 and 2x2x1x1
+    at load 8-16, and 0.58-0.90x at load 12-18, where a few steps ran 2-4x long
+    (`python benchmarks/cpu_step_spread.py GRID` prints it; loaded machine)."""
+    return sum(values) / len(values)
+
+
 def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
                 warmup: int = WARMUP_STEPS) -> tuple[dict | None, list[dict]]:
     """`steps` recorded training steps of `model` on the grid of `ctx` (every rank at once, as in
@@ -171,8 +182,8 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       (what they sum to per op: a few are long, when more ranks than cores time-slice);
       all_gaps_s: the median of every gap; mean_s: the mean gap;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
-      covered, cpu_s (compute ops on CPU), wake_s (collectives)}: its span, median over steps then
-      mean over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
+      covered, cpu_s (compute ops on CPU), wake_s (collectives)}: its span, mean over steps
+      (`per_step`) and over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
       than cores time-slice, a rank descheduled inside an op leaves that op's span long and its
       on-CPU time as it was; the fit spreads the ranks' summed waits over their ops, as validation
       does); `covered`,
@@ -232,15 +243,13 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     net.recorder = NULL_RECORDER
     rows = []
     for op in program.ops:  # the same ops on every rank (one program): agree op by op, in program order
-        times = sorted(per_op.get(op.name, [0.0]))
         cov = sorted(cover.get(op.name, [0.0]))
-        woke = sorted(wake.get(op.name, [0.0]))
-        on_cpu = sorted(per_cpu.get(op.name, [-1.0]))  # -1: not recorded (a collective, a GPU)
         rows.append({"name": op.name, "kind": op.kind, "role": op.role, "stream": op.stream,
                      "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
-                     "k": op.k, "layout": op.layout or "", "seconds": times[len(times) // 2],
-                     "covered": cov[len(cov) // 2], "wake_s": woke[len(woke) // 2],
-                     "cpu_s": on_cpu[len(on_cpu) // 2]})
+                     "k": op.k, "layout": op.layout or "", "seconds": per_step(per_op.get(op.name, [0.0])),
+                     "covered": cov[len(cov) // 2], "wake_s": per_step(wake.get(op.name, [0.0])),
+                     # -1: not recorded (a collective, a GPU)
+                     "cpu_s": per_step(per_cpu.get(op.name, [-1.0]))})
     group = _world()
     if group is not None:
         t = torch.tensor([[r["seconds"], r["covered"], r["wake_s"], r["cpu_s"]] for r in rows], dtype=torch.float64)
