@@ -14,6 +14,16 @@ With --bench (the measurement folder of the same loop), it also prints for each 
   (measurement noise: the same grid measured twice, minutes apart);
 - how its ops summed inside the recorded steps compare with the same ops in its run.
 Both bound what any model fitted to the bench can reach per grid.
+
+    python benchmarks/cpu_iteration.py --loops RUNS:BENCH RUNS:BENCH ...   # two or more loops
+
+With --loops (each loop's runs folder and measurement folder), no prediction: whether the gap
+between a benched grid's recorded steps (replayed) and its run repeats from loop to loop (per grid,
+the run over the replayed steps in each loop; the spread within a grid across loops against the
+spread between grids, F; the loops' correlations over the grids), how far the same grid's measured
+iteration moves from loop to loop (each loop's geometric mean taken out) and within a run (its
+steps), what share of grids a model exact on average can hold within 15 % of one run at that spread,
+and, op kind by op kind, the runs' summed spans over bench's recorded ones on the same grids.
 """
 
 from __future__ import annotations
@@ -99,7 +109,83 @@ def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, f
                                            if k in ("gemm", "attention", "elementwise") or "/" in k))
 
 
+def _loop_steps(runs: Path) -> dict[str, list[float]]:
+    return {d.name: [json.loads(line)["step_time_s"] for line in (d / "log.jsonl").read_text().splitlines() if line.strip()]
+            for d in runs.iterdir() if (d / "log.jsonl").exists()}
+
+
+def loops_report(loops: list[tuple[Path, Path]]) -> None:
+    """The --loops report (module docstring)."""
+    import math
+    from statistics import NormalDist
+    names = [str(b.name) for _, b in loops]
+    ratio: dict[str, dict[str, float]] = {}
+    for (runs, bench), name in zip(loops, names):
+        steps = _loop_steps(runs)
+        for f in bench.glob("bench-*.json"):
+            b = json.loads(f.read_text())
+            t = replayed_steps(b)
+            if t and b["grid"] in steps:
+                ratio.setdefault(b["grid"], {})[name] = statistics.median(steps[b["grid"]][2:]) / t
+    grids = sorted((g for g, v in ratio.items() if len(v) == len(loops)), key=_order)
+    print("benched grids: the run's iteration over its recorded steps replayed, per loop")
+    print(f"{'grid':9s}" + "".join(f"{n[-3:]:>7s}" for n in names))
+    logs = []
+    for g in grids:
+        v = [ratio[g][n] for n in names]
+        logs.append([math.log(x) for x in v])
+        print(f"{g:9s}" + "".join(f"{x:7.2f}" for x in v))
+    k = len(loops)
+    within = statistics.fmean(statistics.variance(lg) for lg in logs)
+    between = k * statistics.variance([statistics.fmean(lg) for lg in logs])
+    print(f"sd of the log ratio: within a grid across loops {within ** .5:.3f}, between grids' means x sqrt({k}) "
+          f"{between ** .5:.3f}; F = {between / within:.2f} on ({len(grids) - 1}, {len(grids) * (k - 1)}) degrees of freedom")
+    for i in range(k):
+        for j in range(i + 1, k):
+            a, b = [lg[i] for lg in logs], [lg[j] for lg in logs]
+            ma, mb = statistics.fmean(a), statistics.fmean(b)
+            c = sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** .5
+            print(f"  correlation over the grids, {names[i]} vs {names[j]}: {c:+.2f}")
+    steps = [_loop_steps(r) for r, _ in loops]
+    common = sorted(set.intersection(*(set(s) for s in steps)), key=_order)
+    it = [{g: math.log(statistics.median(s[g][2:])) for g in common} for s in steps]
+    mu = [statistics.fmean(v.values()) for v in it]
+    sd_runs = statistics.fmean(statistics.variance([it[i][g] - mu[i] for i in range(k)]) for g in common) ** .5
+    dev = [math.log(t / statistics.fmean(s[g][2:])) for s in steps for g in common for t in s[g][2:]]
+    print(f"\nthe same grid's measured iteration ({len(common)} grids): sd of its log across loops (each loop's mean out) "
+          f"{sd_runs:.3f}; of a step within a run {statistics.stdev(dev):.3f}")
+    for i in range(k):
+        for j in range(i + 1, k):
+            r = [math.exp((it[j][g] - mu[j]) - (it[i][g] - mu[i])) for g in common]
+            print(f"  {names[j]} over {names[i]}: {min(r):.2f}-{max(r):.2f}, within 15 %: {sum(abs(x - 1) <= .15 for x in r)} of {len(r)}")
+    one = sd_runs  # one run's own spread about the grid's mean
+    p = NormalDist(0, one).cdf(math.log(1.15)) - NormalDist(0, one).cdf(-math.log(1.15))
+    print(f"a model exact on each grid's mean, against one run of sd {one:.3f}: within 15 % with probability {p:.2f}, "
+          f"{p * len(common):.1f} of {len(common)} grids expected")
+    print("\nop kinds, the runs' spans summed over bench's recorded ones (same grids, same op names):")
+    for (runs, bench), name in zip(loops, names):
+        agg: dict[str, list[float]] = {}
+        for f in bench.glob("bench-*.json"):
+            b = json.loads(f.read_text())
+            d = runs / b["grid"]
+            if not d.exists() or not b.get("steps"):
+                continue
+            spans: dict[str, list[float]] = {}
+            for sp in read_run(d)["spans"]:
+                spans.setdefault(sp.name, []).append(sp.duration_s)
+            for row in b["steps"]:
+                if row["name"] in spans:
+                    key = row["kind"] + "/" + row["axis"] if row["axis"] else "compute"
+                    a = agg.setdefault(key, [0.0, 0.0])
+                    a[0] += row["seconds"]
+                    a[1] += statistics.fmean(spans[row["name"]])
+        print(f"  {name}: " + ", ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())))
+
+
 def main() -> None:
+    if "--loops" in sys.argv[1:2]:
+        loops_report([(Path(a.split(":")[0]), Path(a.split(":")[1])) for a in sys.argv[2:]])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path)
     ap.add_argument("--profile", default="calibration/profiles/cpu.toml")
