@@ -16,6 +16,13 @@ and then, over all classes, the per-op error of the collectives' spans when thei
 replaced by a prediction and the rest kept as measured (which isolates the wait): the class' mean
 wait (the twin's form) against a line in the compute before (a + b x compute, b >= 0), each fitted on
 one loop and tested on every loop (median over grids of the median |error| over a grid's collectives).
+
+What it showed on cpu-2026-12-01b, -01c and -01d: the line beats the mean on every pair of loops
+(14.2-18.8 % against 16.0-20.7 %). Put into the twin (each class' excess fitted from bench's recorded
+steps as a part per op plus a part per second of compute before, the engine adding it per op), the
+collectives' per-op median improved on all three loops (30.7 -> 30.4, 38.1 -> 34.1, 38.0 -> 36.3 %)
+but the whole per-op median (+0.3, -0.5, -0.1 points) and the grid ranking (01b: Spearman 0.926 ->
+0.912) did not: the wait is half of a collective's error, the rest its time after the last arrival.
 """
 
 from __future__ import annotations
