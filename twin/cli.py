@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from twin.common import TwinError, finite_json, write_atomic
 from twin.grid import Grid
@@ -21,7 +20,19 @@ from twin.tables import human_bytes, human_flops, table
 
 app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
                   help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
-console = Console()
+
+
+class _Console:
+    """rich's Console, made on first use: `--json` output never needs rich (about 0.03 s to import)."""
+
+    def __getattr__(self, name: str):
+        global console
+        from rich.console import Console
+        console = Console()
+        return getattr(console, name)
+
+
+console = _Console()
 
 
 def handles_errors(fn):

@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+
+def Console(**kwargs):  # noqa: N802 - rich's Console, imported when a bar is shown (--json never needs rich)
+    from rich.console import Console
+    return Console(**kwargs)
 
 
 class Stages:
     """A context manager; calling it with a stage's name moves the bar to that stage."""
 
-    def __init__(self, plan: list[tuple[str, float]], quiet: bool = False, console: Console | None = None):
+    def __init__(self, plan: list[tuple[str, float]], quiet: bool = False, console=None):
         self.plan = plan
         self.weights = dict(plan)
         self.quiet = quiet
-        self.console = console or Console(stderr=True)
+        self.console = console
         self.progress: Progress | None = None
         self.task = None
         self.current: str | None = None
@@ -36,9 +41,10 @@ class Stages:
 
     def __enter__(self) -> Callable[[str], None]:
         if not self.quiet:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
                                      TimeElapsedColumn(), TextColumn("left ~"), TimeRemainingColumn(),
-                                     console=self.console, transient=True)
+                                     console=self.console or Console(stderr=True), transient=True)
             self.progress.start()
             self.task = self.progress.add_task("starting", total=sum(self.weights.values()) or 1.0)
         return self
@@ -66,16 +72,18 @@ class Steps:
     """A bar over a count of like steps (points of a scaling series, simulations of a sensitivity
     study): the library calls `steps(what, done, total)` before each; the estimate is the pace so far."""
 
-    def __init__(self, quiet: bool = False, console: Console | None = None):
+    def __init__(self, quiet: bool = False, console=None):
         self.quiet = quiet
-        self.console = console or Console(stderr=True)
+        self.console = console
         self.progress: Progress | None = None
 
     def __enter__(self) -> Callable[[str, int, int], None]:
         if not self.quiet:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
                                      TextColumn("{task.completed:.0f}/{task.total:.0f}"), TimeElapsedColumn(),
-                                     TextColumn("left ~"), TimeRemainingColumn(), console=self.console, transient=True)
+                                     TextColumn("left ~"), TimeRemainingColumn(),
+                                     console=self.console or Console(stderr=True), transient=True)
             self.progress.start()
             self.task = self.progress.add_task("starting", total=1)
         return self
