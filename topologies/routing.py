@@ -254,7 +254,7 @@ def _uniform_capacity(net: Network) -> float | None:
 
 
 def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, detours: int = 4,
-             hop_weight: float = 0.1) -> np.ndarray:
+             hop_weight: float = 0.1, out: np.ndarray | None = None) -> np.ndarray:
     """(flows, 5) switch link matrix chosen UGAL-like among the L minimal paths and `detours` Valiant
     paths, for flows that each want `demand` bytes/s (scalar or per flow; default one link's rate).
 
@@ -264,10 +264,12 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     Flows are placed `batch` at a time (random order); each batch sees one load snapshot, so small
     batches matter: with 32768 flows, batches of 1024 left the worst ring of Frontier's data axis
     at 3.2 GB/s, batches of 128 at the full 5 GB/s. For the same reason the cost is not clamped at
-    full utilization: with a flat cost below saturation a whole batch would pile onto one path."""
+    full utilization: with a flat cost below saturation a whole batch would pile onto one path.
+    `out`: a (flows, 5) int64 matrix filled with -1 (a view, say) to write the result into."""
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
     n = len(s)
-    out = np.full((n, _HOPS), -1, dtype=np.int64)
+    if out is None:
+        out = np.full((n, _HOPS), -1, dtype=np.int64)
     if n == 0:
         return out
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
@@ -410,7 +412,10 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
         else:
             dem = None if demand is None else \
                 np.broadcast_to(np.asarray(demand, dtype=float), (n,))[rows]
-            m[rows, 3:3 + _HOPS] = adaptive(net, sa, sb, dem, seed)
+            if isinstance(rows, slice):  # written in place
+                adaptive(net, sa, sb, dem, seed, out=m[rows, 3:3 + _HOPS])
+            else:
+                m[rows, 3:3 + _HOPS] = adaptive(net, sa, sb, dem, seed)
         m[rows, 3 + _HOPS] = net.switch_to_nic_link(nic_b)
         m[rows, 4 + _HOPS] = net.nic_to_gpu_link(b)
         off = b != t
