@@ -71,6 +71,22 @@ def test_a_collective_waits_for_its_groups_last_member():
     assert got["fluid"]["ar"] == [0.005, 0.002, 0.001, 0.001]
 
 
+def test_a_collectives_wake_up_counts_as_the_twins_line_holds_it():
+    """Rank 0 issues an all-reduce at 1 ms (after compute `a`), it completes at 5 ms, and the compute
+    op that waited for it starts at 7 ms: 2 ms of wake-up, of which the twin charges 0.5 ms of host
+    time to that op and the rest to the collective's line (bench's wake_s), so the collective is
+    compared as 4 + 1.5 ms. Rank 1's waited op started at its completion: its span as it is. On a GPU
+    no wake-up is added."""
+    spans = [_span(0, "a", "gemm", 0.000, 0.001, 0.001), _span(0, "ar", "all_reduce", 0.001, 0.004, axis="x"),
+             _span(0, "b", "gemm", 0.007, 0.001, 0.001),
+             _span(1, "a", "gemm", 0.000, 0.001, 0.001), _span(1, "ar", "all_reduce", 0.001, 0.004, axis="x"),
+             _span(1, "b", "gemm", 0.005, 0.001, 0.001)]
+    got = measured_ops(spans, Grid(2, 1, 1, 1), host_s=0.0005)
+    assert got["wake"]["ar"] == pytest.approx([0.002, 0.0])
+    assert got["fluid"]["ar"] == pytest.approx([0.0055, 0.004])
+    assert measured_ops(spans, Grid(2, 1, 1, 1), time_sliced=False, host_s=0.0005)["fluid"]["ar"] == [0.004, 0.004]
+
+
 def test_the_twins_excess_over_a_collective_alone_is_known_per_op():
     """A collective inside training costs its line measured alone plus the profile's per-op excess
     (the wait for the last member among it): validate takes that excess off the predicted span to
