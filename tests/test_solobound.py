@@ -62,9 +62,10 @@ def test_the_ranking_bound_is_below_every_exact_estimate():
 @pytest.mark.parametrize("model,gpus,options", [("gpt-1b", 32, {}), ("llama-tiny", 64, {"recompute": False}),
                                                 ("gpt-1b", 16, {"micro_batches": 2, "grad_clip": True})])
 def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
-    """quick_bound reads the program of the class-mate with the largest G_z: the same ops, streams and
-    deps, and every op at most the grid's own (data all-reduces of gradient shards scaled as
-    _longest_path scales them), so the longest path is at most the grid's own bound."""
+    """quick_bound reads the program of a class-mate: the same ops, streams and deps; with a larger
+    G_z every op at most the grid's own (data all-reduces of gradient shards scaled as _longest_path
+    scales them); with a smaller G_z only the optimizer's ops are larger (_longest_path counts them
+    as 0). Either way the longest path is at most the grid's own."""
     from twin.program import Options
     from twin.search import candidate_grids, program_class
     study = prepare("frontier", model, gpus, batch=64, options=Options(**options))
@@ -88,3 +89,14 @@ def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
                 assert scaled <= y.bytes and (x.axis == "data" or x.bytes == y.bytes), (like, g, x.name)
             else:
                 assert km.op_time(x) <= km.op_time(y) and (x.phase == "opt" or x == y), (like, g, x.name)
+
+    class Flat:  # a stand-in collective model whose times grow with the bytes
+        def time(self, kind, axis, nbytes, concurrent=frozenset()):
+            return 1e-5 + nbytes / 1e10
+
+    from twin.search import _longest_path
+    for gs in classes.values():
+        for g in gs:
+            own = _longest_path(study, g, Flat())
+            for like in gs:
+                assert _longest_path(study, g, Flat(), like) <= own, (like, g)

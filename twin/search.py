@@ -320,12 +320,23 @@ def _kept(cache: dict, key, make: Callable[[], object]):
     return value
 
 
+def _program_digest(study: Study) -> bytes:
+    return digest(pickle.dumps((study.model, study.options, study.batch, study.seq_len)))
+
+
 def program_for(study: Study, grid: Grid):
     """The study's program on `grid` (twin.program.build_program), the last few kept for the process:
     the search builds it for a grid's lower bound and then again to simulate it. Treat it as read-only."""
     from twin.program import build_program
-    key = (digest(pickle.dumps((study.model, study.options, study.batch, study.seq_len))), str(grid))
+    key = (_program_digest(study), str(grid))
     return _kept(_PROGRAMS, key, lambda: build_program(study.model, grid, study.options, study.batch, study.seq_len))
+
+
+def programs_kept(study: Study) -> list[Grid]:
+    """The grids of the study's GPU count whose programs are kept (program_for), oldest first."""
+    d = _program_digest(study)
+    grids = [Grid.parse(name) for key, name in _PROGRAMS if key == d]
+    return [g for g in grids if g.size == study.gpus]
 
 
 def model_for(study: Study, grid: Grid):
@@ -379,8 +390,8 @@ def quick_bound(study: Study, grid: Grid, like: Grid | None = None) -> float:
     nothing: the same longest path, each collective at twin.solobound's bound on its time alone
     (rates from the caps and the links every path of a flow crosses, latencies from those links).
     On Frontier it is the exact bound's wherever rings stay inside a dragonfly group.
-    like: read the program of this grid of the same class (`program_class`) with at least grid's
-    G_z instead of building grid's own. Kept per study and grid for the process."""
+    like: read the program of this grid of the same class (`program_class`) and GPU count instead of
+    building grid's own (see _longest_path). Kept per study and grid for the process."""
     from twin.solobound import SoloBound
     key = (study_key(study), str(grid))
     t = _QUICK.get(key)
@@ -400,12 +411,12 @@ def program_class(grid: Grid) -> tuple[int, int, bool, bool]:
 
 
 def quick_bounds(study: Study, grids: list[Grid]) -> list[float]:
-    """quick_bound of each grid, reading one program per class (the grid with the largest G_z)."""
+    """quick_bound of each grid, reading one program per class: one already built if there is one (a
+    simulated grid's), else that of the class's first grid in `grids` (grid auto passes them best
+    estimate first: the likeliest to be bounded and simulated, which builds its program anyway)."""
     like: dict[tuple, Grid] = {}
-    for g in grids:
-        k = program_class(g)
-        if k not in like or g.z > like[k].z:
-            like[k] = g
+    for g in programs_kept(study) + grids:
+        like.setdefault(program_class(g), g)
     return [quick_bound(study, g, like[program_class(g)]) for g in grids]
 
 
@@ -419,17 +430,22 @@ def _keep_bound(cache: dict, key, t: float) -> float:
 def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> float:
     """The longest path through the grid's program (seconds), each collective at
     model.time(..., concurrent=frozenset()), each compute op at its time alone (lower_bound).
-    like: a grid of the same program class with at least grid's G_z, whose program is read instead:
-    its ops are at most grid's; a data all-reduce of a gradient shard gets bytes x P_like // P, at
-    most grid's b // P when the like grid's are b // P_like (P: G_x G_y G_z)."""
+    like: a grid of the same program class and GPU count, whose program is read instead: the same ops,
+    streams and deps, each op the same size except the data all-reduces of gradient shards, which
+    get bytes x P_like // P (at most grid's b // P when like's are b // P_like, P: G_x G_y G_z), and
+    the optimizer's ops (the parameters of a shard), which shrink as G_z grows: taken as they are
+    where like's G_z is at least grid's, as 0 where it is smaller."""
     like = grid if like is None else like
-    if program_class(like) != program_class(grid) or like.z < grid.z:
+    if program_class(like) != program_class(grid) or like.size != grid.size:
         raise ValueError(f"grid {like} cannot stand for grid {grid} in a bound")
     prog = program_for(study, like)
-    compute_ns, collectives = _compute_ns(study, like, prog)
+    compute_ns, collectives, optimizer = _compute_ns(study, like, prog)
     none = frozenset()
     scale = like.tensor_size, grid.tensor_size
     ns = list(compute_ns)
+    if like.z < grid.z:
+        for i in optimizer:
+            ns[i] = 0
     times: dict[tuple, int] = {}
     for i, kind, axis, nbytes, shard in collectives:
         key = kind, axis, nbytes * scale[0] // scale[1] if shard else nbytes
@@ -449,23 +465,25 @@ def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> 
 _COMPUTE: dict[tuple[bytes, str], tuple] = {}
 
 
-def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple]]:
+def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple], list[int]]:
     """For `_longest_path` on the grid's program: each op's least time in whole ns as the engine rounds
-    it (a compute op its time alone, collectives 0), and each collective as (index, kind, axis, bytes,
-    whether it is a data all-reduce of a gradient shard). Kept for the programs kept (program_for)."""
+    it (a compute op its time alone, collectives 0); each collective as (index, kind, axis, bytes,
+    whether it is a data all-reduce of a gradient shard); the indices of the optimizer's compute ops.
+    Kept for the programs kept (program_for)."""
     key = (study_key(study), str(grid))
     hit = _COMPUTE.get(key)
     if hit is not None and hit[0] is prog:
-        return hit[1], hit[2]
+        return hit[1:]
     km = study.kernels
     slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
     ns = [0 if op.is_collective else int(slow * km.op_time(op) * NS + 0.5) for op in prog.ops]
     colls = [(op.index, op.kind, op.axis, op.bytes, op.axis == "data" and op.weight != "norms")
              for op in prog.ops if op.is_collective]
-    _COMPUTE[key] = (prog, ns, colls)
+    optimizer = [op.index for op in prog.ops if op.phase == "opt" and not op.is_collective]
+    _COMPUTE[key] = (prog, ns, colls, optimizer)
     if len(_COMPUTE) > KEEP_GRIDS:
         _COMPUTE.pop(next(iter(_COMPUTE)))
-    return ns, colls
+    return ns, colls, optimizer
 
 
 _SHAPES: dict[int, tuple] = {}
