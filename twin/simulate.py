@@ -165,32 +165,30 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
     """Every valid grid ranked by the analytical model (twin.search.rank_grids: the best `top` exactly),
     the best `simulate_top` of them simulated; then grid auto's bound search (`_bound_search`) over
-    the analytical top simulate_top + SCAN of the routing-free estimate, with the fastest simulated
-    so far as the time to beat, so that search and grid auto find the same fastest grid. Returns the
-    best `top` of the ranking and any grid simulated beyond them (with its exact estimate), in
-    ranking order."""
-    ranked = rank_grids(study, collectives, keep=None if collectives is not None else top)
-    shown = ranked[:top]
+    the analytical top max(simulate_top, 2) + SCAN of the routing-free estimate (at least grid auto's
+    pool), with the fastest simulated so far as the time to beat, so that search and grid auto find
+    the same fastest grid. Returns the best `top` of the ranking and any grid simulated beyond them
+    (with its exact estimate), in ranking order."""
+    ranked = rank_grids(study, collectives, keep=None if collectives is not None else max(top, simulate_top))
     best = math.inf
-    for c in shown[:simulate_top]:
+    for c in ranked[:simulate_top]:
         best = min(best, _simulate(study, c, collectives))
-    if collectives is not None:
-        return shown
-    done = {str(c.grid) for c in shown if c.simulated_s is not None}
-    pool = [c for c in estimate_grids(study)[:simulate_top + SCAN] if str(c.grid) not in done]
-    _bound_search(study, pool, best)
-    listed = {str(c.grid) for c in shown}
-    for c in pool:
-        if c.simulated_s is not None and str(c.grid) in listed:
-            twin = next(s for s in shown if str(s.grid) == str(c.grid))
-            twin.result, twin.simulated_s, twin.bound_s = c.result, c.simulated_s, c.bound_s
-    extra = []
-    for c in pool:
-        if c.simulated_s is not None and str(c.grid) not in listed:
-            e = exact_estimate(study, c.grid)
+    shown = ranked[:max(top, simulate_top)]
+    if collectives is None:
+        done = {str(c.grid): c for c in shown}
+        pool = [c for c in estimate_grids(study)[:max(simulate_top, 2) + SCAN]
+                if str(c.grid) not in done or done[str(c.grid)].simulated_s is None]
+        _bound_search(study, pool, best)
+        for c in pool:
+            if c.simulated_s is None:
+                continue
+            e = done.get(str(c.grid))
+            if e is None:
+                e = exact_estimate(study, c.grid)
+                shown.append(e)
             e.result, e.simulated_s, e.bound_s = c.result, c.simulated_s, c.bound_s
-            extra.append(e)
-    return shown + sorted(extra, key=lambda c: (c.analytical_s, str(c.grid)))
+    return shown[:top] + sorted((c for c in shown[top:] if c.simulated_s is not None),
+                                key=lambda c: (c.analytical_s, str(c.grid)))
 
 
 def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
