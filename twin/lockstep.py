@@ -26,6 +26,9 @@ starting at the same nanosecond unless one ends and each start is its stream suc
 it, and waits whose blame (the breakdown's exposed communication) differs with the order. Where a
 concurrency change may or may not happen (several groups of an axis end and others start at one
 nanosecond), both ways are computed and must agree (the rate is the same on both sides).
+
+twin/lockstep_mask.py builds the concurrency timeline from a sweep's intervals; twin/lockstep_blame.py
+walks each compute wait back for the breakdown.
 """
 
 from __future__ import annotations
@@ -33,18 +36,13 @@ from __future__ import annotations
 import numpy as np
 
 from twin.grid import AXES
+from twin.lockstep_blame import BIG, IDLE, PRED, Ambiguous, blame
+from twin.lockstep_mask import INF, concurrency_timeline
 from twin.symmetry import axis_groups
 
 NS = 1e9
 MAX_SWEEPS = 40
 FLUSH = 1 << 20     # compute waits kept before their blame walks run (memory)
-INF = 1 << 62       # a time never reached (ns)
-BIG = 1 << 40       # a collective's blame class is op * BIG + group
-IDLE, PRED = -2, -1  # blame classes: a compute op (idle), the stream's previous collective
-
-
-class _Ambiguous(Exception):
-    """The event engine's order of same-nanosecond events decides the result here."""
 
 
 def _conc(mask: int, k: int) -> frozenset:
@@ -52,6 +50,8 @@ def _conc(mask: int, k: int) -> frozenset:
 
 
 class _Lockstep:
+    """The state of one lockstep run: the program's order and layout, and each sweep's timelines."""
+
     def __init__(self, program, compute_s, collective_s, slow: np.ndarray, overlap: float):
         self.ops = ops = program.ops
         self.n = n = len(ops)
@@ -107,11 +107,6 @@ class _Lockstep:
         self.pred_arr = np.array(self.pred, dtype=np.int64)
         self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
                                 dtype=np.int64)
-        self.dependents: dict[int, set] = {}
-        for i in range(n):
-            for d in self.cross[i]:
-                self.dependents.setdefault(d, set()).add(i)
-        self.dur: dict[tuple[int, int], float] = {}
         self.rows = np.arange(R, dtype=np.int64)
 
     # -- durations ---------------------------------------------------------------------------------
@@ -124,10 +119,7 @@ class _Lockstep:
         miss = np.isnan(v)
         if miss.any():
             for m in np.nonzero(np.bincount(masks[miss], minlength=len(t)))[0].tolist():
-                d = self.dur.get((i, m))
-                if d is None:
-                    d = self.dur[i, m] = self.collective_s(i, _conc(m, k)) * NS
-                t[m] = d
+                t[m] = self.collective_s(i, _conc(m, k)) * NS
             v = t[masks]
         return v
 
@@ -139,7 +131,7 @@ class _Lockstep:
     def sweep(self, mask_tl, final: bool = False):
         """One pass over the program against the given concurrency timeline. Only a final pass judges
         ties and records what blame needs."""
-        ops, R = self.ops, self.R
+        R = self.R
         self.final = final
         self.ties = []
         self.cspans = {}
@@ -176,7 +168,7 @@ class _Lockstep:
                     if w.any():
                         pending += self._waits(r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
                         if pending > FLUSH:
-                            self.blame(waits)
+                            blame(self, waits)
                             waits, pending = [], 0
                 E = self.compute_op(i, S)
                 compute_ns += int((E - S).sum())
@@ -215,7 +207,7 @@ class _Lockstep:
                 if self.last_use[d] == i and d in cend:
                     del cend[d]
         if final and waits:
-            self.blame(waits)
+            blame(self, waits)
         return dict(gstart=gstart, gend=gend, gimm=gimm, compute_ns=compute_ns,
                     end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]))
 
@@ -381,7 +373,7 @@ class _Lockstep:
         there (off, then on) only if nothing starts before the end. Certain when one ends and each start
         is its stream successor or waits for it (it starts in or after that end)."""
         if (pair & (ends != 1)).any():
-            raise _Ambiguous("busy: several collectives of a rank end as others start")
+            raise Ambiguous("busy: several collectives of a rank end as others start")
         n = self.n
         for m, q, k in start_ops:
             sel = pair[m]
@@ -391,7 +383,7 @@ class _Lockstep:
             same_axis = np.array([self.ax[x] == k for x in eo.tolist()], dtype=bool)
             dep = np.isin(eo * n + q[sel], self.depkeys)
             if not (same_axis | dep).all():
-                raise _Ambiguous("busy: a collective starts as another ends")
+                raise Ambiguous("busy: a collective starts as another ends")
         return True
 
     def _end_tie(self, i, r, tn, w, f, seg, cnt) -> None:
@@ -415,7 +407,7 @@ class _Lockstep:
         f2 = np.where(c1 > 0, self.fo[r], self.f1[r])
         w2 = np.maximum(0.0, w - (tn - seg) / f)
         if (toggle & (np.floor(w2 * f2 + 0.5) != 0)).any():
-            raise _Ambiguous("busy changes as a compute op ends")
+            raise Ambiguous("busy changes as a compute op ends")
         return True
 
     def collective_op(self, i, k, S, Tm, Cm, Am):
@@ -458,7 +450,7 @@ class _Lockstep:
     def _check_splits(self, i, k, S, dur, idx, E, Tm, Cm, Am) -> None:
         """A collective's window holds pairs of concurrency changes (one axis off and on at t) that the
         engine may or may not make, depending on its order of same-time events: the same end whichever
-        it makes, or _Ambiguous. The rate is the same on both sides of a pair, so they only split the
+        it makes, or Ambiguous. The rate is the same on both sides of a pair, so they only split the
         work's arithmetic; every combination is computed (Python floats: numpy's arithmetic)."""
         amb, sure = set(), set()
         j = idx
@@ -467,7 +459,7 @@ class _Lockstep:
             j += 1
         times = sorted(amb - sure)
         if len(times) > 6:
-            raise _Ambiguous("many ambiguous concurrency changes in one collective")
+            raise Ambiguous("many ambiguous concurrency changes in one collective")
         ends = set()
         for choice in range(1 << len(times)):
             skip = {t for b, t in enumerate(times) if not choice >> b & 1}
@@ -482,7 +474,7 @@ class _Lockstep:
                 j += 1
             ends.add(end)
         if len(ends) > 1:
-            raise _Ambiguous("a collective's end depends on the engine's order of same-time events")
+            raise Ambiguous("a collective's end depends on the engine's order of same-time events")
 
     def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> None:
         """Concurrency changes at the very nanosecond collective op i ends on groups g: harmless if
@@ -510,120 +502,16 @@ class _Lockstep:
                 if kq == k:
                     continue
                 if (gend[q] == t).any():
-                    raise _Ambiguous("another axis may stop as a collective ends")
+                    raise Ambiguous("another axis may stop as a collective ends")
                 hs = np.nonzero(gstart[q] == t)[0]
                 if not len(hs):
                     continue
                 if i not in self.cross[q]:
-                    raise _Ambiguous("another axis starts as a collective ends")
+                    raise Ambiguous("another axis starts as a collective ends")
                 for h in hs.tolist():
                     if not ranks.intersection(self.members[kq][h].tolist()):
-                        raise _Ambiguous("another axis starts as a collective ends")
+                        raise Ambiguous("another axis starts as a collective ends")
         return True
-
-    # -- breakdown ---------------------------------------------------------------------------------
-    def _node(self, op, grp):
-        """For collectives `op` on groups `grp`: start, blame class, ambiguity, and the key of the
-        ambiguous ones' candidate list."""
-        start = np.empty(len(op), dtype=np.int64)
-        blk = np.empty(len(op), dtype=np.int64)
-        amb = np.empty(len(op), dtype=bool)
-        ax = self.ax_arr[op]
-        for k in self.axes:
-            m = ax == k
-            if not m.any():
-                continue
-            G = self.G[k]
-            j = self.apos[op[m]] * G + grp[m]
-            start[m] = self.AT[k][j + self.apos[op[m]] * G]   # row 2 * apos
-            blk[m] = self.BLK[k][j]
-            amb[m] = self.AMB[k][j]
-        return start, blk, amb, ax
-
-    def blame(self, waits) -> None:
-        """Exposed communication (ns summed over ranks) per axis, added to self.exposed: each compute
-        wait that ended with a collective walks back what delayed it (twin.engine._Sim.blame), all walks
-        at once. Where the engine's order of equal-time events decides what a wait or a start waited
-        for, every candidate is followed: _Ambiguous if they disagree."""
-        wid = np.concatenate([w[0] for w in waits])
-        t1 = np.concatenate([w[1] for w in waits])
-        t2 = np.concatenate([w[2] for w in waits])
-        cls = np.concatenate([w[3] for w in waits])
-        waits.clear()
-        # walks with one row add straight to the totals; walks with several (candidates of equal-time
-        # events) keep their rows' sums to compare them at the end
-        fk = np.zeros(len(wid), dtype=bool)
-        if len(wid) > 1:
-            dup = wid[1:] == wid[:-1]   # a wait's candidate rows are adjacent
-            fk[1:] |= dup
-            fk[:-1] |= dup
-        acc = np.zeros((int(fk.sum()), len(AXES)), dtype=np.int64)   # for the rows with fk, in order
-        tot = [0] * len(AXES)
-        done_w, done_acc = [], []
-        alt = None
-        while len(wid):
-            # follow each row's class: IDLE ends the walk, PRED goes to the stream's previous op
-            # (none: the walk ends), a collective class to that collective on its group
-            live = cls >= 0
-            fl = live[fk]
-            done_w.append(wid[fk][~fl])
-            done_acc.append(acc[~fl])
-            wid, t1, t2, cls, fk, acc = wid[live], t1[live], t2[live], cls[live], fk[live], acc[fl]
-            op, grp = cls // BIG, cls % BIG
-            start, nxt, forks, a = self._node(op, grp)
-            fin = start <= t1
-            amount = np.where(fin, t2 - t1, t2 - start)
-            for k in self.axes:
-                m = (a == k) & ~fk
-                tot[k] += int(amount[m].sum())
-            if fk.any():
-                acc[np.arange(len(acc)), a[fk]] += amount[fk]
-            ff = fin[fk]
-            done_w.append(wid[fk][ff])
-            done_acc.append(acc[ff])
-            go = ~fin
-            wid, t1, op, grp, nxt, forks, fk, acc = wid[go], t1[go], op[go], grp[go], nxt[go], forks[go], fk[go], acc[~ff]
-            t2 = start[go]
-            if forks.any():
-                if alt is None:
-                    keys = np.concatenate([op_ * BIG + g for op_, (g, _) in self.galt.items()])
-                    vals = np.concatenate([c for _, c in self.galt.values()])
-                    o = np.argsort(keys, kind="stable")
-                    alt = keys[o], vals[o]
-                af, ac = alt
-                fi = np.nonzero(forks)[0]
-                key = op[fi] * BIG + grp[fi]
-                lo = np.searchsorted(af, key, "left")
-                cnt = np.searchsorted(af, key, "right") - lo
-                rep = np.repeat(fi, cnt)
-                at = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(lo, cnt)
-                # forked rows join the compared ones with what they kept so far (a walk that had one row
-                # added its part to the totals: its candidates then compare only what follows)
-                full = np.zeros((len(wid), len(AXES)), dtype=np.int64)
-                full[fk] = acc
-                take = np.concatenate([np.nonzero(~forks)[0], rep])
-                nxt = np.concatenate([nxt[~forks], ac[at]])
-                newfk = np.concatenate([fk[~forks], np.ones(len(rep), dtype=bool)])
-                wid, t1, t2, op, grp, full = wid[take], t1[take], t2[take], op[take], grp[take], full[take]
-                fk = newfk
-                acc = full[fk]
-            p = self.pred_arr[op]
-            is_pred = nxt == PRED
-            cls = np.where(is_pred, np.where(p >= 0, p * BIG + grp, IDLE), nxt)
-        for k in range(len(AXES)):
-            self.exposed[k] += tot[k]
-        w = np.concatenate(done_w)
-        if not len(w):
-            return
-        A = np.concatenate(done_acc)
-        o = np.argsort(w, kind="stable")
-        w, A = w[o], A[o]
-        _, first, counts = np.unique(w, return_index=True, return_counts=True)
-        if (A != np.repeat(A[first], counts, axis=0)).any():
-            raise _Ambiguous("blame differs by the order of equal-time events")
-        s = A[first].sum(axis=0)
-        for k in range(len(AXES)):
-            self.exposed[k] += int(s[k])
 
     def spans(self, out) -> list[tuple[int, int, float, float]]:
         """Every op of every rank as the engine records it: (rank, op, start s, duration s)."""
@@ -636,72 +524,6 @@ class _Lockstep:
                 S, E = out["gstart"][i][self.gid[k]], out["gend"][i][self.gid[k]]
             res += [(r, i, t / NS, d / NS) for r, t, d in zip(range(self.R), S.tolist(), (E - S).tolist())]
         return res
-
-    # -- timelines ---------------------------------------------------------------------------------
-    def mask_timeline(self, gimm):
-        """For each axis k: the times of concurrency changes of the other axes (sorted, sentinel at the
-        end), the mask of the other axes in flight after each, and whether it is ambiguous.
-
-        An axis' in-flight count over all its groups turns 0 -> 1 and 1 -> 0 at the ends of the union of
-        their collectives' intervals. Where intervals touch (every collective in flight ends at t and
-        some start at t) the engine's order decides: one ending and its stream successor starting
-        turn it off and on (a split at t); several ending with at least two successors starting at
-        once in their own ends (their dependencies done before t) keep it on; other cases are marked
-        ambiguous."""
-        Ts, As, Xs = [], [], []
-        for k in self.axes:
-            G, nk = self.G[k], len(self.axis_ops[k])
-            ev = self.AT[k][:-G].reshape(nk, 2, G)
-            st, en = ev[:, 0, :].reshape(-1), ev[:, 1, :].reshape(-1)
-            imm = np.concatenate([gimm[i] for i in self.axis_ops[k].tolist()])
-            pe = np.concatenate([np.full(G, -2, dtype=np.int64), en[:-G]])  # its stream predecessor's end
-            order = np.argsort(st, kind="stable")
-            st, en, imm, pe = st[order], en[order], imm[order], pe[order]
-            cm = np.maximum.accumulate(en)
-            prev = np.concatenate([[-1], cm[:-1]])
-            new = st >= prev
-            new[0] = True
-            touch = new & (st == prev)
-            amb = np.zeros(len(st), dtype=bool)
-            if touch.any():
-                ends_sorted = np.sort(en)
-                tj = np.nonzero(touch)[0]
-                t = st[tj]
-                n_end = np.searchsorted(ends_sorted, t, "right") - np.searchsorted(ends_sorted, t, "left")
-                first = np.searchsorted(st, t, "left")
-                n_start = np.searchsorted(st, t, "right") - first
-                succ = pe == st                  # its stream predecessor ended as it started
-                immediate = succ & imm           # ... and it started in that very end
-                c = np.concatenate([[0], np.cumsum(immediate)])
-                all_imm = c[first + n_start] - c[first] == n_start
-                pair = (n_end == 1) & (n_start == 1) & succ[tj]
-                merge = ~pair & (n_start >= 2) & all_imm
-                amb[tj] = ~(pair | merge)
-                new[tj[merge]] = False
-            idx = np.nonzero(new)[0]
-            t = np.empty(2 * len(idx) + 1, dtype=np.int64)   # off (of the component before), on; last off
-            t[0:-1:2], t[1:-1:2], t[-1] = prev[idx], st[idx], cm[-1]
-            a = np.zeros(len(t), dtype=bool)
-            a[0:-1:2], a[1:-1:2] = amb[idx], amb[idx]
-            Ts.append(t[1:])
-            As.append(a[1:])
-            Xs.append(np.full(len(t) - 1, k, dtype=np.int64))
-        T, A, X = np.concatenate(Ts), np.concatenate(As), np.concatenate(Xs)
-        o = np.lexsort((np.arange(len(T)), A, T))   # by time, unambiguous first, then as emitted
-        T, A, X = T[o], A[o], X[o]
-        masks = np.bitwise_xor.accumulate(np.left_shift(1, X))
-        T = np.append(T, INF - 1)
-        A = np.append(A, False)
-        masks = np.append(masks, masks[-1] if len(masks) else 0)
-        X = np.append(X, -1)
-        out_T, out_C, out_A = {}, {}, {}
-        for k in self.axes:
-            keep = X != k
-            out_T[k] = T[keep]
-            out_C[k] = masks[keep] & ~(1 << k)
-            out_A[k] = A[keep]
-        return out_T, out_C, out_A
-
 
 def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: float,
                       max_sweeps: int = MAX_SWEEPS, spans: bool = False):
@@ -721,7 +543,7 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
         for sweep in range(1, max_sweeps + 1):
             out = None
             out = ls.sweep(mask_tl, final=sweep > 1)
-            new_mask = ls.mask_timeline(out["gimm"])
+            new_mask = concurrency_timeline(ls, out["gimm"])
             same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
             mask_tl = new_mask
             if same:
@@ -732,7 +554,7 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
         if sweep == 1:
             out = ls.sweep(mask_tl, final=True)
         ls.ties_ok(out["gstart"], out["gend"])
-    except _Ambiguous as e:
+    except Ambiguous as e:
         ls.why = str(e)
         return None
     exposed = ls.exposed
