@@ -348,6 +348,7 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
     from twin.program import ACT_BYTES
     costs: list[str] = []
     trained: list[str] = []
+    pooled = _pooled_cpu_lines(by_ranks)
     for ranks, group in sorted(by_ranks.items()):
         runs = [r for r in group if r.get("steps")]
         if not runs:
@@ -368,12 +369,24 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
                     keyed.setdefault((row["kind"], roles[id(r)].get(row["name"], row["role"])), []).append(row)
         for (kind, role), sel in sorted(keyed.items()):
             alone = [row for row in sel if row.get("covered", 0) < COVERED] or sel
-            a, b, res = _cost_line([row["bytes"] for row in alone], [span(row) for row in alone])
             what = f"{kind}{'/' + role if role else ''}"
+            shared = pooled.get((kind, role)) if stretch is not None and ranks > 1 else None
+            if shared is not None and len({row["bytes"] for row in alone}) < 2 and all("cpu_s" in row for row in alone):
+                # one size cannot tell latency from bandwidth: the on-CPU line over every rank count's
+                # sizes, at this rank count's level, x its stretch
+                (a0, b0, n_pts, lo, hi), level = shared, _cpu_level(shared, alone)
+                a, b = a0 * level * stretch, b0 * level * stretch
+                res = [(a + b * row["bytes"]) / span(row) - 1.0 for row in alone]
+                how = (f"fitted: on-CPU time of {n_pts} {what} op(s) of recorded training steps with 2 or more ranks "
+                       f"(bytes {lo}-{hi}, latency + bytes/bandwidth), x {level:.3f} (the {len(alone)} ops with "
+                       f"{ranks} ranks over that line) x stretch {stretch:.3f}, worst residual "
+                       f"{max(map(abs, res)):.0%}, {src_t}")
+            else:
+                a, b, res = _cost_line([row["bytes"] for row in alone], [span(row) for row in alone])
+                how = (f"fitted: {len(alone)} {what} op(s) of recorded training steps, bytes "
+                       f"{min(r['bytes'] for r in alone)}-{max(r['bytes'] for r in alone)}, worst residual "
+                       f"{max(map(abs, res)):.0%}, {src_t}")
             fit.residuals.append(_residual(f"{ranks} rank(s): {what} ops in training, latency + bytes/bandwidth", res))
-            how = (f"fitted: {len(alone)} {what} op(s) of recorded training steps, bytes "
-                   f"{min(r['bytes'] for r in alone)}-{max(r['bytes'] for r in alone)}, worst residual "
-                   f"{max(map(abs, res)):.0%}, {src_t}")
             costs.append("\n".join([
                 "[[op_cost]]", f'kind = "{_quote(kind)}"', f'role = "{_quote(role)}"', f"ranks = {ranks}",
                 "latency_s = " + _entry(max(a, 1e-9), how),
@@ -519,6 +532,47 @@ def _fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
     return ((lambda row: row["cpu_s"] * stretch if "cpu_s" in row else row["seconds"]),
             f"on-CPU time x stretch {stretch:.3f} (summed span over summed on-CPU time of the {len(timed)} "
             f"compute ops recorded with {ranks} rank(s))", stretch)
+
+
+def _pooled_cpu_lines(by_ranks: dict[int, list[dict]]) -> dict[tuple[str, str], tuple]:
+    """Per (kind, role) of the compute ops without a model of their own, the line of their on-CPU
+    time (`cpu_s`) over the recorded steps of every file with 2 or more ranks: (latency s, seconds
+    per byte, ops, smallest and largest bytes); least squares on relative error over the ops no
+    collective overlapped. What an op costs on the CPU that runs it is the kernel's work, whatever
+    the rank count; the rank count sets how long it waits for a core (the stretch) and, a little,
+    the caches and memory it shares (each count's level, `_cpu_level`). Pooled, the line sees each
+    op at every count's size: a norm over whole features is recorded at one size per rank count
+    (262 kB with 8 ranks, cpu-2026-12-01d), where a line of 8 ranks alone is bandwidth alone and
+    gave 1x8x1x1's 2 MB norms 1.3 ms of on-CPU time against 0.64 measured. One rank is left out:
+    alone, it runs 2 threads (OMP_NUM_THREADS unset) and its main thread's on-CPU time is not its
+    work. {} where the files did not record on-CPU times."""
+    pts: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for ranks, group in by_ranks.items():
+        if ranks < 2:
+            continue
+        for r in group:
+            roles = _cost_roles(r)
+            for row in r.get("steps", []):
+                if row["stream"] != "compute" or row["kind"] in MODELED or row["kind"] in COLLECTIVES:
+                    continue
+                if "cpu_s" not in row or row.get("covered", 0) >= COVERED or row["cpu_s"] <= 0:
+                    continue
+                pts.setdefault((row["kind"], ""), []).append((row["bytes"], row["cpu_s"]))
+                if row.get("role"):
+                    pts.setdefault((row["kind"], roles.get(row["name"], row["role"])), []).append(
+                        (row["bytes"], row["cpu_s"]))
+    out = {}
+    for key, v in pts.items():
+        a, b, _ = _cost_line([x for x, _ in v], [t for _, t in v])
+        out[key] = (a, b, len(v), min(x for x, _ in v), max(x for x, _ in v))
+    return out
+
+
+def _cpu_level(line: tuple, rows: list[dict]) -> float:
+    """One rank count's on-CPU time of its ops over the pooled line's (summed; 1 without time)."""
+    a, b = line[0], line[1]
+    model = sum(a + b * row["bytes"] for row in rows)
+    return sum(row["cpu_s"] for row in rows) / model if model > 0 else 1.0
 
 
 def _cost_roles(run: dict) -> dict[str, str]:
