@@ -326,13 +326,13 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
         files = "; ".join(describe(r) for r in runs)
         out.append(f'host_ordered = {{ value = true, source = "{_quote(HOST_ORDERED_SOURCE)}; measured on device cpu: {_quote(files)}" }}')
     out.append("")
-    costs = _in_training(by_ranks, "\n".join(out + shares + gemms + colls), shares, share_at, fit, gemms)
+    costs = _in_training(by_ranks, "\n".join(out + shares + gemms + colls), shares, share_at, fit, gemms, out)
     fit.toml = "\n".join(out + shares + gemms + colls + costs)
     return fit
 
 
 def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], share_at: dict[int, int],
-                 fit: Fit, gemms: list[str]) -> list[str]:
+                 fit: Fit, gemms: list[str], head: list[str]) -> list[str]:
     """The fits of the recorded training steps (module docstring): returns the `[[collective_training]]`
     and `[[op_cost]]` blocks, appends the in-training `[[gemm_table]]` points to `gemms` and adds
     compute_contention, overlap_slowdown and collective_slowdown to the `[[node_share]]` blocks of
@@ -349,6 +349,7 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
     costs: list[str] = []
     trained: list[str] = []
     pooled = _pooled_cpu_lines(by_ranks)
+    sharing: list[tuple[str, int, int, float, tuple]] = []  # per file: what _core_load fits
     for ranks, group in sorted(by_ranks.items()):
         runs = [r for r in group if r.get("steps")]
         if not runs:
@@ -359,6 +360,8 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         rows = [(r, row) for r in runs for row in r["steps"]]
         span, how_timed, stretch = _fluid_spans(rows, ranks)
         src_t = f"{src}; {how_timed}"
+        if stretch is not None and ranks > 1:
+            sharing += [p for p in (_sharing_point(r, prof.host_op_s) for r in runs) if p is not None]
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
         roles = {id(r): _cost_roles(r) for r in runs}
@@ -505,6 +508,9 @@ def _in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], 
         keys = {ln.split(" =")[0] for ln in lines}
         block = [ln for ln in block if ln.split(" =")[0] not in keys]
         shares[share_at[ranks]] = "\n".join(block + lines + [""])
+    if sharing:
+        head[-1:-1] = _core_load(sharing, "; ".join(sorted({describe(r) for g in by_ranks.values() for r in g
+                                                              if r.get("steps") and r["ranks_per_node"] > 1})))
     return trained + costs
 
 
@@ -588,26 +594,86 @@ def _cost_roles(run: dict) -> dict[str, str]:
     return {op.name: cost_role(op) for op in prog.ops if op.role}
 
 
-def _replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
-    """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
-    an op during its span: the program replayed by the twin's engine with every op at its measured
-    median span (compute ops plus the host time between them). {} without steps."""
+def _replay(run: dict, host_s: float):
+    """(program, engine result with spans) of a measurement file's recorded steps replayed by the
+    twin's engine with every op at its measured median span (compute ops plus the host time between
+    them), host-ordered as the CPU executor issues them; None without steps."""
     from twin.engine import simulate_program
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options, build_program, host_ordered
     if not run.get("steps") or not run.get("model"):
-        return {}
+        return None
     prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options()))
     secs = {row["name"]: row["seconds"] for row in run["steps"]}
     compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + host_s for op in prog.ops]
-    res = simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
+    return prog, simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
+
+
+def _replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
+    """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
+    an op during its span, in the replay of the steps (_replay). {} without steps."""
+    replayed = _replay(run, host_s)
+    if replayed is None:
+        return {}
+    prog, res = replayed
     busy = sorted((s, s + d) for _, i, s, d in res.spans if not prog.ops[i].is_collective)
     out = {}
     for _, i, s, d in res.spans:
         if prog.ops[i].is_collective:
             out[prog.ops[i].name] = sum(max(0.0, min(s + d, b) - max(s, a)) for a, b in busy)
     return out
+
+
+def _sharing_point(run: dict, host_s: float):
+    """(grid, ranks, cores, stretch, busy shares) of one file's recorded steps for _core_load: the
+    stretch of its compute ops (summed span over summed on-CPU time) and twin.cores.busy_shares of
+    their replay; None where a compute op lacks its on-CPU time or the machine its core count."""
+    from twin.cores import busy_shares
+    comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
+    cores = run["machine"].get("cores")
+    if not comp or not cores or not all("cpu_s" in row for row in comp):
+        return None
+    cpu = sum(row["cpu_s"] for row in comp)
+    replayed = _replay(run, host_s)
+    if cpu <= 0 or replayed is None:
+        return None
+    prog, res = replayed
+    shares = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, host_s)
+    return run["grid"], run["ranks_per_node"], int(cores), sum(row["seconds"] for row in comp) / cpu, shares
+
+
+LOAD_STEP = 0.01  # the grid of collective_core_load values tried
+LOAD_MAX = 3.0
+
+
+def _core_load(points: list[tuple[str, int, int, float, tuple]], src: str) -> list[str]:
+    """The top-level lines node_cores and collective_core_load (twin.cores): the load (share of a
+    core a collective in flight keeps busy) whose model stretch best matches the recorded steps'
+    measured stretch (summed span over summed on-CPU time of the compute ops), least squares on
+    the log of the ratio, over the files with 2 or more ranks; the busy shares from the steps'
+    replay through the twin's engine. points: (grid, ranks, cores, stretch, shares). [] without
+    points, or where the files disagree on the node's cores."""
+    from twin.cores import core_stretch
+    cores = {c for _, _, c, _, _ in points}
+    if not points or len(cores) != 1:
+        return []
+    best = (math.inf, 0.0)
+    for k in range(int(round(LOAD_MAX / LOAD_STEP)) + 1):
+        load = k * LOAD_STEP
+        err = sum(math.log(core_stretch(r, c, load, *sh) / s) ** 2 for _, r, c, s, sh in points)
+        if err < best[0] - 1e-12:
+            best = (err, load)
+    load = best[1]
+    res = sorted((g, core_stretch(r, c, load, *sh) / s - 1.0) for g, r, c, s, sh in points)
+    worst = max(res, key=lambda t: abs(t[1]))
+    return [f"node_cores = " + _entry(cores.pop(), f"measured: os.cpu_count() of the bench machine, {src}"),
+            "collective_core_load = " + _entry(load, (
+                f"fitted: the share of a core a collective in flight keeps busy (twin.cores) that reproduces the "
+                f"stretch (summed span over summed on-CPU time of the compute ops) of the recorded training steps "
+                f"of {len(points)} grids of 2 or more ranks, from their busy shares replayed through the engine; "
+                f"least squares on log(model/measured), median |residual| "
+                f"{statistics.median(abs(e) for _, e in res):.0%}, worst {worst[1]:+.0%} ({worst[0]}), {src}"))]
 
 
 def _measured_share(group: list[dict]) -> tuple[float, int] | None:

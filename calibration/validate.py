@@ -10,7 +10,8 @@ program's layout as the backend runs them) on a system with a kernel profile, an
   error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|.
   Like is compared with like:
   - a compute op: the twin shares the node's cores among its ranks as a fluid, every op of a rank
-    `stretch` times slower; the scheduler time-slices them instead, and a descheduled rank's wall
+    `stretch` times slower (the grid's own, twin.cores, reported as `stretch_predicted` beside the
+    measured `stretch`; where the profile has no model of it, the pooled `stretch_profile`); the scheduler time-slices them instead, and a descheduled rank's wall
     span lands on whichever op it was running (one op of 1 ms takes 10 ms, the next 1 ms). So the
     measured figure is the op's on-CPU time (the trace's `cpu_us`; in a trace without it, the
     fastest rank's wall span of the same op, which every rank runs on the same shapes) times its
@@ -219,6 +220,16 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
     return out
 
 
+def _predicted_stretch(study, grid: Grid) -> float | None:
+    """The twin's stretch of this grid's compute ops (twin.simulate.shared_core_stretch), or None."""
+    from twin.program import host_ordered
+    from twin.simulate import model_for, program_for, shared_core_stretch
+    prog = program_for(study, grid)
+    if study.profile.host_ordered:
+        prog = host_ordered(prog)
+    return shared_core_stretch(study, grid, prog, model_for(study, grid))
+
+
 def _group(grid: Grid, rank: int, axis: str) -> list[int]:
     """The ranks of `rank`'s group along `axis`."""
     c = list(grid.coords(rank))
@@ -332,6 +343,10 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 # with this many ranks; None where not measured): compute ops come out about
                 # stretch_profile / stretch of the measured, whatever their on-CPU cost
                 "stretch_profile": study.kernels.profile.stretch or None,
+                # this grid's own stretch as the twin predicts it (twin.cores: the ranks share the
+                # node's cores with each other and with gloo's threads); None where the profile has
+                # no model of it (every grid then at stretch_profile)
+                "stretch_predicted": _predicted_stretch(study, grid),
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,
                 "by_kind": per_kind},

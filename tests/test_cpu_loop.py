@@ -2,6 +2,7 @@
 (calibration/measurements/cpu-2026-12-01b and -01c: bench files and the 35 gpt-small runs' report)
 reproduced offline by the profile fitted from their bench files."""
 
+import functools
 import glob
 import json
 import statistics
@@ -58,9 +59,15 @@ def test_training_lines_are_looked_up_by_axis_first():
     assert t.time("all_reduce", "data", 2, 1e6) == pytest.approx(2.0 * (2e-4 + 1e-3))
 
 
+@functools.lru_cache(maxsize=None)
+def _fitted(loop: str) -> str:
+    """The profile (TOML) fitted from a committed loop's bench files."""
+    return fit_profile(sorted(glob.glob(str(LOOPS / loop / "bench-*.json"))), "cpu").toml
+
+
 # (loop, median |error| under, at least this many of 35 within 15 %, worst under, Spearman at least)
 BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 24, 0.36, 0.94),
-          ("cpu-2026-12-01d", 0.085, 31, 0.24, 0.94)]
+          ("cpu-2026-12-01d", 0.08, 29, 0.25, 0.95)]
 
 
 @pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
@@ -91,8 +98,11 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     op's on-CPU time and warmed up 2 steps; quiet, load 0.72 at the start): measured 9.1 %, 31 within
     15 %, worst 25 % (1x4x1x1), Spearman 0.96. With a role recorded at one size per rank count taking
     the on-CPU line pooled over the rank counts (calibration.fit._pooled_cpu_lines; the whole-feature
-    norms of the y-split grids): 7.6 %, 32 within 15 %, worst 21 % (1x4x1x1), Spearman 0.96; asserted:
-    median under 8.5 %, at least 31, worst under 24 %, Spearman at least 0.94."""
+    norms of the y-split grids): 7.6 %, 32 within 15 %, worst 21 % (1x4x1x1), Spearman 0.96. With each
+    grid's own stretch (twin.cores, fitted from the bench steps' stretch: collective_core_load 0.36):
+    7.4 %, 30 within 15 %, worst 23 % (1x1x4x1, whose bench steps ran 1.6x the on-CPU time of its
+    run), Spearman 0.965; asserted: median under 8 %, at least 29, worst under 25 %, Spearman at
+    least 0.95."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
@@ -100,10 +110,9 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     from twin.study import prepare
     import tempfile
     report = json.loads((LOOPS / loop / "report.json").read_text())
-    fit = fit_profile(sorted(glob.glob(str(LOOPS / loop / "bench-*.json"))), "cpu")
     with tempfile.TemporaryDirectory() as d:
         prof = Path(d) / "cpu.toml"
-        prof.write_text(fit.toml)
+        prof.write_text(_fitted(loop))
         pred, meas = [], []
         for run in report["runs"]:
             spec = load_model(run["model"])
@@ -186,3 +195,47 @@ def test_a_role_recorded_at_one_size_takes_the_pooled_on_cpu_line(tmp_path):
     assert KernelModel(prof, tuning=False).kernel_time(norm) == pytest.approx(2.0 * cost(1 << 22), rel=1e-3)
     assert any("with 2 or more ranks" in v and "stretch 2.000" in v
                for k, v in prof.sources.items() if k.startswith("op_cost") and k.endswith("latency_s"))
+
+
+def test_each_grid_takes_its_own_stretch_from_the_twins_timeline(tmp_path):
+    """On CPU a compute op takes its on-CPU time x its grid's stretch (twin.cores), from the busy
+    shares of the twin's own timeline (a fixed point), with node_cores and collective_core_load
+    fitted from bench's recorded steps. Ranks blocked in collectives leave their cores to the
+    others: 1x8x1x1, whose ranks wait long on blocking y all-reduces, stretches less than 1x1x8x1,
+    whose z all-gathers run beside compute (measured 2.25 against 2.99 in cpu-2026-12-01d's runs,
+    1.83 against 2.95 in -01c's; the pooled stretch gave both 2.64)."""
+    from twin.cores import busy_shares, core_stretch
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.profile import load_profile
+    from twin.program import host_ordered
+    from twin.simulate import model_for, program_for, shared_core_stretch, simulate_grid
+    from twin.study import prepare
+    path = tmp_path / "cpu.toml"
+    path.write_text(_fitted("cpu-2026-12-01d"))
+    prof = load_profile(str(path))
+    assert prof.node_cores == 2 and 0.2 < prof.collective_core_load < 0.5
+    assert "recorded training steps" in prof.sources["collective_core_load"]
+    spec = load_model("gpt-small")
+    got = {}
+    for g in ("1x8x1x1", "1x1x8x1"):
+        grid = Grid.parse(g)
+        study = prepare("cpu", spec, 8, 16, spec.seq_len, profile=str(path), gemm_tuning=False)
+        prog = host_ordered(program_for(study, grid))
+        s = got[g] = shared_core_stretch(study, grid, prog, model_for(study, grid))
+        res = simulate_grid(study, grid, record=True)
+        idx = {op.name: op.index for op in prog.ops}
+        spans = [(0, idx[x.name], x.start_s, x.duration_s) for x in res.spans]
+        p = study.profile
+        shares = busy_shares(spans, lambda i: prog.ops[i].is_collective, p.host_op_s)
+        assert core_stretch(8, 2, p.collective_core_load, *shares) == pytest.approx(s, rel=2e-3)  # the fixed point
+        gemm = next(op for op in prog.ops if op.kind == "gemm")
+        assert next(x.duration_s for x in res.spans if x.name == gemm.name) >= (
+            study.kernels.kernel_time(gemm) * s / p.stretch + p.host_op_s) * (1 - 1e-6)
+    assert got["1x8x1x1"] < prof.for_ranks(8).stretch < got["1x1x8x1"]
+    # files without on-CPU times (cpu-2026-12-01c): no model, every grid at the pooled stretch
+    old = tmp_path / "old.toml"
+    old.write_text(_fitted("cpu-2026-12-01c"))
+    study = prepare("cpu", spec, 8, 16, spec.seq_len, profile=str(old), gemm_tuning=False)
+    grid = Grid.parse("1x8x1x1")
+    assert shared_core_stretch(study, grid, program_for(study, grid), model_for(study, grid)) is None

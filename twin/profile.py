@@ -174,6 +174,10 @@ class Profile:
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
     comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
     stretch: float = 0.0  # compute ops' span over on-CPU time that the in-training op times hold (CPU; 0: none)
+    # how the ranks share a CPU node's cores (twin.cores; 0: not measured, every grid at `stretch`):
+    # the node's cores, and the share of a core a collective in flight keeps busy (gloo's threads)
+    node_cores: int = 0
+    collective_core_load: float = 0.0
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -273,6 +277,11 @@ def load_profile(name_or_path: str) -> Profile:
     if "host_ordered" in data:  # optional: what the executor does (true for a CPU executor)
         kw["host_ordered"] = data["host_ordered"]["value"]
         sources["host_ordered"] = data["host_ordered"]["source"]
+    if "node_cores" in data and "collective_core_load" in data:  # optional: measured on CPU only
+        kw["node_cores"] = int(_value(path, "node_cores", data["node_cores"], sources))
+        entry = data["collective_core_load"]  # the schema checked it: a number >= 0 with its source
+        kw["collective_core_load"] = float(entry["value"])
+        sources["collective_core_load"] = entry["source"]
     for k in _INTS:
         kw[k] = int(kw[k])
     for k in ("layout_penalty", "layout_penalty_small"):

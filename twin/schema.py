@@ -294,7 +294,8 @@ PROFILE = Table(
               "gemm_table": ListOf(GEMM_ROW), "node_share": ListOf(NODE_SHARE_ROW),
               "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8),
               "op_cost": ListOf(OP_COST_ROW), "collective_training": ListOf(COLLECTIVE_ROW),
-              "host_op_s": Sourced(Positive(1.0)), "host_ordered": Sourced(Flag())})
+              "host_op_s": Sourced(Positive(1.0)), "host_ordered": Sourced(Flag()),
+              "node_cores": Sourced(Int(1, 1 << 20)), "collective_core_load": Sourced(Number(0.0, 100.0))})
 
 # ---- measurement files (`backend bench`, read by `twin calibrate`) and run files (read by `twin validate`)
 

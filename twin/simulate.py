@@ -133,8 +133,12 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
-    compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
     cm = collectives if collectives is not None else model_for(study, grid)
+    compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
+    stretch = shared_core_stretch(study, grid, prog, cm)
+    if stretch is not None:  # CPU: this grid's own stretch, for the pooled one the op times hold
+        scale, host = stretch / study.profile.stretch, study.profile.host_op_s
+        compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op in prog.ops]
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                            overlap_slowdown=study.profile.overlap_slowdown, record=record,
                            comm_share=study.profile.comm_share)
@@ -160,6 +164,39 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                         for r, i, s, d in res.spans]
     result.wall_time_s = time.perf_counter() - t0
     return result
+
+
+STRETCH_ROUNDS = 20  # at most this many simulations to settle a grid's stretch (3-6 in practice)
+
+
+def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) -> float | None:
+    """How many times its on-CPU time a compute op of this grid takes while its ranks share the node's
+    cores (twin.cores), or None where the profile does not model it (GPU profiles; CPU profiles fitted
+    before it, or from files without on-CPU times): every grid then takes the profile's pooled
+    `stretch`, which its compute op times hold. The busy shares come from the twin's own timeline,
+    which the stretch lengthens: the fixed point, by iteration from the pooled stretch (each round
+    one symmetric simulation; the map's slope is about (R - 1) / cores x c (1 - c) / stretch, well
+    under 1). Programs are host-ordered and timed as _simulate_grid does."""
+    from twin.cores import busy_shares, core_stretch
+    p = study.profile
+    ranks = min(grid.size, study.system.gpus_per_node)
+    if not (p.node_cores and p.stretch > 0) or ranks < 2:
+        return None
+    km = study.kernels
+    on_cpu = [0.0 if op.is_collective else km.kernel_time(op) / p.stretch for op in prog.ops]
+    timer = collective_timer(prog, collectives)
+    stretch = p.stretch
+    for _ in range(STRETCH_ROUNDS):
+        res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + p.host_op_s
+                                      for op, t in zip(prog.ops, on_cpu)], timer,
+                               overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
+        new = core_stretch(ranks, p.node_cores, p.collective_core_load,
+                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, p.host_op_s))
+        done = abs(new - stretch) <= 1e-4 * stretch
+        stretch = new
+        if done:
+            break
+    return stretch
 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
