@@ -7,14 +7,12 @@ from twin.cores import busy_shares, core_stretch
 
 def test_busy_shares_of_a_timeline():
     """One rank, 10 s: compute 0-4 s and 6-8 s (host time 0.5 s before each op), a collective
-    in flight 3-7 s: kernels run 5 of 10 s, a collective 4 of 10 s, and 1.5 of the 5 kernel seconds
-    (3-4 and 6.5-7) have one in flight."""
+    in flight 3-7 s: kernels run 5 of 10 s, a collective 4 of 10 s."""
     coll = {2}
     spans = [(0, 0, 0.0, 4.0), (0, 1, 6.0, 2.0), (0, 2, 3.0, 4.0), (0, 3, 9.5, 0.5)]
-    c, comm, c_self = busy_shares(spans, lambda i: i in coll, host_s=0.5)
+    c, comm = busy_shares(spans, lambda i: i in coll, host_s=0.5)
     assert c == pytest.approx((3.5 + 1.5 + 0.0) / 10)
     assert comm == pytest.approx(0.4)
-    assert c_self == pytest.approx((1.0 + 0.5) / 5.0)
     # ranks are averaged
     two = spans + [(1, 0, 0.0, 10.0)]
     assert busy_shares(two, lambda i: i in coll, 0.0)[0] == pytest.approx((0.65 + 1.0) / 2)
@@ -22,8 +20,8 @@ def test_busy_shares_of_a_timeline():
 
 def test_core_stretch_counts_the_runnable_threads_per_core():
     # 8 ranks on 2 cores, each computing 40 % of the time, collectives in flight 60 % at 0.35 core
-    assert core_stretch(8, 2, 0.35, 0.4, 0.6, 0.1) == pytest.approx((1 + 0.035 + 7 * (0.4 + 0.21)) / 2)
+    assert core_stretch(8, 2, 0.35, 0.4, 0.6) == pytest.approx((1 + 7 * (0.4 + 0.21)) / 2)
     # a grid whose ranks wait longer in collectives (less compute share) stretches less
-    assert core_stretch(8, 2, 0.35, 0.25, 0.6, 0.1) < core_stretch(8, 2, 0.35, 0.4, 0.6, 0.1)
+    assert core_stretch(8, 2, 0.35, 0.25, 0.6) < core_stretch(8, 2, 0.35, 0.4, 0.6)
     # no fewer than 1: a rank never runs faster than its on-CPU time
-    assert core_stretch(2, 2, 0.35, 0.3, 0.1, 0.0) == 1.0
+    assert core_stretch(2, 2, 0.35, 0.3, 0.1) == 1.0

@@ -11,19 +11,21 @@ of its compute ops) ranges 1.8-3.3 (cpu-2026-12-01c and -01d, 30 runs of 8 ranks
 The model is the mean number of threads runnable beside a computing rank, shared among the cores as
 a fluid (processor sharing, averaged over the iteration):
 
-    stretch = max(1, (1 + load x c_self + (R - 1) x (c + load x comm)) / cores)
+    stretch = max(1, (1 + (R - 1) x (c + load x comm)) / cores)
 
 - R ranks share the node; c: the share of the iteration a rank's compute stream runs a kernel (its
   host time between ops left out); comm: the share during which it has a collective in flight;
-  c_self: the share of its own compute time with a collective of its own in flight;
-- `load`: the share of a core a collective in flight keeps busy (gloo's threads: loopback TCP
-  copies and reductions), fitted by calibration from the recorded training steps of `backend bench`.
+- `load`: the share of a core a collective in flight keeps busy (gloo's threads), fitted by
+  calibration from the recorded training steps of `backend bench`.
 
 The shares come from the twin's own timeline, which itself depends on the stretch: the twin solves
-the fixed point (twin.simulate). Checked against the runs' traces (their measured shares, cores 2,
-load 0.35): the 52 runs of 4 and 8 ranks of cpu-2026-12-01c and -01d have their measured stretch
-reproduced within 5 % (median), 14 % at worst; a stretch pooled per rank count misses them by up to
-30 %. The ranks' host time between ops fitted no weight (it is mostly waiting for a wake-up).
+the fixed point (twin.simulate). Checked against the runs' traces (their measured shares, cores 2):
+the 52 runs of 4 and 8 ranks of cpu-2026-12-01c and -01d have their measured stretch reproduced
+within 4 % (median), 15 % at worst, at load 0.40 (fitted to them); a stretch pooled per rank count
+misses them by up to 30 %. Other forms fitted worse: a term for the rank's own collectives beside
+its compute (4 %, 16 %), the collectives' time measured alone in place of their time in flight (a
+collective's CPU work scaling with its transfer, not its span: 7 %, 28 %), their bytes (9 %, 36 %);
+the ranks' host time between ops fitted no weight (it is mostly waiting for a wake-up).
 """
 
 from __future__ import annotations
@@ -41,27 +43,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Seconds during which both unions of intervals run."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def busy_shares(spans, is_collective, host_s: float = 0.0) -> tuple[float, float, float]:
-    """(c, comm, c_self), means over the ranks of `spans` ((rank, op, start s, duration s) with
+def busy_shares(spans, is_collective, host_s: float = 0.0) -> tuple[float, float]:
+    """(c, comm), means over the ranks of `spans` ((rank, op, start s, duration s) with
     `is_collective(op)`): the share of a rank's iteration (its first start to its last end) during
     which its compute stream runs a kernel (each compute span less `host_s`, the host time before
-    it), during which it has a collective in flight, and the share of its compute time with one in
-    flight."""
+    it), and during which it has a collective in flight."""
     by_rank: dict[int, list[tuple]] = {}
     for s in spans:
         by_rank.setdefault(s[0], []).append(s)
@@ -73,15 +59,13 @@ def busy_shares(spans, is_collective, host_s: float = 0.0) -> tuple[float, float
             continue
         comp = _union([(s[2] + min(host_s, s[3]), s[2] + s[3]) for s in mine if not is_collective(s[1])])
         comm = _union([(s[2], s[2] + s[3]) for s in mine if is_collective(s[1])])
-        busy = sum(b - a for a, b in comp)
-        shares.append((busy / length, sum(b - a for a, b in comm) / length,
-                       _overlap(comp, comm) / busy if busy > 0 else 0.0))
+        shares.append((sum(b - a for a, b in comp) / length, sum(b - a for a, b in comm) / length))
     if not shares:
-        return 0.0, 0.0, 0.0
-    return tuple(statistics.fmean(s[k] for s in shares) for k in range(3))  # type: ignore[return-value]
+        return 0.0, 0.0
+    return statistics.fmean(c for c, _ in shares), statistics.fmean(m for _, m in shares)
 
 
-def core_stretch(ranks: int, cores: int, load: float, c: float, comm: float, c_self: float) -> float:
+def core_stretch(ranks: int, cores: int, load: float, c: float, comm: float) -> float:
     """How many times its on-CPU time a compute op takes while `ranks` ranks share `cores` cores, with
     the busy shares of busy_shares and a collective in flight keeping `load` of a core busy (>= 1)."""
-    return max(1.0, (1.0 + load * c_self + (ranks - 1) * (c + load * comm)) / cores)
+    return max(1.0, (1.0 + (ranks - 1) * (c + load * comm)) / cores)
