@@ -474,9 +474,13 @@ def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple],
     hit = _COMPUTE.get(key)
     if hit is not None and hit[0] is prog:
         return hit[1:]
-    km = study.kernels
-    slow = min(1.0, study.profile.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
-    ns = [0 if op.is_collective else int(slow * km.op_time(op) * NS + 0.5) for op in prog.ops]
+    km, p = study.kernels, study.profile
+    slow = min(1.0, p.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
+    # CPU, where each grid runs at its own stretch of the ops' on-CPU time (twin.cores, at least 1):
+    # its least time is the on-CPU time, not the pooled stretch the op times hold (GPU: 1, op_time's)
+    least = 1.0 / p.stretch if p.node_cores and p.stretch > 0 else 1.0
+    ns = [0 if op.is_collective else int(slow * (km.kernel_time(op) * least + p.host_op_s) * NS + 0.5)
+          for op in prog.ops]
     colls = [(op.index, op.kind, op.axis, op.bytes, op.axis == "data" and op.weight != "norms")
              for op in prog.ops if op.is_collective]
     optimizer = [op.index for op in prog.ops if op.phase == "opt" and not op.is_collective]
