@@ -111,3 +111,22 @@ def test_full_mode_uses_lockstep_with_the_same_result(monkeypatch):
     simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, comm_share=0.5)
     simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, record=True)
     assert not calls
+
+
+@pytest.mark.parametrize("grid", ["2x2x2x2", "1x2x2x4"])
+def test_identical_ranks_ties_everywhere(grid):
+    """Equal factors on every rank (rank by rank): every group of an axis starts and ends at the same
+    nanosecond, the most ties the engine's order could decide; lockstep still gives its result."""
+    prog, compute, timer, slow = setup("gpt-tiny", grid, Options(), seed=0, spread=0.0)
+    ev, ls = both(prog, compute, timer, slow, 1.15)
+    assert_same(ev, ls, prog.grid.size)
+
+
+def test_declined_runs_fall_back_to_the_event_engine(monkeypatch):
+    import twin.lockstep as lockstep
+    prog, compute, timer, slow = setup("gpt-tiny", "2x2x2x2", Options(), seed=1)
+    monkeypatch.setattr(engine, "LOCKSTEP_RANKS", 16)
+    monkeypatch.setattr(lockstep, "simulate_lockstep", lambda *a, **k: None)
+    got = simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15)
+    assert got == simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15,
+                                   lockstep=False)
