@@ -78,6 +78,19 @@ def replayed_steps(bench: dict) -> float | None:
     return res.iteration_s
 
 
+def add_bench_and_run(bench: dict, run_dir: Path, key, agg: dict[str, list[float]]) -> None:
+    """Add each op of bench's recorded steps that the run also traced to agg[key(row)]: [bench
+    seconds, the run's mean span in seconds], summed over the ops of that key."""
+    spans: dict[str, list[float]] = {}
+    for s in read_run(run_dir)["spans"]:
+        spans.setdefault(s.name, []).append(s.duration_s)
+    for row in bench["steps"]:
+        if row["name"] in spans:
+            a = agg.setdefault(key(row), [0.0, 0.0])
+            a[0] += row["seconds"]
+            a[1] += statistics.fmean(spans[row["name"]])
+
+
 def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, float]]) -> None:
     pred = {g: (m, p) for g, m, p in rows}
     files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: _order(p.stem[6:]))
@@ -95,16 +108,8 @@ def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, f
         d = runs_dir / b["grid"]
         if not d.exists() or not b.get("steps"):
             continue
-        spans: dict[str, list[float]] = {}
-        for s in read_run(d)["spans"]:
-            spans.setdefault(s.name, []).append(s.duration_s)
         agg: dict[str, list[float]] = {}
-        for row in b["steps"]:
-            if row["name"] in spans:
-                key = row["kind"] + (f"/{row['axis']}" if row["axis"] else "")
-                a = agg.setdefault(key, [0.0, 0.0])
-                a[0] += row["seconds"]
-                a[1] += statistics.fmean(spans[row["name"]])
+        add_bench_and_run(b, d, lambda row: row["kind"] + (f"/{row['axis']}" if row["axis"] else ""), agg)
         print(f"{b['grid']:9s}" + "  ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())
                                            if k in ("gemm", "attention", "elementwise") or "/" in k))
 
@@ -170,15 +175,7 @@ def loops_report(loops: list[tuple[Path, Path]]) -> None:
             d = runs / b["grid"]
             if not d.exists() or not b.get("steps"):
                 continue
-            spans: dict[str, list[float]] = {}
-            for sp in read_run(d)["spans"]:
-                spans.setdefault(sp.name, []).append(sp.duration_s)
-            for row in b["steps"]:
-                if row["name"] in spans:
-                    key = row["kind"] + "/" + row["axis"] if row["axis"] else "compute"
-                    a = agg.setdefault(key, [0.0, 0.0])
-                    a[0] += row["seconds"]
-                    a[1] += statistics.fmean(spans[row["name"]])
+            add_bench_and_run(b, d, lambda row: f"{row['kind']}/{row['axis']}" if row["axis"] else "compute", agg)
         print(f"  {name}: " + ", ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())))
 
 
