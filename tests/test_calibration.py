@@ -36,6 +36,21 @@ def write(tmp_path, data, name="m.json"):
     return p
 
 
+def with_host_row(data: dict) -> dict:
+    """A copy of a measurement with a host row (a median gap of 0.2 ms between compute ops)."""
+    data = copy.deepcopy(data)
+    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
+                        "seconds": 2e-4, "mean_s": 3e-4})
+    return data
+
+
+def fitted(tmp_path, data: dict, name: str) -> str:
+    """The path of the profile `name` fitted from one measurement (written as m.json)."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(fit_profile([write(tmp_path, data)], name).toml)
+    return str(path)
+
+
 def test_fit_line_recovers_latency_and_bandwidth():
     x = [1e3, 1e5, 1e6, 1e7]
     a, b, res = fit_line(x, [2e-4 + v / 1e9 for v in x])
@@ -74,12 +89,8 @@ def test_fitted_profile_drives_the_twin(tmp_path):
 def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
     from twin.kernels import KernelModel
     from twin.program import Op
-    data = copy.deepcopy(MEASUREMENT)
-    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
-                        "seconds": 2e-4, "mean_s": 3e-4})
-    prof_path = tmp_path / "cpu-host.toml"
-    prof_path.write_text(fit_profile([write(tmp_path, data)], "cpu-host").toml)
-    prof = load_profile(str(prof_path))
+    data = with_host_row(MEASUREMENT)
+    prof = load_profile(fitted(tmp_path, data, "cpu-host"))
     assert prof.host_op_s == pytest.approx(2e-4) and prof.for_ranks(2).host_op_s == pytest.approx(2e-4)
     assert "median gap between consecutive compute ops" in prof.sources["host_op_s"]
     ew = Op(0, "ew", "elementwise", "compute", flops=0, bytes=4e6)
@@ -107,12 +118,8 @@ def test_program_order_issue_is_an_explicit_sourced_profile_field(tmp_path):
     from twin.grid import Grid
     from twin.simulate import simulate_grid
     from twin.study import prepare
-    data = copy.deepcopy(MEASUREMENT)
-    data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
-                        "seconds": 2e-4, "mean_s": 3e-4})
-    cpu_path = tmp_path / "cpu-order.toml"
-    cpu_path.write_text(fit_profile([write(tmp_path, data)], "cpu-order").toml)
-    prof = load_profile(str(cpu_path))
+    data = with_host_row(MEASUREMENT)
+    prof = load_profile(fitted(tmp_path, data, "cpu-order"))
     assert prof.host_ordered and "backend/executor.py" in prof.sources["host_ordered"]
     assert "m.json (testhost" in prof.sources["host_ordered"]
     gpu = copy.deepcopy(data)
