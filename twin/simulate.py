@@ -134,9 +134,10 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     cm = collectives if collectives is not None else model_for(study, grid)
-    compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
     stretch = shared_core_stretch(study, grid, prog, cm)
-    if stretch is not None:  # CPU: this grid's own stretch, for the pooled one the op times hold
+    if stretch is None:
+        compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
+    else:  # CPU: this grid's own stretch, for the pooled one the op times hold
         scale, host = stretch / study.profile.stretch, study.profile.host_op_s
         compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op in prog.ops]
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
