@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import twin.cli
+import twin.cli_common
 from twin.cli import app
 from twin.tables import human_bytes, human_flops, table
 
@@ -22,7 +22,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 @pytest.fixture()
 def run80(monkeypatch):
     """Run a twin command as in a terminal 80 columns wide; returns its stdout after checking it."""
-    monkeypatch.setattr(twin.cli, "console", Console(width=80, force_terminal=False))
+    monkeypatch.setattr(twin.cli_common.console, "real", Console(width=80, force_terminal=False))
 
     def run(*args: str) -> str:
         r = CliRunner().invoke(app, list(args))
