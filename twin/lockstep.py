@@ -27,8 +27,9 @@ it, and waits whose blame (the breakdown's exposed communication) differs with t
 concurrency change may or may not happen (several groups of an axis end and others start at one
 nanosecond), both ways are computed and must agree (the rate is the same on both sides).
 
-twin/lockstep_mask.py builds the concurrency timeline from a sweep's intervals; twin/lockstep_blame.py
-walks each compute wait back for the breakdown.
+twin/lockstep_compute.py steps a compute op (busy re-rating), twin/lockstep_collective.py a collective
+(concurrency re-rating), twin/lockstep_mask.py builds the concurrency timeline from a sweep's
+intervals, twin/lockstep_blame.py records each compute wait and walks it back for the breakdown.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from __future__ import annotations
 import numpy as np
 
 from twin.grid import AXES
-from twin.lockstep_blame import BIG, IDLE, PRED, Ambiguous, blame
+from twin.lockstep_blame import PRED, Ambiguous, blame, blocker, record_waits
+from twin.lockstep_collective import collective_end, ties_ok
+from twin.lockstep_compute import compute_end
 from twin.lockstep_mask import INF, concurrency_timeline
 from twin.symmetry import axis_groups
 
@@ -102,7 +105,7 @@ class _Lockstep:
         self.G = {k: len(self.members[k]) for k in self.axes}
         self.dtab: dict[int, np.ndarray] = {}
         self.keep_spans = False
-        self._gm: dict[tuple[int, int], np.ndarray] = {}  # (axis, other axis) -> its groups' members' groups there
+        self.gm: dict[tuple[int, int], np.ndarray] = {}  # (axis, other axis) -> its groups' members' groups there
         self.ax_arr = np.array(self.ax, dtype=np.int64)
         self.pred_arr = np.array(self.pred, dtype=np.int64)
         self.depkeys = np.array(sorted(d * n + q for q in range(n) if self.ax[q] >= 0 for d in self.cross[q]),
@@ -151,7 +154,7 @@ class _Lockstep:
             self.AMB = {k: np.zeros(len(self.axis_ops[k]) * self.G[k], dtype=bool) for k in self.axes}
             self.galt = {}                  # op -> (groups, classes) of its ambiguous blockers
             self.exposed = {k: 0 for k in range(len(AXES))}
-        self._wid = 0
+        self.wid = 0                        # compute waits recorded so far (their ids)
         waits = []                          # rows (wait id, t1, t2, class) of compute waits, for blame
         pending = 0
         compute_ns = 0
@@ -166,11 +169,11 @@ class _Lockstep:
                 if deps and final:
                     w = S > T0
                     if w.any():
-                        pending += self._waits(r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
+                        pending += record_waits(self, r := np.nonzero(w)[0], T0[r], S[r], deps, cend, gend, waits)
                         if pending > FLUSH:
                             blame(self, waits)
                             waits, pending = [], 0
-                E = self.compute_op(i, S)
+                E = compute_end(self, i, S)
                 compute_ns += int((E - S).sum())
                 if self.keep_spans:
                     self.cspans[i] = (S, E)
@@ -190,13 +193,13 @@ class _Lockstep:
                 gimm[i] = dmax < S
                 if final:
                     G, j = self.G[k], int(self.apos[i])
-                    blk, amb, alt = self._blocker(i, k, T0, S, ends)
+                    blk, amb, alt = blocker(self, i, k, T0, S, ends)
                     self.BLK[k][j * G:(j + 1) * G] = blk
                     self.AMB[k][j * G:(j + 1) * G] = amb
                     if alt is not None:
                         self.galt[i] = alt
                 del ends
-                E = self.collective_op(i, k, S, Tm[k], Cm[k], Am[k])
+                E = collective_end(self, i, k, S, Tm[k], Cm[k], Am[k])
                 G, j = self.G[k], 2 * int(self.apos[i])
                 at = self.AT[k]
                 at[j * G:(j + 1) * G] = S
@@ -211,307 +214,11 @@ class _Lockstep:
         return dict(gstart=gstart, gend=gend, gimm=gimm, compute_ns=compute_ns,
                     end=max([int(prev_c.max())] + [int(e.max()) for e in gend.values()]))
 
-    def _waits(self, r, t1, t2, deps, cend, gend, waits) -> None:
-        """Record the compute waits [t1, t2] of ranks r for blame: one row (wait id, t1, t2, class) per
-        candidate the wait may have ended with (the deps done at t2; the engine's order picks one)."""
-        cands = []
-        for d in deps:
-            hit = self.end_on_ranks(d, cend, gend)[r] == t2
-            if hit.any():
-                kd = self.ax[d]
-                j = np.nonzero(hit)[0]
-                cands.append((j, np.full(len(j), IDLE, dtype=np.int64) if kd < 0 else d * BIG + self.gid[kd][r[j]]))
-        j = np.concatenate([c[0] for c in cands])
-        cls = np.concatenate([c[1] for c in cands])
-        if len(j) > len(r):   # a wait with several candidates: one row per distinct (wait, class)
-            u = np.unique(np.stack([j, cls], axis=1), axis=0)
-            j, cls = u[:, 0], u[:, 1]
-        coll = np.zeros(len(r), dtype=bool)
-        coll[j[cls >= 0]] = True   # waits that may have ended with a collective (else no blame)
-        keep = coll[j]
-        j, cls = j[keep], cls[keep]
-        if len(j):
-            waits.append((j + self._wid, t1[j], t2[j], cls))
-        self._wid += len(r)
-        return len(j)
-
-    def _blocker(self, i, k, T0, S, ends):
-        """The blame class of each group's start: PRED (waited for nothing: the stream's previous op),
-        IDLE (last waited for a compute op), or d * BIG + group (a collective d of that group); where
-        equal-time candidates differ (the engine's order picks one), all candidates as (group, class)
-        rows, for blame to follow each."""
-        G = len(S)
-        key = np.full(G, PRED, dtype=np.int64)
-        amb = np.zeros(G, dtype=bool)
-        waited = S > T0
-        first = np.ones(G, dtype=bool)
-        seen = []
-        for d, e in ends:
-            hit = e == S[:, None]
-            hits = hit.any(axis=1)
-            if not hits.any():
-                continue
-            kd = self.ax[d]
-            if kd < 0:
-                cls = None
-                lo = IDLE
-            else:
-                gm = self._gm.get((k, kd))
-                if gm is None:
-                    gm = self._gm[k, kd] = self.gid[kd][self.members[k]]
-                cls = d * BIG + gm
-                if hit.shape[1] == 1:
-                    lo = cls[:, 0]
-                else:
-                    lo = np.where(hit, cls, np.iinfo(np.int64).max).min(axis=1)
-                    hi = np.where(hit, cls, np.iinfo(np.int64).min).max(axis=1)
-                    amb |= hits & (lo != hi)
-            amb |= hits & ~first & (key != lo)
-            amb |= hits & ~waited  # a dependency done exactly when the stream freed: PRED or it
-            key = np.where(hits & first & waited, lo, key)
-            first &= ~hits
-            seen.append((hit, cls))
-        if not amb.any():
-            return key, amb, None
-        gs, cs = [np.nonzero(~waited & amb)[0]], []
-        cs.append(np.full(len(gs[0]), PRED, dtype=np.int64))
-        for hit, cls in seen:
-            gi, mj = np.nonzero(hit & amb[:, None])
-            gs.append(gi)
-            cs.append(np.full(len(gi), IDLE, dtype=np.int64) if cls is None else cls[gi, mj])
-        u = np.unique(np.stack([np.concatenate(gs), np.concatenate(cs)], axis=1), axis=0)
-        return key, amb, (u[:, 0], u[:, 1])
-
-    def _time(self, k: int, e: np.ndarray, r: np.ndarray) -> np.ndarray:
+    def event_time(self, k: int, e: np.ndarray, r: np.ndarray) -> np.ndarray:
         """Time of event e (2j: start, 2j + 1: end of the axis' j-th collective; the last: INF) of axis
         k on ranks r."""
         return self.AT[k][e * self.G[k] + self.gid[k][r]]
 
-    def compute_op(self, i, S):
-        """End (ns) of compute op i started at S on every rank, re-rated when its rank's collectives in
-        flight go from none to some or back (overlap_slowdown), as twin.engine does."""
-        rows, cur, axes = self.rows, self.cur, self.axes
-        cnt = np.zeros(self.R, dtype=np.int64)   # collectives of the rank in flight
-        nt = {}                                   # per axis: each rank's next start or end after S
-        for k in axes:   # events at or before S have happened
-            c = cur[k]
-            t = self._time(k, c, rows)
-            r = np.nonzero(t <= S)[0]
-            while len(r):
-                c[r] += 1
-                tt = self._time(k, c[r], r)
-                t[r] = tt
-                r = r[tt <= S[r]]
-            nt[k] = t
-            cnt += c & 1
-        f = np.where(cnt > 0, self.fo, self.f1)
-        w0 = self.base[i]
-        E = S + np.floor(w0 * f + 0.5).astype(np.int64)
-        tn = nt[axes[0]] if axes else np.full(self.R, INF)
-        for k in axes[1:]:
-            tn = np.minimum(tn, nt[k])
-        if self.final:
-            at = np.nonzero(tn == E)[0]
-            if len(at):
-                self._end_tie(i, at, tn[at], np.full(len(at), w0), f[at], S[at], cnt[at])
-        r = np.nonzero(tn < E)[0]
-        if not len(r):
-            return E
-        w = np.full(len(r), w0)
-        f, seg, tn, c0 = f[r], S[r], tn[r], cnt[r]
-        nt = {k: v[r] for k, v in nt.items()}
-        while True:
-            # take every event at tn: ends before starts (an axis' stream successor starts after its end)
-            ends = np.zeros(len(r), dtype=np.int64)
-            starts = np.zeros(len(r), dtype=np.int64)
-            end_op = np.full(len(r), -1, dtype=np.int64)
-            start_ops = []
-            for k in axes:
-                c, t = cur[k], nt[k]
-                m = np.nonzero(t == tn)[0]
-                while len(m):
-                    rm = r[m]
-                    e = c[rm]
-                    is_end = (e & 1) == 1
-                    ends[m] += is_end
-                    starts[m] += ~is_end
-                    q = self.axis_ops[k][np.minimum(e >> 1, len(self.axis_ops[k]) - 1)]
-                    end_op[m[is_end]] = q[is_end]
-                    if self.final:
-                        start_ops.append((m[~is_end], q[~is_end], k))
-                    c[rm] += 1
-                    tt = self._time(k, c[rm], rm)
-                    t[m] = tt
-                    m = m[tt == tn[m]]
-            c1 = c0 - ends + starts
-            pair = (c0 > 0) & (ends == c0) & (starts > 0)
-            toggle = ((c0 == 0) & (starts > 0)) | ((c0 > 0) & (c1 == 0)) | pair
-            if self.final and pair.any():
-                self._pair_ok(pair, ends, end_op, start_ops)
-            w = np.where(toggle, np.maximum(0.0, w - (tn - seg) / f), w)
-            seg = np.where(toggle, tn, seg)
-            f = np.where(toggle, np.where(c1 > 0, self.fo[r], self.f1[r]), f)
-            Er = np.where(toggle, tn + np.floor(w * f + 0.5).astype(np.int64), E[r])
-            E[r] = Er
-            c0 = c1
-            tn = nt[axes[0]]
-            for k in axes[1:]:
-                tn = np.minimum(tn, nt[k])
-            if self.final:
-                at = np.nonzero(tn == Er)[0]
-                if len(at):
-                    self._end_tie(i, r[at], tn[at], w[at], f[at], seg[at], c0[at])
-            act = np.nonzero(tn < Er)[0]
-            if not len(act):
-                break
-            r, w, f, seg, tn, c0 = r[act], w[act], f[act], seg[act], tn[act], c0[act]
-            nt = {k: v[act] for k, v in nt.items()}
-        return E
-
-    def _pair_ok(self, pair, ends, end_op, start_ops) -> None:
-        """Every collective of a rank ends at t and some start at t: the engine splits the compute op
-        there (off, then on) only if nothing starts before the end. Certain when one ends and each start
-        is its stream successor or waits for it (it starts in or after that end)."""
-        if (pair & (ends != 1)).any():
-            raise Ambiguous("busy: several collectives of a rank end as others start")
-        n = self.n
-        for m, q, k in start_ops:
-            sel = pair[m]
-            if not sel.any():
-                continue
-            eo = end_op[m[sel]]
-            same_axis = np.array([self.ax[x] == k for x in eo.tolist()], dtype=bool)
-            dep = np.isin(eo * n + q[sel], self.depkeys)
-            if not (same_axis | dep).all():
-                raise Ambiguous("busy: a collective starts as another ends")
-        return True
-
-    def _end_tie(self, i, r, tn, w, f, seg, cnt) -> None:
-        """Busy changes at the very nanosecond compute op i ends on ranks r (collectives stepped before
-        it, so none waits for it): harmless only if taking them first leaves the end where it is."""
-        ends = np.zeros(len(r), dtype=np.int64)
-        starts = np.zeros(len(r), dtype=np.int64)
-        for k in self.axes:
-            c = self.cur[k][r].copy()
-            while True:
-                m = self._time(k, c, r) == tn
-                if not m.any():
-                    break
-                ends += m & (c & 1 == 1)
-                starts += m & (c & 1 == 0)
-                c += m
-        c1 = cnt - ends + starts
-        toggle = ((cnt == 0) & (starts > 0)) | ((cnt > 0) & (c1 == 0)) | ((cnt > 0) & (ends == cnt) & (starts > 0))
-        if not toggle.any():
-            return True
-        f2 = np.where(c1 > 0, self.fo[r], self.f1[r])
-        w2 = np.maximum(0.0, w - (tn - seg) / f)
-        if (toggle & (np.floor(w2 * f2 + 0.5) != 0)).any():
-            raise Ambiguous("busy changes as a compute op ends")
-        return True
-
-    def collective_op(self, i, k, S, Tm, Cm, Am):
-        """End (ns) of collective op i on every group of axis k started at S, re-rated at the
-        concurrency changes of the other axes."""
-        idx = np.searchsorted(Tm, S, side="right")
-        mask = np.where(idx > 0, Cm[np.maximum(idx - 1, 0)], 0)
-        dur = self.durations(i, k, mask)
-        dur0, idx0 = dur, idx
-        frac = np.ones(len(S))
-        E = S + np.floor(dur + 0.5).astype(np.int64)
-        g = np.arange(len(S))
-        seg = S
-        split = []   # groups split at an ambiguous pair (the engine may not split there)
-        while True:
-            tn = Tm[idx]
-            act = tn < E[g]
-            if self.final:
-                at = tn == E[g]
-                if at.any():
-                    self._end_tie_collective(i, k, g[at], tn[at], frac[at], dur[at], seg[at], idx[at], Tm, Cm)
-            if not act.any():
-                break
-            g, tn, idx = g[act], tn[act], idx[act]
-            frac, dur, seg = frac[act], dur[act], seg[act]
-            if self.final:
-                a = Am[idx] & (tn > seg)
-                if a.any():
-                    split.append(g[a])
-            frac = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
-            seg = tn
-            dur = self.durations(i, k, Cm[idx])
-            E[g] = tn + np.floor(frac * dur + 0.5).astype(np.int64)
-            idx = idx + 1
-        if split:
-            for gg in np.unique(np.concatenate(split)).tolist():
-                self._check_splits(i, k, int(S[gg]), float(dur0[gg]), int(idx0[gg]), int(E[gg]), Tm, Cm, Am)
-        return E
-
-    def _check_splits(self, i, k, S, dur, idx, E, Tm, Cm, Am) -> None:
-        """A collective's window holds pairs of concurrency changes (one axis off and on at t) that the
-        engine may or may not make, depending on its order of same-time events: the same end whichever
-        it makes, or Ambiguous. The rate is the same on both sides of a pair, so they only split the
-        work's arithmetic; every combination is computed (Python floats: numpy's arithmetic)."""
-        amb, sure = set(), set()
-        j = idx
-        while Tm[j] < E:
-            (amb if Am[j] else sure).add(int(Tm[j]))
-            j += 1
-        times = sorted(amb - sure)
-        if len(times) > 6:
-            raise Ambiguous("many ambiguous concurrency changes in one collective")
-        ends = set()
-        for choice in range(1 << len(times)):
-            skip = {t for b, t in enumerate(times) if not choice >> b & 1}
-            frac, d, seg, end, j = 1.0, dur, S, S + int(dur + 0.5), idx
-            while Tm[j] < end:
-                t = int(Tm[j])
-                if t not in skip:
-                    frac = max(0.0, frac - (t - seg) / d) if d > 0 else 0.0
-                    seg = t
-                    d = float(self.durations(i, k, Cm[j:j + 1])[0])
-                    end = t + int(frac * d + 0.5)
-                j += 1
-            ends.add(end)
-        if len(ends) > 1:
-            raise Ambiguous("a collective's end depends on the engine's order of same-time events")
-
-    def _end_tie_collective(self, i, k, g, tn, frac, dur, seg, idx, Tm, Cm) -> None:
-        """Concurrency changes at the very nanosecond collective op i ends on groups g: harmless if
-        taking them before the end leaves it; the others are kept for `ties_ok`."""
-        j = idx.copy()
-        while True:
-            more = Tm[j + 1] == tn
-            if not more.any():
-                break
-            j = j + more
-        dur2 = self.durations(i, k, Cm[j])
-        frac2 = np.where(dur > 0, np.maximum(0.0, frac - (tn - seg) / np.where(dur > 0, dur, 1.0)), 0.0)
-        moved = np.floor(frac2 * dur2 + 0.5) != 0
-        for gg, t in zip(g[moved].tolist(), tn[moved].tolist()):
-            self.ties.append((i, k, gg, t))
-
-    def ties_ok(self, gstart, gend) -> None:
-        """The kept end ties, judged on the final intervals: harmless if each concurrency change there
-        is another axis starting with collectives that wait for the ending one on a member of its group
-        (they start after its end)."""
-        for i, k, gg, t in self.ties:
-            ranks = set(self.members[k][gg].tolist())
-            for q in self.colls:
-                kq = self.ax[q]
-                if kq == k:
-                    continue
-                if (gend[q] == t).any():
-                    raise Ambiguous("another axis may stop as a collective ends")
-                hs = np.nonzero(gstart[q] == t)[0]
-                if not len(hs):
-                    continue
-                if i not in self.cross[q]:
-                    raise Ambiguous("another axis starts as a collective ends")
-                for h in hs.tolist():
-                    if not ranks.intersection(self.members[kq][h].tolist()):
-                        raise Ambiguous("another axis starts as a collective ends")
-        return True
 
     def spans(self, out) -> list[tuple[int, int, float, float]]:
         """Every op of every rank as the engine records it: (rank, op, start s, duration s)."""
@@ -553,7 +260,7 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
             return None
         if sweep == 1:
             out = ls.sweep(mask_tl, final=True)
-        ls.ties_ok(out["gstart"], out["gend"])
+        ties_ok(ls, out["gstart"], out["gend"])
     except Ambiguous as e:
         ls.why = str(e)
         return None

@@ -4,7 +4,8 @@ attributed by walking back what delayed that collective (twin.engine._Sim.blame)
 A collective's start records what it waited for last as a class: PRED (nothing: the stream's previous
 op), IDLE (a compute op: the walk ends, the time is idle) or op * BIG + group (a collective of another
 axis on that group). Where the engine's order of same-nanosecond events decides which it was, every
-candidate is followed and they must agree (else Ambiguous).
+candidate is followed and they must agree (else Ambiguous). The final sweep records both as it goes:
+`blocker` for each collective's start, `record_waits` for each compute wait.
 """
 
 from __future__ import annotations
@@ -123,3 +124,75 @@ def blame(ls, waits: list) -> None:
     s = A[first].sum(axis=0)
     for k in range(len(AXES)):
         ls.exposed[k] += int(s[k])
+
+
+def record_waits(ls, r, t1, t2, deps, cend, gend, waits) -> None:
+    """Record the compute waits [t1, t2] of ranks r for blame: one row (wait id, t1, t2, class) per
+    candidate the wait may have ended with (the deps done at t2; the engine's order picks one)."""
+    cands = []
+    for d in deps:
+        hit = ls.end_on_ranks(d, cend, gend)[r] == t2
+        if hit.any():
+            kd = ls.ax[d]
+            j = np.nonzero(hit)[0]
+            cands.append((j, np.full(len(j), IDLE, dtype=np.int64) if kd < 0 else d * BIG + ls.gid[kd][r[j]]))
+    j = np.concatenate([c[0] for c in cands])
+    cls = np.concatenate([c[1] for c in cands])
+    if len(j) > len(r):   # a wait with several candidates: one row per distinct (wait, class)
+        u = np.unique(np.stack([j, cls], axis=1), axis=0)
+        j, cls = u[:, 0], u[:, 1]
+    coll = np.zeros(len(r), dtype=bool)
+    coll[j[cls >= 0]] = True   # waits that may have ended with a collective (else no blame)
+    keep = coll[j]
+    j, cls = j[keep], cls[keep]
+    if len(j):
+        waits.append((j + ls.wid, t1[j], t2[j], cls))
+    ls.wid += len(r)
+    return len(j)
+
+def blocker(ls, i, k, T0, S, ends):
+    """The blame class of each group's start: PRED (waited for nothing: the stream's previous op),
+    IDLE (last waited for a compute op), or d * BIG + group (a collective d of that group); where
+    equal-time candidates differ (the engine's order picks one), all candidates as (group, class)
+    rows, for blame to follow each."""
+    G = len(S)
+    key = np.full(G, PRED, dtype=np.int64)
+    amb = np.zeros(G, dtype=bool)
+    waited = S > T0
+    first = np.ones(G, dtype=bool)
+    seen = []
+    for d, e in ends:
+        hit = e == S[:, None]
+        hits = hit.any(axis=1)
+        if not hits.any():
+            continue
+        kd = ls.ax[d]
+        if kd < 0:
+            cls = None
+            lo = IDLE
+        else:
+            gm = ls.gm.get((k, kd))
+            if gm is None:
+                gm = ls.gm[k, kd] = ls.gid[kd][ls.members[k]]
+            cls = d * BIG + gm
+            if hit.shape[1] == 1:
+                lo = cls[:, 0]
+            else:
+                lo = np.where(hit, cls, np.iinfo(np.int64).max).min(axis=1)
+                hi = np.where(hit, cls, np.iinfo(np.int64).min).max(axis=1)
+                amb |= hits & (lo != hi)
+        amb |= hits & ~first & (key != lo)
+        amb |= hits & ~waited  # a dependency done exactly when the stream freed: PRED or it
+        key = np.where(hits & first & waited, lo, key)
+        first &= ~hits
+        seen.append((hit, cls))
+    if not amb.any():
+        return key, amb, None
+    gs, cs = [np.nonzero(~waited & amb)[0]], []
+    cs.append(np.full(len(gs[0]), PRED, dtype=np.int64))
+    for hit, cls in seen:
+        gi, mj = np.nonzero(hit & amb[:, None])
+        gs.append(gi)
+        cs.append(np.full(len(gi), IDLE, dtype=np.int64) if cls is None else cls[gi, mj])
+    u = np.unique(np.stack([np.concatenate(gs), np.concatenate(cs)], axis=1), axis=0)
+    return key, amb, (u[:, 0], u[:, 1])
