@@ -136,7 +136,7 @@ def main() -> int:
         runs = sorted(d for d in Path(a.runs).iterdir() if (d / "log.jsonl").exists())
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
-    from backend.bench import grids_of
+    from backend.bench_micro import grids_of
     print("1. backend bench", flush=True)
     files = []
     for r in ranks:

@@ -8,7 +8,7 @@ as `backend bench` records them), every other one started by a barrier (as `back
 step it traces; bench's steps start as the previous one left the ranks), and prints per kind of op
 (compute; each collective kind and axis), summed over the program's ops:
 - in windows of 4 steps (bench records 4): the upper median of a rank's 4 spans (what bench took
-  before it took the mean, `backend.bench.per_step`), and the median of 4, over the mean of the 4;
+  before it took the mean, `backend.bench_steps.per_step`), and the median of 4, over the mean of the 4;
 - the steps started by a barrier against the free ones, pair by pair (median and quartiles of the
   ratio): whether aligned ranks change what ops cost;
 - the spread of the step time (standard deviation of its log).

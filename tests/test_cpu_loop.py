@@ -167,7 +167,7 @@ def test_bench_takes_an_ops_mean_over_the_recorded_steps():
     """The twin sums ops into an iteration, so bench gives each op its mean over the recorded steps
     (the mean of a sum is the sum of the means); the upper median of 4 it took before gave one step
     run 5x long no weight at all, and 4 alike steps' upper one otherwise (benchmarks/cpu_step_spread.py)."""
-    from backend.bench import per_step
+    from backend.bench_steps import per_step
     assert per_step([1e-3, 1e-3, 1e-3, 5e-3]) == pytest.approx(2e-3)
     assert per_step([1e-3, 2e-3, 3e-3, 4e-3]) == pytest.approx(2.5e-3)
 
