@@ -19,7 +19,7 @@ def export_cmd(
     max_shard_gb: Annotated[float, typer.Option(help="Largest safetensors file (GB); larger models are sharded with an index.")] = 5.0,
 ) -> int:
     """Write a Llama checkpoint as a Hugging Face directory that transformers loads (vocabulary unpadded)."""
-    from backend.hf import export
+    from backend.hf_export import export
 
     if not 0 < max_shard_gb < 1e6:
         raise TwinError(f"--max-shard-gb must be a positive size in GB, got {max_shard_gb}")

@@ -170,7 +170,7 @@ def finetune_cmd(
     if line:
         typer.echo(line)
     if export:
-        from backend.hf import export as write_hf
+        from backend.hf_export import export as write_hf
         files = write_hf(ckpt_dir, export)
         typer.echo(f"exported to {export}/ ({len(files)} files)")
     return 0

@@ -21,7 +21,9 @@ pytest.importorskip("safetensors")
 from typer.testing import CliRunner  # noqa: E402
 
 from backend.cli import app  # noqa: E402
-from backend.hf import HFCheckpoint, HFError, IndexView, export, read_config  # noqa: E402
+from backend.hf import HFCheckpoint  # noqa: E402
+from backend.hf_config import HFError, read_config  # noqa: E402
+from backend.hf_export import IndexView, export  # noqa: E402
 
 VOCAB, SEQ = 300, 16  # 300: padded to 384 by every grid, so export must drop the padding rows
 
