@@ -4,7 +4,7 @@
     out = generate(weights, prompt_ids, new_tokens=32)   # greedy; temperature > 0 samples
 
 The full weights of a sharded checkpoint are assembled with the model's own shard map
-(backend.model.shard_map: which block of each full tensor a rank of the grid holds), so decoding is
+(backend.reference.shard_map: which block of each full tensor a rank of the grid holds), so decoding is
 exact whatever grid trained the model: the weights are bit for bit those of the training run, and the
 math is ReferenceGPT's (learned positions, pre-norm blocks, causal attention, GELU MLP, tied head).
 Decoding keeps a KV cache: each new token costs one position's forward pass. Padded vocabulary rows
@@ -77,7 +77,8 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
     """
     from backend import checkpoint
     from backend.dist import ParallelContext
-    from backend.model import GPT, full_shapes, shard_map
+    from backend.model import GPT
+    from backend.reference import full_shapes, shard_map
 
     ckpt, meta, spec, grid = read_checkpoint(path)
     if getattr(spec, "is_llama", False):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.model import GPT, ReferenceGPT, sum_over_batch_shards
+from backend.model import GPT, sum_over_batch_shards
+from backend.reference import ReferenceGPT
 from backend.recorder import Recorder
 
 

@@ -148,7 +148,8 @@ def train_and_measure(cfg: StudyConfig, loss: str, data: dict[str, np.ndarray], 
     from backend.generate import Weights
     from backend.goldfish import mask_targets
     from backend.memorization import measure
-    from backend.model import GPT, gather_full
+    from backend.model import GPT
+    from backend.reference import gather_full
     from backend.optim import local_batch, make_optimizer, train_step
     from backend.train import TrainConfig, lr_at
     from twin.program import Options

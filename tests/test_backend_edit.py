@@ -11,7 +11,8 @@ from backend_helpers import run_on_grid  # noqa: E402
 from test_backend_grads import _batch  # noqa: E402
 from test_programfile import edited  # noqa: E402
 
-from backend.model import GPT, ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
+from backend.model import GPT  # noqa: E402
+from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
 from backend.optim import local_batch, reduce_gradients  # noqa: E402
 from backend.recorder import Recorder  # noqa: E402
 from twin.grid import Grid  # noqa: E402

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 from backend_helpers import run_on_grid  # noqa: E402
 
 from backend.layers import IGNORE  # noqa: E402
-from backend.model import GPT, ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
+from backend.model import GPT  # noqa: E402
+from backend.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
 from backend.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                            reduce_gradients, train_step)
 from backend.recorder import Recorder  # noqa: E402

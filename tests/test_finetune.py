@@ -69,7 +69,8 @@ def test_defaults_and_held_out_split():
 def _masked_step(ctx, arch: str) -> dict:
     import torch
 
-    from backend.model import GPT, ReferenceGPT, gather_full_grads, load_from_reference
+    from backend.model import GPT
+    from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference
     from backend.optim import make_optimizer, train_step
     from twin.model import load_model
     from twin.program import Options

@@ -102,7 +102,8 @@ def _goldfish_step(ctx, k: int, h: int) -> dict:
 
     from backend.data import ShardedLoader, TokenSource
     from backend.evaluate import held_out_loss
-    from backend.model import GPT, ReferenceGPT, gather_full_grads, load_from_reference
+    from backend.model import GPT
+    from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference
     from backend.optim import reduce_gradients
 
     spec = load_model("gpt-tiny")

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from backend.generate import Weights, forward, generate, load_weights  # noqa: E402
 from backend.memorization import (check_lengths, lcs_length, load_sequences, measure, rouge_l,  # noqa: E402
                                   score)
-from backend.model import ReferenceGPT  # noqa: E402
+from backend.reference import ReferenceGPT  # noqa: E402
 from twin.common import TwinError  # noqa: E402
 from twin.model import load_model  # noqa: E402
 
@@ -87,7 +87,8 @@ def test_decoder_is_the_reference_model_and_the_cache_is_exact():
 
 def _save_sharded(ctx, ref_state: dict, ckpt_dir: str) -> None:
     from backend import checkpoint
-    from backend.model import GPT, load_from_reference
+    from backend.model import GPT
+    from backend.reference import load_from_reference
     from twin.program import Options
 
     spec = load_model("gpt-tiny")
