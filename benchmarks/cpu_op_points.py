@@ -13,7 +13,7 @@ Bench files written before bench recorded on-CPU times (`cpu_s`) cannot tell the
 loop's runs record both (the trace's cpu_us). This rewrites the bench files' compute step rows from
 the runs of the same grids (their traced step, every rank: span and on-CPU time means over ranks,
 `covered` as bench computes it; collectives, host gaps and microbenchmarks as measured), fits a
-profile from them twice, with the spans alone and with the on-CPU times (calibration.fit._fluid_spans),
+profile from them twice, with the spans alone and with the on-CPU times (calibration.training.fluid_spans),
 and validates every run against each: the issue's measures, for the benched grids (in sample) and
 the others (out of sample). Offline, about 20 s.
 """

@@ -15,6 +15,11 @@ from twin.schema import MEASUREMENT, MEASUREMENT_FORMAT, check
 
 FORMAT = MEASUREMENT_FORMAT
 
+# kinds of the ops a file's recorded training steps (`steps` rows) hold
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+MODELED = ("gemm", "attention")  # compute kinds with their own microbenchmarked model
+COVERED = 0.5  # a compute op counts as overlapped when a collective ran during this share of its span
+
 
 def _bad(path: Path, what: str) -> TwinError:
     return TwinError(f"measurement file {path}: {what} (rerun `backend bench` to write a complete one)")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from calibration.fit import _collective_line, _excess_line, fit_profile
+from calibration.fit import fit_profile
+from calibration.lines import collective_line, excess_line
 from calibration.validate import spearman
 from twin.profile import CollectivePoint, CollectiveTable
 
@@ -22,7 +23,7 @@ def test_collective_line_keeps_the_summed_span_of_a_burst():
     one ends, so some are near 0. The line must give back their sum, not be pulled to 0 by them."""
     nbytes = [1 << 20, 1 << 20, 1 << 18, 1 << 20, 1 << 18, 1 << 20]
     spans = [3e-3, 3e-5, 1e-3, 8e-3, 2e-5, 2e-3]
-    a, b, _ = _collective_line(nbytes, spans)
+    a, b, _ = collective_line(nbytes, spans)
     assert sum(a + b * x for x in nbytes) == pytest.approx(sum(spans), rel=1e-6)
     assert a >= 0 and b >= 0
 
@@ -34,11 +35,11 @@ def test_a_training_line_keeps_the_bandwidth_measured_alone_and_the_summed_span(
     alone = CollectivePoint("reduce_scatter", 2, 8, 8e-4, 3e8, 1)
     nbytes = [2.6e5, 5.2e5, 5.2e5, 1.0e6]
     spans = [9e-3, 4e-3, 8e-3, 1.2e-2]   # noisy: the free line's slope is not the transfer's
-    a, b, res = _excess_line(nbytes, spans, alone)
+    a, b, res = excess_line(nbytes, spans, alone)
     assert b == pytest.approx(1 / 3e8)
     assert sum(a + b * x for x in nbytes) == pytest.approx(sum(spans), rel=1e-9)
     assert a > alone.latency_s and len(res) == 4
-    a, b, _ = _excess_line([1e6], [1e-4], alone)  # faster than alone: no negative latency
+    a, b, _ = excess_line([1e6], [1e-4], alone)  # faster than alone: no negative latency
     assert a == pytest.approx(1e-9) and b == pytest.approx(1 / 3e8)
 
 
@@ -97,7 +98,7 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     cpu-2026-12-01d (the first loop whose bench recorded each compute
     op's on-CPU time and warmed up 2 steps; quiet, load 0.72 at the start): measured 9.1 %, 31 within
     15 %, worst 25 % (1x4x1x1), Spearman 0.96. With a role recorded at one size per rank count taking
-    the on-CPU line pooled over the rank counts (calibration.fit._pooled_cpu_lines; the whole-feature
+    the on-CPU line pooled over the rank counts (calibration.training.pooled_cpu_lines; the whole-feature
     norms of the y-split grids): 7.6 %, 32 within 15 %, worst 21 % (1x4x1x1), Spearman 0.96. With each
     grid's own stretch (twin.cores, fitted from the bench steps' stretch: collective_core_load 0.40):
     7.0 %, 30 within 15 %, worst 21 % (2x2x1x2; 1x1x4x1 20 %, whose bench steps ran 1.6x the on-CPU

@@ -1,0 +1,149 @@
+"""How ranks share a CPU node's cores, fitted from the recorded training steps: the steps replayed
+through the twin's engine, the collective core load behind each grid's stretch (twin.cores), and the
+share of its rate a collective keeps while its rank computes (comm_share)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from calibration.lines import collective_line
+from calibration.measurements import COLLECTIVES
+from calibration.profile_text import entry_text
+
+COMM_SHARE_STEP = 0.05  # the grid of comm_share values tried
+LOAD_STEP = 0.01  # the grid of collective_core_load values tried
+LOAD_MAX = 3.0
+
+
+def replay(run: dict, host_s: float):
+    """(program, engine result with spans) of a measurement file's recorded steps replayed by the
+    twin's engine with every op at its measured median span (compute ops plus the host time between
+    them), host-ordered as the CPU executor issues them; None without steps."""
+    from twin.engine import simulate_program
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options, build_program, host_ordered
+    if not run.get("steps") or not run.get("model"):
+        return None
+    prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options()))
+    secs = {row["name"]: row["seconds"] for row in run["steps"]}
+    compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + host_s for op in prog.ops]
+    return prog, simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
+
+
+def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
+    """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
+    an op during its span, in the replay of the steps (replay). {} without steps."""
+    replayed = replay(run, host_s)
+    if replayed is None:
+        return {}
+    prog, res = replayed
+    busy = sorted((s, s + d) for _, i, s, d in res.spans if not prog.ops[i].is_collective)
+    out = {}
+    for _, i, s, d in res.spans:
+        if prog.ops[i].is_collective:
+            out[prog.ops[i].name] = sum(max(0.0, min(s + d, b) - max(s, a)) for a, b in busy)
+    return out
+
+
+def sharing_point(run: dict, host_s: float):
+    """(grid, ranks, cores, stretch, busy shares) of one file's recorded steps for core_load: the
+    stretch of its compute ops (summed span over summed on-CPU time) and twin.cores.busy_shares of
+    their replay; None where a compute op lacks its on-CPU time or the machine its core count."""
+    from twin.cores import busy_shares
+    comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
+    cores = run["machine"].get("cores")
+    if not comp or not cores or not all("cpu_s" in row for row in comp):
+        return None
+    cpu = sum(row["cpu_s"] for row in comp)
+    replayed = replay(run, host_s)
+    if cpu <= 0 or replayed is None:
+        return None
+    prog, res = replayed
+    shares = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, host_s)
+    return run["grid"], run["ranks_per_node"], int(cores), sum(row["seconds"] for row in comp) / cpu, shares
+
+
+def core_load(points: list[tuple[str, int, int, float, tuple]], src: str) -> list[str]:
+    """The top-level lines node_cores and collective_core_load (twin.cores): the load (share of a
+    core a collective in flight keeps busy) whose model stretch best matches the recorded steps'
+    measured stretch (summed span over summed on-CPU time of the compute ops), least squares on
+    the log of the ratio, over the files with 2 or more ranks; the busy shares from the steps'
+    replay through the twin's engine. points: (grid, ranks, cores, stretch, shares). [] without
+    points, or where the files disagree on the node's cores."""
+    from twin.cores import core_stretch
+    cores = {c for _, _, c, _, _ in points}
+    if not points or len(cores) != 1:
+        return []
+    best = (math.inf, 0.0)
+    for k in range(int(round(LOAD_MAX / LOAD_STEP)) + 1):
+        load = k * LOAD_STEP
+        err = sum(math.log(core_stretch(r, c, load, *sh) / s) ** 2 for _, r, c, s, sh in points)
+        if err < best[0] - 1e-12:
+            best = (err, load)
+    load = best[1]
+    res = sorted((g, core_stretch(r, c, load, *sh) / s - 1.0) for g, r, c, s, sh in points)
+    worst = max(res, key=lambda t: abs(t[1]))
+    return [f"node_cores = " + entry_text(cores.pop(), f"measured: os.cpu_count() of the bench machine, {src}"),
+            "collective_core_load = " + entry_text(load, (
+                f"fitted: the share of a core a collective in flight keeps busy (twin.cores) that reproduces the "
+                f"stretch (summed span over summed on-CPU time of the compute ops) of the recorded training steps "
+                f"of {len(points)} grids of 2 or more ranks, from their busy shares replayed through the engine; "
+                f"least squares on log(model/measured), median |residual| "
+                f"{statistics.median(abs(e) for _, e in res):.0%}, worst {worst[1]:+.0%} ({worst[0]}), {src}"))]
+
+
+def measured_share(group: list[dict]) -> tuple[float, int] | None:
+    """(share, rows): the share of its rate an all-reduce keeps while a GEMM runs on its rank, from
+    bench's overlap rows that timed the all-reduce alone (C) and beside the GEMM (S, issue to
+    completion, the GEMM taking G): progressing at `share` during the GEMM and at full rate after it,
+    share = C / S where it finished under the GEMM, else (C - (S - G)) / G; the median over the rows,
+    kept in [0.05, 1]. None where no row timed the all-reduce (files before bench did)."""
+    shares = []
+    for r in group:
+        for row in r.get("overlap", []):
+            c, s, g = row.get("comm_alone_s"), row.get("comm_overlapped_s"), row["overlapped_s"]
+            if c and s:
+                shares.append(c / s if s <= g else (c - (s - g)) / g)
+    if not shares:
+        return None
+    return min(1.0, max(0.05, statistics.median(shares))), len(shares)
+
+
+def comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, float]], host_s: float,
+                act_bytes: int, share: float | None = None) -> tuple[float, dict[int, float]]:
+    """(share, {id(row): seconds}) : the share of its rate a collective keeps while its rank's compute
+    runs (CPU: gloo's threads and the compute share the cores), and each recorded collective's span
+    less what it lost to the compute beside it, (1 - share) x its compute-covered seconds. The share
+    is the one whose per-(kind, axis, group) lines (as collective_line fits them) leave the least
+    squared residual relative to the squared times (a scale-free criterion: taking time away shrinks
+    the residuals too). 1 when no recorded collective had compute beside it. `share`: a measured one
+    (bench's overlap rows), used as it is."""
+    from twin.grid import Grid
+    from twin.program import ACT_BYTES
+    pts: dict[tuple, list[tuple[int, float, float, float]]] = {}
+    for r, row in rows:
+        if row["kind"] not in COLLECTIVES:
+            continue
+        grid = Grid.parse(r["grid"])
+        real = row["bytes"] if row["axis"] == "data" else row["bytes"] * act_bytes / ACT_BYTES
+        woke = max(0.0, row.get("wake_s", 0.0) - host_s)
+        o = min(covered.get(id(r), {}).get(row["name"], 0.0), row["seconds"])
+        pts.setdefault((row["kind"], row["axis"], grid.axis_size(row["axis"]), grid.stride(row["axis"])),
+                       []).append((id(row), real, row["seconds"], o, woke))
+    best = (math.inf, 1.0 if share is None else share)
+    if share is None and any(o > 0 for v in pts.values() for *_, o, _ in v):
+        for k in range(int(round(1 / COMM_SHARE_STEP))):
+            share = 1.0 - k * COMM_SHARE_STEP
+            sse = norm = 0.0
+            for v in pts.values():
+                x = [real for _, real, *_ in v]
+                t = [s - (1 - share) * o + w for _, _, s, o, w in v]
+                a, b, _ = collective_line(x, t)
+                sse += sum((a + b * xx - tt) ** 2 for xx, tt in zip(x, t))
+                norm += sum(tt * tt for tt in t)
+            if norm > 0 and sse / norm < best[0] - 1e-12:
+                best = (sse / norm, share)
+    share = best[1]
+    return share, {i: s - (1 - share) * o for v in pts.values() for i, _, s, o, _ in v}
