@@ -2,7 +2,7 @@
 
 import pytest
 
-from twin.cores import busy_shares, core_stretch
+from twin.cores import busy_shares, core_stretch, stretch_floor
 
 
 def test_busy_shares_of_a_timeline():
@@ -25,3 +25,11 @@ def test_core_stretch_counts_the_runnable_threads_per_core():
     assert core_stretch(8, 2, 0.35, 0.25, 0.6) < core_stretch(8, 2, 0.35, 0.4, 0.6)
     # no fewer than 1: a rank never runs faster than its on-CPU time
     assert core_stretch(2, 2, 0.35, 0.3, 0.1) == 1.0
+
+
+def test_ranks_within_the_cores_keep_the_stretch_measured_with_as_many_ranks():
+    """2 ranks on 2 cores: the fluid demand stays under the cores, yet other threads take their
+    slices (bench measured 1.04): the floor is that measured stretch; more ranks than cores: 1."""
+    assert stretch_floor(2, 2, 1.04) == 1.04 and stretch_floor(4, 2, 1.5) == 1.0 and stretch_floor(2, 2, 0.9) == 1.0
+    assert core_stretch(2, 2, 0.35, 0.3, 0.1, floor=1.04) == 1.04
+    assert core_stretch(8, 2, 0.35, 0.4, 0.6, floor=1.04) == pytest.approx((1 + 7 * (0.4 + 0.21)) / 2)

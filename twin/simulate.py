@@ -178,7 +178,7 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     which the stretch lengthens: the fixed point, by iteration from the pooled stretch (each round
     one symmetric simulation; the map's slope is about (R - 1) / cores x c (1 - c) / stretch, well
     under 1). Programs are host-ordered and timed as _simulate_grid does."""
-    from twin.cores import busy_shares, core_stretch
+    from twin.cores import busy_shares, core_stretch, stretch_floor
     p = study.profile
     ranks = min(grid.size, study.system.gpus_per_node)
     if not (p.node_cores and p.stretch > 0) or ranks < 2:
@@ -187,12 +187,13 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     on_cpu = [0.0 if op.is_collective else km.kernel_time(op) / p.stretch for op in prog.ops]
     timer = collective_timer(prog, collectives)
     stretch = p.stretch
+    floor = stretch_floor(ranks, p.node_cores, p.stretch)
     for _ in range(STRETCH_ROUNDS):
         res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + p.host_op_s
                                       for op, t in zip(prog.ops, on_cpu)], timer,
                                overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
         new = core_stretch(ranks, p.node_cores, p.collective_core_load,
-                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, p.host_op_s))
+                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, p.host_op_s), floor)
         done = abs(new - stretch) <= 1e-4 * stretch
         stretch = new
         if done:
