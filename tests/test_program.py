@@ -159,3 +159,30 @@ def test_json_roundtrip():
     data = json.loads(program_json(prog))
     assert data["summary"]["ops"] == len(data["ops"]) == len(prog.ops)
     assert data["ops"][0]["name"] == prog.ops[0].name
+
+
+@pytest.mark.parametrize("model,gpus,options", [
+    ("gpt-tiny", 64, {}), ("gpt-tiny", 64, {"cache_layers": 1, "micro_batches": 2, "grad_clip": False}),
+    ("gpt-tiny", 48, {"oag": False, "ors": False, "recompute": False}), ("llama-tiny", 64, {"goldfish_h": 3})])
+def test_regrid_gives_the_built_program(model, gpus, options):
+    """A program made from a class-mate's (twin.program.regrid, as the search does) equals the one
+    build_program makes, on every pair of grids of a class; other pairs are refused."""
+    from itertools import permutations
+
+    from twin.common import TwinError
+    from twin.program import regrid, same_ops_but_shards
+    from twin.search import candidate_grids
+    m, opts = load_model(model), Options(**options)
+    built = {}
+    for g in candidate_grids(gpus):
+        try:
+            built[g] = build_program(m, g, opts, 96)
+        except TwinError:
+            continue
+    pairs = [(a, b) for a, b in permutations(built, 2) if same_ops_but_shards(a, b)]
+    assert len(pairs) >= 10
+    for a, b in pairs:
+        assert regrid(built[a], b) == built[b], (a, b)
+    other = next((a, b) for a, b in permutations(built, 2) if not same_ops_but_shards(a, b))
+    with pytest.raises(ValueError):
+        regrid(built[other[0]], other[1])

@@ -42,6 +42,7 @@ twin/ops.py are importable from here too.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from twin.blocks import Blocks
 from twin.grid import Grid
@@ -54,7 +55,7 @@ from twin.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, C
 __all__ = ["ACT_BYTES", "ADAMW_BYTES_PER_PARAM", "ADAMW_FLOPS_PER_PARAM", "COLLECTIVES", "COMPUTE_KINDS",
            "EMBEDDING_AXES", "GRAD_AR_BYTES", "MAX_PROGRAM_OPS", "NORM_AXIS", "STAT_BYTES", "STREAMS", "Builder",
            "Op", "Options", "Program", "build_program", "check_program_size", "embedding_dims", "grad_buffer",
-           "linear_dims", "weight_buffer"]
+           "linear_dims", "regrid", "same_ops_but_shards", "weight_buffer"]
 
 
 def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
@@ -164,19 +165,20 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     grad_ar = []
     P = grid.tensor_size
     end_of_backward = b.ready
+    params = _grad_params(model, V, s)
     for i in range(model.layers):
         for ln, k, n, _ in linears:
             key = f"L{i}.{ln}"
             grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
-                                        GRAD_AR_BYTES * k * n // P, deps=[b.last_rs[key], end_of_backward],
+                                        GRAD_AR_BYTES * params[key] // P, deps=[b.last_rs[key], end_of_backward],
                                         role="grad", weight=key))
     if llama:  # the untied head has its own gradient
         for key in ("emb", "head"):
-            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * V * h // P,
+            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * params[key] // P,
                                         deps=[b.last_rs[key], end_of_backward], role="grad", weight=key))
     else:
         grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
-                                    GRAD_AR_BYTES * (V + s) * h // P,
+                                    GRAD_AR_BYTES * params["emb"] // P,
                                     deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward], role="grad",
                                     weight="emb"))
     norm_params = (model.layers * model.norm_params_per_layer + model.final_norm_params) // gx
@@ -184,18 +186,67 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
                       role="grad", weight="norms")
     grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
                                 deps=[nz if nz is not None else b.ready], role="grad", weight="norms"))
-    n_local = _local_params(model, grid)
+    sizes = _optimizer_sizes(_local_params(model, grid))
     b.phase = "opt"
     clip = ()
     if options.grad_clip:
-        b.compute("opt.norm", "elementwise", deps=grad_ar, flops=2.0 * n_local, bytes=GRAD_AR_BYTES * n_local,
-                  role="grad_norm", writes=("opt.norm",))
+        b.compute("opt.norm", "elementwise", deps=grad_ar, role="grad_norm", writes=("opt.norm",),
+                  **sizes["grad_norm"])
         for axis in ("x", "y", "z"):
             b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES, "opt.norm")
         grad_ar, clip = [], ("opt.norm",)
-    b.compute("opt.step", "optimizer", deps=grad_ar, flops=float(ADAMW_FLOPS_PER_PARAM * n_local),
-              bytes=ADAMW_BYTES_PER_PARAM * n_local, role="adamw", reads=clip)
+    b.compute("opt.step", "optimizer", deps=grad_ar, role="adamw", reads=clip, **sizes["adamw"])
     return Program(model, grid, options, batch, seq_len, b.vocab, b.ops)
+
+
+def _grad_params(model: ModelSpec, vocab: int, seq_len: int) -> dict[str, int]:
+    """Parameters of each weight whose gradient shards are all-reduced over data (a GPT's `emb`: its
+    token and position tables, which the head shares; a Llama's `emb` and `head` apart)."""
+    params = {f"L{i}.{ln}": k * n for i in range(model.layers) for ln, k, n, _ in model.linear_shapes()}
+    if model.is_llama:
+        params["emb"] = params["head"] = vocab * model.hidden
+    else:
+        params["emb"] = (vocab + seq_len) * model.hidden
+    return params
+
+
+def _optimizer_sizes(n_local: int) -> dict[str, dict]:
+    """Flops and bytes of the optimizer's compute ops (by role) for `n_local` parameters on a rank."""
+    return {"grad_norm": {"flops": 2.0 * n_local, "bytes": GRAD_AR_BYTES * n_local},
+            "adamw": {"flops": float(ADAMW_FLOPS_PER_PARAM * n_local), "bytes": ADAMW_BYTES_PER_PARAM * n_local}}
+
+
+def same_ops_but_shards(a: Grid, b: Grid) -> bool:
+    """Whether the programs of grids `a` and `b` (of one model, batch and switches) have the same ops,
+    streams and deps, each op the same size except the data all-reduces of gradient shards and the
+    optimizer's ops (`regrid` makes one from the other): equal G_x and G_y, equal G_z G_data, G_z > 1
+    in both or neither, G_data > 1 in both or neither. G_z and G_data enter the program only through
+    the tokens per rank (batch / (G_z G_data)), whether the z and data collectives exist, and the shard
+    of each weight a rank holds (1 / (G_x G_y G_z))."""
+    return (a.x, a.y, a.z * a.data, a.z > 1, a.data > 1) == (b.x, b.y, b.z * b.data, b.z > 1, b.data > 1)
+
+
+def regrid(program: Program, grid: Grid) -> Program:
+    """The program `build_program` returns on `grid` (same model, batch and switches), made from
+    `program`, the program of a grid with `same_ops_but_shards`: only the data all-reduces of gradient
+    shards and the optimizer's ops are resized (a search builds one program per class of grids instead
+    of one per grid; tests/test_program.py checks the result equals the built program)."""
+    old = program.grid
+    if not same_ops_but_shards(old, grid):
+        raise ValueError(f"the program of grid {old} cannot be made the program of grid {grid}")
+    model = program.model
+    grid.validate(model, batch=program.batch, micro_batches=program.options.micro_batches, seq_len=program.seq_len)
+    if old == grid:
+        return program
+    params, P = _grad_params(model, program.vocab, program.seq_len), grid.tensor_size
+    sizes = _optimizer_sizes(_local_params(model, grid))
+    ops = list(program.ops)
+    for i, op in enumerate(ops):
+        if op.phase == "grad" and op.axis == "data" and op.weight != "norms":
+            ops[i] = replace(op, bytes=GRAD_AR_BYTES * params[op.weight] // P)
+        elif op.phase == "opt" and op.role in sizes:
+            ops[i] = replace(op, **sizes[op.role])
+    return Program(model, grid, program.options, program.batch, program.seq_len, program.vocab, ops)
 
 
 def host_ordered(program: Program) -> Program:

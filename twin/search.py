@@ -326,10 +326,19 @@ def _program_digest(study: Study) -> bytes:
 
 def program_for(study: Study, grid: Grid):
     """The study's program on `grid` (twin.program.build_program), the last few kept for the process:
-    the search builds it for a grid's lower bound and then again to simulate it. Treat it as read-only."""
-    from twin.program import build_program
-    key = (_program_digest(study), str(grid))
-    return _kept(_PROGRAMS, key, lambda: build_program(study.model, grid, study.options, study.batch, study.seq_len))
+    the search builds it for a grid's lower bound and then again to simulate it. A grid whose program
+    has the same ops as a kept one's (twin.program.same_ops_but_shards) gets that one resized
+    (twin.program.regrid: about 40 times cheaper than building it). Treat it as read-only."""
+    d = _program_digest(study)
+
+    def make():
+        from twin.program import build_program, regrid, same_ops_but_shards
+        for (k, name), prog in reversed(_PROGRAMS.items()):
+            if k == d and same_ops_but_shards(prog.grid, grid):
+                return regrid(prog, grid)
+        return build_program(study.model, grid, study.options, study.batch, study.seq_len)
+
+    return _kept(_PROGRAMS, (d, str(grid)), make)
 
 
 def programs_kept(study: Study) -> list[Grid]:
