@@ -61,8 +61,8 @@ def test_search_simulates_the_best_and_auto_picks_the_fastest():
     # simulate cannot beat the fastest
     shown = {str(c.grid) for c in cands}
     scanned = estimate_grids(study)[:3 + sim_mod.SCAN]
-    assert scanned and all(sim_mod.BOUND_SLACK * lower_bound(study, c.grid) >= fastest
-                           for c in scanned if str(c.grid) not in shown)
+    assert scanned and all(sim_mod.BOUND_SLACK * max(lower_bound(study, c.grid), sim_mod.stopped_bound(study, c.grid))
+                           >= fastest for c in scanned if str(c.grid) not in shown)
     best, how = choose_grid(study, simulate_top=3)
     assert best.simulated_s == fastest
     assert how.startswith("auto") and str(best.grid) in how
@@ -122,3 +122,29 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     assert calls == [] and str(again.grid) == str(first.grid) and again.simulated_s == first.simulated_s
     cands = search(study, top=3, simulate_top=2)  # the same head and pool as grid auto: all kept
     assert calls == [] and min(c.simulated_s for c in cands if c.simulated_s) == first.simulated_s
+
+
+@pytest.mark.parametrize("system,model,gpus,batch", [("frontier", "gpt-1b", 32, 32), ("cpu", "gpt-tiny", 8, 8)])
+def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch):
+    """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.search.tail_ns)
+    passes stop_s: the bound it keeps lies between stop_s and the simulated time; a run that ends
+    before stop_s is the plain run."""
+    import twin.simulate as sim_mod
+    from twin.simulate import simulate_grid, stopped_bound
+    study = prepare(system, model, gpus, batch=batch)
+    grids = [c.grid for c in rank_grids(study)][:3]
+    stops = 0
+    for g in grids:
+        sim_mod._SIMULATED.clear()
+        full = simulate_grid(study, g).iteration_time_s
+        sim_mod._SIMULATED.clear()
+        assert simulate_grid(study, g, stop_s=full * 1.0001).iteration_time_s == full
+        for f in (0.5, 0.999):
+            sim_mod._SIMULATED.clear()
+            r = simulate_grid(study, g, stop_s=f * full)
+            if r is None:
+                stops += 1
+                assert f * full < stopped_bound(study, g) <= full + 1e-9, (g, f)
+            else:
+                assert r.iteration_time_s == full
+    assert stops >= len(grids)

@@ -65,6 +65,14 @@ NS = 1e9  # nanoseconds per second
 LOCKSTEP_RANKS = 128  # full mode with at least this many distinct ranks tries twin.lockstep first
 
 
+class Stopped(Exception):
+    """A run given `stop_ns` was stopped: its iteration would end at `bound_ns` or later."""
+
+    def __init__(self, bound_ns: int):
+        super().__init__(bound_ns)
+        self.bound_ns = bound_ns
+
+
 @dataclass
 class EngineResult:
     """What one simulated iteration took. Times in seconds."""
@@ -122,6 +130,8 @@ class _Sim:
         self.woken = -1  # rank * n + op: the completion whose waiters are being advanced
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
         self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
+        self.stop_ns = 0      # > 0: stop once the end is sure to come later (simulate_program's stop_ns)
+        self.tail_ns: list[int] = []
 
     def comm_factor(self, members: list[int]) -> float:
         """Time factor of a collective of `members` now: 1 / comm_share while one of them computes."""
@@ -241,6 +251,8 @@ class _ComputeStream:
                     sim.wait(rank * sim.n + d, self)
                     return
         now = sim.now
+        if sim.stop_ns and now + sim.tail_ns[i] > sim.stop_ns:
+            raise Stopped(now + sim.tail_ns[i])
         if self.waited is not None:
             if now > self.prev_end:
                 sim.blame(rank, self.prev_end, now, self.waited, self.exposed)
@@ -449,7 +461,8 @@ def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
                      record: bool = False, merge_alike: bool = True, comm_share: float = 1.0,
-                     lockstep: bool | None = None) -> EngineResult:
+                     lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None
+                     ) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -464,6 +477,11 @@ def simulate_program(program: Program, compute_s: list[float],
     comm_share: a collective progresses at this share of its rate while the compute stream of one of
         its members runs an op (1: unaffected; CPU profiles measure less).
     lockstep: try twin.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
+    stop_ns, tail_ns: branch and bound (symmetric mode): tail_ns[i] is at most the time (ns) from the
+        start of op i to the end of the iteration, whatever the run (the longest path from op i on
+        with each op at its least time, twin.search.tail_ns); when a compute op starts at a time t
+        with t + tail_ns[i] > stop_ns, the run stops and raises Stopped(t + tail_ns[i]), a lower bound
+        on its end (ns). 0: run to the end.
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}
@@ -499,6 +517,10 @@ def simulate_program(program: Program, compute_s: list[float],
                                 simulated_ops=ops, ranks=nranks, spans=[], classes=nsim)
     sim = _Sim(program, nsim, record, collective_s)
     sim.comm_slow = 1.0 / comm_share
+    if stop_ns:
+        if full or tail_ns is None or len(tail_ns) != sim.n:
+            raise ValueError("stop_ns needs symmetric mode and a tail per op")
+        sim.stop_ns, sim.tail_ns = stop_ns, tail_ns
     base_ns = [t * NS for t in compute_s]
     todo = {k: [(i, sim.cross[i]) for i in ops] for k, ops in by_stream.items()}
     sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],

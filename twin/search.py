@@ -444,6 +444,18 @@ def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> 
     get bytes x P_like // P (at most grid's b // P when like's are b // P_like, P: G_x G_y G_z), and
     the optimizer's ops (the parameters of a shard), which shrink as G_z grows: taken as they are
     where like's G_z is at least grid's, as 0 where it is smaller."""
+    prog, ns = _least_ns(study, grid, model, like)
+    shape = _shape(prog)
+    if shape is not None:
+        return _path_ns(shape, ns) / NS
+    # not in program order (an edited program): the engine handles any order
+    from twin.engine import simulate_program
+    durations = [t / NS for t in ns]
+    return simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
+
+
+def _least_ns(study: Study, grid: Grid, model, like: Grid | None = None) -> tuple[object, list[int]]:
+    """(the program read, each op's least time in whole ns) for `_longest_path` (see there)."""
     like = grid if like is None else like
     if program_class(like) != program_class(grid) or like.size != grid.size:
         raise ValueError(f"grid {like} cannot stand for grid {grid} in a bound")
@@ -462,13 +474,30 @@ def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> 
         if t is None:
             t = times[key] = int(model.time(*key, concurrent=none) * NS + 0.5)
         ns[i] = t
+    return prog, ns
+
+
+def tail_ns(study: Study, grid: Grid) -> list[int] | None:
+    """For each op of the grid's program, a lower bound (ns) on the time from its start to the end
+    of the simulated iteration: the longest path from it on, each op at its least time as in
+    lower_bound (so the same assumption: contention never speeds a collective up, checked with the
+    search's slack). The engine's branch and bound (twin.engine.simulate_program's stop_ns) stops a
+    run whose clock plus this passes the time to beat. None for a program not in program order."""
+    prog, ns = _least_ns(study, grid, model_for(study, grid))
     shape = _shape(prog)
-    if shape is not None:
-        return _path_ns(shape, ns) / NS
-    # not in program order (an edited program): the engine handles any order
-    from twin.engine import simulate_program
-    durations = [t / NS for t in ns]
-    return simulate_program(prog, durations, lambda i, _: durations[i], overlap_slowdown=1.0).iteration_s
+    if shape is None:
+        return None
+    stream, deps, n = shape
+    tail, after = [0] * len(ns), [0] * len(ns)  # after[i]: the longest tail of an op that waits for op i
+    nxt = [0] * n                                # per stream: the tail of its next op
+    for i in range(len(ns) - 1, -1, -1):
+        s = stream[i]
+        t = (nxt[s] if nxt[s] > after[i] else after[i]) + ns[i]
+        tail[i] = nxt[s] = t
+        for d in deps[i]:
+            if t > after[d]:
+                after[d] = t
+    return tail
 
 
 _COMPUTE: dict[tuple[bytes, str], tuple] = {}

@@ -19,14 +19,14 @@ from dataclasses import asdict
 
 from topologies.system import SystemSpec
 from twin.common import TwinError
-from twin.engine import simulate_program
+from twin.engine import NS, Stopped, simulate_program
 from twin.grid import AXES, Grid
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.search import (Candidate, estimate_grids, exact_estimate, lower_bound, model_for, program_for, quick_bounds,
-                         rank_grids, study_key)
+                         rank_grids, study_key, tail_ns)
 from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
@@ -79,21 +79,28 @@ def min_ops_per_rank(study: Study) -> int:
 # the exact ranking). The slack is 4x the worst shortfall measured; SCAN leaves room beyond rank 12. A
 # grid's bound is first taken without routing (twin.search.quick_bound, at most lower_bound: proved,
 # and checked on every grid by the same benchmark); only grids that bound does not rule out have
-# their axes routed for lower_bound.
+# their axes routed for lower_bound. A grid simulated in the bound search is stopped as soon as its
+# clock plus the least time left (twin.search.tail_ns: the same bound from the op running on) rules
+# it out: on Frontier the whole gap between a bound and the simulation is the overlap slowdown,
+# which the clock has then taken for the part simulated.
 SCAN = 16
 BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
+_STOPPED: dict[tuple[bytes, str], float] = {}  # lower bounds (s) that stopped runs showed (stopped_bound)
 
 
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
                   record: bool = False, collectives=None, grid_choice: str = "given",
-                  program: Program | None = None) -> SimulationResult:
+                  program: Program | None = None, stop_s: float = 0.0) -> SimulationResult | None:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
     collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds).
     A symmetric run (no full mode, slowdown, record or stand-in model) already made in this process
     for an equal study and grid is returned again (a copy), as search, --grid auto, scaling and
     sensitivity sweeps ask for the same grids.
-    `program`: simulate this program (e.g. an edited program file) instead of the built one."""
+    `program`: simulate this program (e.g. an edited program file) instead of the built one.
+    stop_s > 0 (a plain symmetric run): give up, returning None, as soon as the iteration is sure to
+    take longer than stop_s seconds (the engine's branch and bound, twin.search.tail_ns); the lower
+    bound that showed it is kept for the process (`stopped_bound`)."""
     t0 = time.perf_counter()
     plain = not (full or slowdown or record) and collectives is None and program is None
     if plain:
@@ -105,8 +112,17 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
             result.grid_choice = grid_choice
             result.wall_time_s = time.perf_counter() - t0
             return result
-    result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                            grid_choice=grid_choice, program=program)
+    elif stop_s:
+        raise ValueError("stop_s is for plain symmetric runs")
+    try:
+        result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
+                                grid_choice=grid_choice, program=program, stop_s=stop_s)
+    except Stopped as e:
+        bound = e.bound_ns / NS
+        _STOPPED[key] = max(bound, _STOPPED.pop(key, 0.0))
+        if len(_STOPPED) > 4096:
+            _STOPPED.pop(next(iter(_STOPPED)))
+        return None
     if plain:
         _SIMULATED[key] = copy.deepcopy(result)
         if len(_SIMULATED) > 256:
@@ -115,8 +131,15 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     return result
 
 
+def stopped_bound(study: Study, grid: Grid) -> float:
+    """The largest lower bound (seconds) on the grid's simulated time that a run stopped by
+    simulate_grid's stop_s showed in this process (0 if none)."""
+    return _STOPPED.get((study_key(study), str(grid)), 0.0)
+
+
 def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, float] | None,
-                   record: bool, collectives, grid_choice: str, program: Program | None) -> SimulationResult:
+                   record: bool, collectives, grid_choice: str, program: Program | None,
+                   stop_s: float = 0.0) -> SimulationResult:
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
@@ -140,9 +163,11 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     else:  # CPU: this grid's own stretch, for the pooled one the op times hold
         scale, host = stretch / study.profile.stretch, study.profile.host_op_s
         compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op in prog.ops]
+    tails = tail_ns(study, grid) if stop_s else None
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                            overlap_slowdown=study.profile.overlap_slowdown, record=record,
-                           comm_share=study.profile.comm_share)
+                           comm_share=study.profile.comm_share,
+                           stop_ns=int(stop_s * NS) if tails is not None else 0, tail_ns=tails)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -252,7 +277,9 @@ def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
     the quick bound is the smallest key; a grid is simulated once its lower_bound is the smallest
     key. The grids simulated are those of simulating the pool in lower_bound order while BOUND_SLACK x
     a bound is below the fastest simulated time (quick_bound <= lower_bound), without routing the
-    axes of grids whose quick bound already rules them out."""
+    axes of grids whose quick bound already rules them out. A simulation stops as soon as its clock
+    plus the least time left (twin.search.tail_ns) shows the same (simulate_grid's stop_s): that grid
+    keeps the bound it reached, and no time (`simulated_s` stays None)."""
     queue = []
     for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):
         c.bound_s = bound
@@ -264,9 +291,14 @@ def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
             break  # neither this grid nor any with a larger bound can beat the fastest simulated grid
         c = pool[i]
         if exact:
-            best = min(best, _simulate(study, c, None))
+            r = simulate_grid(study, c.grid, stop_s=best / BOUND_SLACK if math.isfinite(best) else 0.0)
+            if r is None:
+                c.bound_s = stopped_bound(study, c.grid)
+            else:
+                c.result, c.simulated_s = r, r.iteration_time_s
+                best = min(best, r.iteration_time_s)
         else:
-            c.bound_s = lower_bound(study, c.grid)
+            c.bound_s = max(lower_bound(study, c.grid), stopped_bound(study, c.grid))
             heapq.heappush(queue, (c.bound_s, name, True, i))
     return best
 
@@ -283,11 +315,13 @@ def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[
     looked = _auto(study, simulate_top, collectives)
     sims = [c for c in looked if c.simulated_s is not None]
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
-    bounded = sum(c.bound_s is not None and c.simulated_s is None for c in looked)
+    bounded = [c for c in looked if c.bound_s is not None and c.simulated_s is None]
+    stopped = sum(stopped_bound(study, c.grid) >= c.bound_s for c in bounded)
     how = "" if collectives is not None else " (routing-free estimate)"
     return best, (f"auto: fastest simulated of the analytical top {len(looked)}{how} "
                   f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)}"
-                  + (f"; {bounded} more ruled out by their lower bound" if bounded else "") + ")")
+                  + (f"; {len(bounded)} more ruled out by their lower bound" if bounded else "")
+                  + (f", {stopped} of them partway through their simulation" if stopped else "") + ")")
 
 
 def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
