@@ -115,7 +115,8 @@ class _Sim:
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
         self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
-        self.table = {a: self.table_of(_CONC[0][a]) for a in AXES}  # axis -> the table of its concurrency now
+        self._mask_tables: list[dict | None] = [None] * len(_CONC)  # mask -> {axis: table}, made as reached
+        self.table = self.tables_of(0)  # axis -> the table of its concurrency now
         # waits cross streams only (a stream's own earlier ops are done): waited_on[i], an op of another
         # stream depends on op i; counted[j], every dependency of op j has j as its only such dependent, so
         # nothing else ever waits for them and a group may wait for all its members' at once (_GroupStream)
@@ -150,6 +151,13 @@ class _Sim:
         t = self._tables.get(conc)
         if t is None:
             t = self._tables[conc] = [None] * self.n
+        return t
+
+    def tables_of(self, mask: int) -> dict:
+        """{axis: table_of(the other axes in flight)} when the axes of `mask` have collectives in flight."""
+        t = self._mask_tables[mask]
+        if t is None:
+            t = self._mask_tables[mask] = {a: self.table_of(_CONC[mask][a]) for a in AXES}
         return t
 
     def coll_ns(self, i: int, axis: str) -> float:
@@ -212,9 +220,9 @@ class _Sim:
 
     def axis_changed(self, axis: str) -> None:
         """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
-        self.mask ^= _BIT[axis]
-        self.conc = conc = _CONC[self.mask]
-        self.table = {a: self.table_of(conc[a]) for a in AXES}
+        self.mask = mask = self.mask ^ _BIT[axis]
+        self.conc = _CONC[mask]
+        self.table = self._mask_tables[mask] or self.tables_of(mask)
         for a in AXES:
             if a != axis:
                 running = self.running[a]
