@@ -42,12 +42,24 @@ def test_solo_bound_rate_is_the_routed_rate_inside_a_group():
 
 
 def test_quick_bound_is_below_the_bound_and_both_below_the_simulation():
+    """quick_bound <= routed_bound <= lower_bound <= the simulated time; routed_bound routes nothing
+    and reaches lower_bound once the grid's axes are routed."""
+    import twin.search as search_mod
     from twin.simulate import simulate_grid
     study = prepare("alps", "gpt-1b", 32, batch=32)
-    for c in rank_grids(study)[:6]:
-        q, b = quick_bound(study, c.grid), lower_bound(study, c.grid)
-        assert 0.8 * b <= q <= b
-        assert b <= simulate_grid(study, c.grid).iteration_time_s + 1e-6
+    grids = [c.grid for c in rank_grids(study)[:6]]
+    for g in grids:
+        search_mod._ROUTED.clear()
+        model = model_for(study, g)
+        before = {a: model.routed(a) for a in "xyz"}
+        r = search_mod.routed_bound(study, g)
+        assert {a: model.routed(a) for a in "xyz"} == before  # nothing routed for it
+        q, b = quick_bound(study, g), lower_bound(study, g)
+        assert 0.8 * b <= q <= r * (1 + 1e-12) and r <= b * (1 + 1e-12)
+        assert b <= simulate_grid(study, g).iteration_time_s + 1e-6
+        search_mod._ROUTED.clear()
+        search_mod._BOUNDS.clear()
+        assert search_mod.routed_bound(study, g) == b  # all its axes are routed now
 
 
 def test_the_ranking_bound_is_below_every_exact_estimate():

@@ -215,12 +215,15 @@ class CollectiveModel:
         r = np.moveaxis(r, 3 - AXES.index(axis), -1).reshape(-1, g.axis_size(axis))
         return self.placement.gpu[r]
 
+    def _flows_key(self, gpus: np.ndarray) -> bytes:
+        return digest(network_key(self.net), self.routing, self.seed, self.spread, self.channel_cap,
+                      self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
+
     def _ring_flows(self, gpus: np.ndarray) -> _FlowSet:
         """Flows of one step of flat rings over the rows of `gpus` (rings, q), laid out in channels
         as the library does (see the module docstring). Kept for the process (FLOWS), keyed by what
         they depend on: a probe grid's rings are often an axis of a simulated grid."""
-        key = digest(network_key(self.net), self.routing, self.seed, self.spread, self.channel_cap,
-                     self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
+        key = self._flows_key(gpus)
         hit = FLOWS.get(key)
         if hit is None:
             hit = self._build_ring_flows(gpus, key)
@@ -311,6 +314,15 @@ class CollectiveModel:
             alphas = [self.system.collectives.step_latency + f.path_latency(self.net.latency) for f in flows]
             self._flows[key] = (flows, alphas, [g.shape[1] for g in phases])
         return self._flows[key]
+
+    def routed(self, axis: str) -> bool:
+        """Whether asking `time` about `axis` alone routes nothing: the flow sets of every phase of
+        the axis' collectives (flat and hierarchical rings) are laid out already in this process."""
+        for algorithm in {self._algorithm(axis, self.algorithm), self._algorithm(axis, "hierarchical")}:
+            if (axis, algorithm) not in self._flows and \
+                    any(self._flows_key(g) not in FLOWS.items for g in self._phase_gpus(axis, algorithm)):
+                return False
+        return True
 
     def _bus_rates(self, axes: frozenset, algorithm: str) -> dict[str, list[float]]:
         """Per axis in `axes`, the bus rate (bytes/s) of each phase when all those axes run together

@@ -477,13 +477,44 @@ def _least_ns(study: Study, grid: Grid, model, like: Grid | None = None) -> tupl
     return prog, ns
 
 
+class _RoutedOrSolo:
+    """`time(kind, axis, nbytes)`: the collective model's own time alone where the axis is routed
+    already in this process (CollectiveModel.routed), else twin.solobound's bound on it (at most
+    that time): a lower bound that routes nothing."""
+
+    def __init__(self, study: Study, grid: Grid):
+        from twin.solobound import SoloBound
+        self.model = model_for(study, grid)
+        self.solo = SoloBound(self.model, _SOLO_PHASES, machine_key(study))
+        self.routed = {a: self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
+
+    def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
+        return (self.model if self.routed.get(axis) else self.solo).time(kind, axis, nbytes)
+
+
+_ROUTED: dict[tuple[bytes, str], float] = {}
+
+
+def routed_bound(study: Study, grid: Grid) -> float:
+    """A lower bound on the simulated iteration time of `grid` (seconds) between quick_bound and
+    lower_bound, which routes nothing: lower_bound's longest path with each collective of an axis
+    not routed yet in this process at twin.solobound's bound. Kept per study and grid for the
+    process (lower_bound's instead where that is kept)."""
+    key = (study_key(study), str(grid))
+    t = _BOUNDS.get(key) or _ROUTED.get(key)
+    if t is None:
+        t = _keep_bound(_ROUTED, key, _longest_path(study, grid, _RoutedOrSolo(study, grid)))
+    return t
+
+
 def tail_ns(study: Study, grid: Grid) -> list[int] | None:
     """For each op of the grid's program, a lower bound (ns) on the time from its start to the end
     of the simulated iteration: the longest path from it on, each op at its least time as in
-    lower_bound (so the same assumption: contention never speeds a collective up, checked with the
-    search's slack). The engine's branch and bound (twin.engine.simulate_program's stop_ns) stops a
-    run whose clock plus this passes the time to beat. None for a program not in program order."""
-    prog, ns = _least_ns(study, grid, model_for(study, grid))
+    routed_bound (so the same assumption as lower_bound: contention never speeds a collective up,
+    checked with the search's slack; nothing is routed for it). The engine's branch and bound
+    (twin.engine.simulate_program's stop_ns) stops a run whose clock plus this passes the time to
+    beat. None for a program not in program order."""
+    prog, ns = _least_ns(study, grid, _RoutedOrSolo(study, grid))
     shape = _shape(prog)
     if shape is None:
         return None

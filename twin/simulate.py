@@ -25,8 +25,8 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import (Candidate, estimate_grids, exact_estimate, lower_bound, model_for, program_for, quick_bounds,
-                         rank_grids, study_key, tail_ns)
+from twin.search import (Candidate, estimate_grids, exact_estimate, model_for, program_for, quick_bounds,
+                         rank_grids, routed_bound, study_key, tail_ns)
 from twin.study import Study, check_grid, prepare
 from twin.trace import Span, op_args
 
@@ -78,11 +78,13 @@ def min_ops_per_rank(study: Study) -> int:
 # the default Frontier study included), the fastest at 0-based rank 0 to 12 of the estimate (and of
 # the exact ranking). The slack is 4x the worst shortfall measured; SCAN leaves room beyond rank 12. A
 # grid's bound is first taken without routing (twin.search.quick_bound, at most lower_bound: proved,
-# and checked on every grid by the same benchmark); only grids that bound does not rule out have
-# their axes routed for lower_bound. A grid simulated in the bound search is stopped as soon as its
-# clock plus the least time left (twin.search.tail_ns: the same bound from the op running on) rules
-# it out: on Frontier the whole gap between a bound and the simulation is the overlap slowdown,
-# which the clock has then taken for the part simulated.
+# and checked on every grid by the same benchmark), then with the exact times of the axes routed
+# already in this process (twin.search.routed_bound, between the two); nothing is routed for a
+# bound. A grid that is simulated in the bound search stops as soon as its clock plus the least time
+# left (twin.search.tail_ns: the same bound from the op running on) rules it out: on Frontier the
+# whole gap between a bound and the simulation is the overlap slowdown, which the clock has then
+# taken for the part simulated, and a run stopped before the end of the step never routes the data
+# axis, which only the gradient all-reduces at the end use.
 SCAN = 16
 BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
@@ -273,13 +275,12 @@ def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
 def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
     """Simulate the grids of `pool` that could beat `best` (seconds), best bound first; returns the
     fastest simulated time. Each grid's key is the largest lower bound the search has for it, first
-    the one that routes nothing (quick_bound), then lower_bound (which routes the grid's axes) once
-    the quick bound is the smallest key; a grid is simulated once its lower_bound is the smallest
-    key. The grids simulated are those of simulating the pool in lower_bound order while BOUND_SLACK x
-    a bound is below the fastest simulated time (quick_bound <= lower_bound), without routing the
-    axes of grids whose quick bound already rules them out. A simulation stops as soon as its clock
-    plus the least time left (twin.search.tail_ns) shows the same (simulate_grid's stop_s): that grid
-    keeps the bound it reached, and no time (`simulated_s` stays None)."""
+    quick_bound, then routed_bound (the exact times of the axes routed so far) once the quick bound
+    is the smallest key; a grid is simulated once its routed_bound is the smallest key, while
+    BOUND_SLACK x its key is below the fastest simulated time (no bound routes anything; the
+    simulation routes what it asks). A simulation stops as soon as its clock plus the least time left
+    (twin.search.tail_ns) shows the same (simulate_grid's stop_s): that grid keeps the bound it
+    reached, and no time (`simulated_s` stays None)."""
     queue = []
     for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):
         c.bound_s = bound
@@ -298,7 +299,7 @@ def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
                 c.result, c.simulated_s = r, r.iteration_time_s
                 best = min(best, r.iteration_time_s)
         else:
-            c.bound_s = max(lower_bound(study, c.grid), stopped_bound(study, c.grid))
+            c.bound_s = max(routed_bound(study, c.grid), stopped_bound(study, c.grid))
             heapq.heappush(queue, (c.bound_s, name, True, i))
     return best
 
