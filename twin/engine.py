@@ -66,11 +66,11 @@ LOCKSTEP_RANKS = 128  # full mode with at least this many distinct ranks tries t
 
 
 class Stopped(Exception):
-    """A run given `stop_ns` was stopped: its iteration would end at `bound_ns` or later."""
+    """A run given `stop_ns` was stopped at `now_ns`: its iteration would end at `bound_ns` or later."""
 
-    def __init__(self, bound_ns: int):
+    def __init__(self, bound_ns: int, now_ns: int = 0):
         super().__init__(bound_ns)
-        self.bound_ns = bound_ns
+        self.bound_ns, self.now_ns = bound_ns, now_ns
 
 
 @dataclass
@@ -260,7 +260,7 @@ class _ComputeStream:
                     return
         now = sim.now
         if sim.stop_ns and now + sim.tail_ns[i] > sim.stop_ns:
-            raise Stopped(now + sim.tail_ns[i])
+            raise Stopped(now + sim.tail_ns[i], now)
         if self.waited is not None:
             if now > self.prev_end:
                 sim.blame(rank, self.prev_end, now, self.waited, self.exposed)

@@ -482,11 +482,11 @@ class _RoutedOrSolo:
     already in this process (CollectiveModel.routed), else twin.solobound's bound on it (at most
     that time): a lower bound that routes nothing."""
 
-    def __init__(self, study: Study, grid: Grid):
+    def __init__(self, study: Study, grid: Grid, route: tuple[str, ...] = ()):
         from twin.solobound import SoloBound
         self.model = model_for(study, grid)
         self.solo = SoloBound(self.model, _SOLO_PHASES, machine_key(study))
-        self.routed = {a: self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
+        self.routed = {a: a in route or self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
         return (self.model if self.routed.get(axis) else self.solo).time(kind, axis, nbytes)
@@ -511,10 +511,12 @@ def tail_ns(study: Study, grid: Grid) -> list[int] | None:
     """For each op of the grid's program, a lower bound (ns) on the time from its start to the end
     of the simulated iteration: the longest path from it on, each op at its least time as in
     routed_bound (so the same assumption as lower_bound: contention never speeds a collective up,
-    checked with the search's slack; nothing is routed for it). The engine's branch and bound
+    checked with the search's slack). The engine's branch and bound
     (twin.engine.simulate_program's stop_ns) stops a run whose clock plus this passes the time to
-    beat. None for a program not in program order."""
-    prog, ns = _least_ns(study, grid, _RoutedOrSolo(study, grid))
+    beat. None for a program not in program order. The tensor axes are routed for it (a run routes
+    them in its first block anyway), the data axis only if it is already (a run reaches it only with
+    the gradient all-reduces at the end of the step)."""
+    prog, ns = _least_ns(study, grid, _RoutedOrSolo(study, grid, route=("x", "y", "z")))
     shape = _shape(prog)
     if shape is None:
         return None
