@@ -79,7 +79,7 @@ def machine_info(device: torch.device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "numpy": numpy.__version__, "commit": _git_commit(), "cores": os.cpu_count(),
-            "threads_per_rank": torch.get_num_threads()}
+            "threads_per_rank": torch.get_num_threads(), "cpu_bind": os.environ.get("BACKEND_CPU_BIND", "none")}
     try:
         info["load_average"] = list(os.getloadavg())
     except OSError:

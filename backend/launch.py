@@ -17,6 +17,12 @@ spawned the ranks, they write that line to a file of the run instead of printing
 prints the first cause (the earliest failure: the others are ranks that lost a peer), stops the other
 ranks quietly and exits with the first rank's code. Under torchrun or srun each rank prints its line.
 
+Cores: on CPU the forked ranks share the machine's cores as the scheduler places them. With
+BACKEND_CPU_BIND=cores in the launcher's environment each rank is pinned to core `rank mod cores` (as
+`srun --cpu-bind=cores` would), for measuring what placement does (benchmarks/cpu_run_spread.py); it is
+off by default, since on the 2-core development VM it did not narrow the spread of repeated runs (see
+that benchmark's docstring). A run's summary and bench's machine record say which was used.
+
 Lifetime: spawned ranks die with the launcher (PR_SET_PDEATHSIG, and a check of the parent); a rank
 that makes no progress (`heartbeat()`, called once per training step) for `progress_timeout` seconds
 ends the run with one line naming it. A run holds an exclusive lock (flock) on its output and
@@ -47,6 +53,7 @@ CONFIG_ENV = "BACKEND_CONFIG"
 SPAWNED_ENV = "BACKEND_SPAWNED"
 RUN_DIR_ENV = "BACKEND_RUN_DIR"          # the spawned run's folder: error and heartbeat files
 TIMEOUT_ENV = "BACKEND_PROGRESS_TIMEOUT"  # seconds; overrides the default progress timeout
+CPU_BIND_ENV = "BACKEND_CPU_BIND"  # 'cores' (rank i on core i mod cores) or 'none'; set by the launcher
 EXIT_BAD_INPUT = 2
 LOCKED_DIRS = {"run": (("out", "--out"), ("ckpt_dir", "--ckpt-dir"))}  # config key, flag
 PROGRESS_TIMEOUT_S = {"run": 900.0}  # per job kind; jobs that do not call heartbeat() have none
@@ -319,11 +326,28 @@ def _preload(kind: str) -> None:
             importlib.import_module(m)
 
 
+def bind_cores(rank: int, cores: list[int]) -> set[int]:
+    """The cores rank `rank` runs on when bound: core `rank mod len(cores)` of `cores` (as
+    `srun --cpu-bind=cores` places one task per core, round robin)."""
+    return {cores[rank % len(cores)]}
+
+
+def bind_rank(rank: int) -> set[int]:
+    """Pin this process (and the threads it starts later: torch's, gloo's) to its rank's core when
+    BACKEND_CPU_BIND is 'cores'; returns the cores it may run on afterwards."""
+    if os.environ.get(CPU_BIND_ENV) == "cores" and hasattr(os, "sched_setaffinity"):
+        cores = sorted(int(c) for c in os.environ.get("BACKEND_CPU_BIND_CORES", "").split(",") if c)
+        if cores:
+            os.sched_setaffinity(0, bind_cores(rank, cores))
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
 def _forked_rank(kind: str, config: dict, env: dict, parent: int) -> None:
     import torch
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the ranks
     os.environ.update(env)
+    bind_rank(int(env["RANK"]))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch read it before the fork
     code = run_job(kind, config)
     sys.stdout.flush()
@@ -343,6 +367,9 @@ def _start_ranks(kind: str, config: dict, world_size: int, fork: bool, run_dir: 
                SPAWNED_ENV: "1", RUN_DIR_ENV: run_dir}
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+        if fork:
+            env[CPU_BIND_ENV] = os.environ.get(CPU_BIND_ENV, "none")
+            env["BACKEND_CPU_BIND_CORES"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         envs.append(env)
     parent = os.getpid()
     if not fork:

@@ -377,6 +377,9 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
                        "flops_convention": records[-1]["flops_convention"],
                        "memory_peak_bytes": peaks,  # per rank, second step of this run (torch's memory tracker)
+                       # where the ranks ran (backend.launch: 'cores' pins rank i to core i mod cores)
+                       "cpu_bind": os.environ.get("BACKEND_CPU_BIND", "none"),
+                       "threads_per_rank": torch.get_num_threads(),
                        "note": "averages over the steps of this run after its first"}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return records

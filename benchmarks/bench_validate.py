@@ -2,7 +2,7 @@
 
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01 \\
         --profile calibration/profiles/cpu.toml            # the whole loop (gpt-small, 1-8 ranks)
-    python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, about a minute
+    python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
         --profile calibration/profiles/cpu.toml   # step 4 only, on runs already made (offline, seconds)
 
@@ -12,10 +12,16 @@
    one measurement file per grid under OUT/ (each stamped with machine, date, versions, commit,
    load average);
 2. `twin calibrate OUT/*.json --out PROFILE`, printing the fit's residuals;
-3. `backend run` of every valid grid of the model with those rank counts (STEPS steps each), into
-   WORK/runs/<grid>/;
-4. `twin validate` of all runs against PROFILE: per grid, predicted vs measured iteration time,
-   per-op median error, memory peak; the grid ranking (Spearman). The table goes to stdout, the
+3. `backend run` of every valid grid of the model with those rank counts (STEPS steps each), REPEATS
+   times each, into WORK/runs/<grid>/r<pass>/. The repeats run in interleaved passes (every grid once
+   per pass), each pass in another order (rotated, every other one reversed), so that a drift of the
+   machine spreads over the grids instead of falling on one: a single run per grid carries +-15 %
+   per-process noise on this machine (the same grid minutes apart; steps within a run agree within a
+   few %), as large as the 15 % target;
+4. `twin validate` of all runs against PROFILE, the repeats of a grid pooled (calibration.validate.
+   pool_repeats: the median over them): per grid, predicted vs measured iteration time beside the
+   spread of its repeats (max/min - 1: noise and error side by side), per-op median error, memory
+   peak; the grid ranking (Spearman). The table goes to stdout, the
    report without per-op rows to OUT/report.json; the runs, the full report and the per-op scatter
    (HTML) to WORK (default out/validate, not committed).
 Targets (issue 10): iteration within 15 %, per-op median within 20 %, Spearman >= 0.9, memory within 10 %.
@@ -52,7 +58,8 @@ SIZES_MIB = "0.004,0.03,0.25,1,4"
 def sh(cmd: list[str], timeout: float) -> str:
     """Run a command from the repository root; its output, or exit with its last lines."""
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "COLUMNS": os.environ.get("COLUMNS", "160")})  # tables unwrapped
     if r.returncode:
         tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
         sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{tail}")
@@ -67,8 +74,11 @@ def summary_line(label: str, runs: list[dict]) -> str:
     its = [abs(r["iteration"]["error"]) for r in runs]
     ops = [r["ops"]["median_abs_error"] for r in runs]
     mem = [abs(r["memory"]["error"]) for r in runs if r["memory"]["error"] is not None]
-    return (f"{label}, {len(runs)} runs: iteration median |error| {100 * statistics.median(its):.1f} %, "
-            f"{sum(e <= 0.15 for e in its)} within 15 %; per-op median {100 * statistics.median(ops):.0f} %, "
+    spread = [r["iteration"].get("spread", 0.0) for r in runs]
+    repeats = sum(r.get("repeats", 1) for r in runs)
+    return (f"{label}, {len(runs)} grids ({repeats} runs): iteration median |error| {100 * statistics.median(its):.1f} %, "
+            f"{sum(e <= 0.15 for e in its)} within 15 % (spread of the repeats: median {100 * statistics.median(spread):.0f} %, "
+            f"worst {100 * max(spread):.0f} %); per-op median {100 * statistics.median(ops):.0f} %, "
             f"{sum(o <= 0.2 for o in ops)} within 20 %; memory worst {100 * max(mem) if mem else float('nan'):.1f} %")
 
 
@@ -107,6 +117,7 @@ def main() -> int:
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first two are left out)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per grid, in interleaved passes (their median counts)")
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
     ap.add_argument("--train-steps", type=int, default=4, help="recorded training steps per bench grid")
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
@@ -117,10 +128,12 @@ def main() -> int:
     ap.add_argument("--runs", help="validate the run directories in this folder (step 4 only; needs --profile)")
     a = ap.parse_args()
     if a.quick:
-        a.model, a.ranks, a.steps, a.min_time = "gpt-tiny", "1,2", 4, 0.02
+        a.model, a.ranks, a.steps, a.min_time, a.repeats = "gpt-tiny", "1,2", 4, 0.02, 2
     if a.ci:
         a.model, a.ranks, a.steps, a.min_time, a.grids = "gpt-tiny", "2", 4, 0.01, a.grids or "2x1x1x1,1x1x1x2"
-        a.train_steps = 2
+        a.train_steps, a.repeats = 2, 2
+    if a.repeats < 1:
+        sys.exit(f"--repeats must be at least 1, got {a.repeats}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(a.profile).resolve() if a.profile else out / "cpu.toml"
@@ -133,7 +146,7 @@ def main() -> int:
     if a.runs:
         if not profile.exists():
             sys.exit(f"--runs needs a profile to validate against: {profile} does not exist (give --profile)")
-        runs = sorted(d for d in Path(a.runs).iterdir() if (d / "log.jsonl").exists())
+        runs = sorted(f.parent for f in Path(a.runs).rglob("log.jsonl"))  # runs/<grid>/ or runs/<grid>/r<k>/
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
     from backend.bench_micro import grids_of
@@ -165,12 +178,26 @@ def main() -> int:
     if a.grids:
         grids = [g for g in grids if g in a.grids.split(",")]
     runs = []
-    for g in grids:
-        d = work / "runs" / g
-        sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
-            "--warmup", "1", "--out", str(d)], 600)
-        runs.append(d)
+    for k, order in enumerate(pass_orders(grids, a.repeats)):
+        print(f"  pass {k + 1} of {a.repeats}", flush=True)
+        for g in order:
+            d = work / "runs" / g / f"r{k + 1}"
+            sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
+                "--warmup", "1", "--out", str(d)], 600)
+            runs.append(d)
     return validate(runs, profile, out, work, a, t_start, t_bench, ranks)
+
+
+def pass_orders(grids: list[str], repeats: int) -> list[list[str]]:
+    """The order of the grids in each of `repeats` passes: rotated by an equal share of the grids from
+    pass to pass and every other pass reversed, so that no grid always runs early, late, or after the
+    same neighbour (a drift of the machine during the loop spreads over the grids)."""
+    orders = []
+    for k in range(repeats):
+        shift = (k * len(grids)) // repeats
+        order = grids[shift:] + grids[:shift]
+        orders.append(order[::-1] if k % 2 else order)
+    return orders
 
 
 def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start: float, t_bench: float,
@@ -183,7 +210,8 @@ def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start:
               "--json", str(report), "--html", str(html)], 900), flush=True)
     rep = json.loads(report.read_text())
     summary = {**rep, "runs": [{k: v for k, v in r.items() if k != "per_op"} for r in rep["runs"]],
-               "load_average_end": os.getloadavg(), "cores": os.cpu_count(), "steps": a.steps}
+               "load_average_end": os.getloadavg(), "cores": os.cpu_count(), "steps": a.steps,
+               "repeats_per_grid": a.repeats}
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {out / 'report.json'} (per-op rows and the scatter: {work})")
     benched = {g for r in ranks for g, _ in BENCH_GRIDS.get(r, [])}

@@ -241,6 +241,35 @@ def _group(grid: Grid, rank: int, axis: str) -> list[int]:
     return out
 
 
+def _by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
+    """Per kind of op: count, median and 90th percentile of |error|, summed seconds; for collectives the
+    peer-wait and predicted-excess shares, the error from the last arrival and, from `zero` (kind ->
+    [spans, spans of 0 s]), the share completed with the one before."""
+    per_kind = {}
+    for kind in sorted({o["kind"] for o in ops}):
+        sel = [o for o in ops if o["kind"] == kind]
+        errs = [abs(o["error"]) for o in sel]
+        per_kind[kind] = {"ops": len(errs), "median_abs_error": statistics.median(errs),
+                          "p90_abs_error": _percentile(errs, 0.9),
+                          "median_error": statistics.median(o["error"] for o in sel),
+                          "measured_s": sum(o["measured_s"] for o in sel),
+                          "predicted_s": sum(o["predicted_s"] for o in sel),
+                          "wall_s": sum(o["wall_s"] for o in sel)}
+        if kind in COLLECTIVES:
+            per_kind[kind]["peer_wait_share"] = (sum(o.get("peer_wait_s", 0.0) for o in sel)
+                                                 / max(per_kind[kind]["wall_s"], 1e-12))
+            per_kind[kind]["predicted_excess_share"] = (sum(o.get("predicted_excess_s", 0.0) for o in sel)
+                                                        / max(per_kind[kind]["predicted_s"], 1e-12))
+            after = [abs(o["error_from_last_arrival"]) for o in sel if "error_from_last_arrival" in o]
+            if after:
+                per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
+            if kind in zero:
+                per_kind[kind]["completed_with_previous_share"] = zero[kind][1] / zero[kind][0]
+        else:
+            per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
+    return per_kind
+
+
 def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None = None) -> dict:
     """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
     from twin.memory import memory_per_gpu
@@ -297,28 +326,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             z = zero.setdefault(sp.kind, [0, 0])
             z[0] += 1
             z[1] += sp.duration_s < 1e-7
-    per_kind = {}
-    for kind in sorted({o["kind"] for o in ops}):
-        sel = [o for o in ops if o["kind"] == kind]
-        errs = [abs(o["error"]) for o in sel]
-        per_kind[kind] = {"ops": len(errs), "median_abs_error": statistics.median(errs),
-                          "p90_abs_error": _percentile(errs, 0.9),
-                          "median_error": statistics.median(o["error"] for o in sel),
-                          "measured_s": sum(o["measured_s"] for o in sel),
-                          "predicted_s": sum(o["predicted_s"] for o in sel),
-                          "wall_s": sum(o["wall_s"] for o in sel)}
-        if kind in COLLECTIVES:
-            per_kind[kind]["peer_wait_share"] = (sum(o.get("peer_wait_s", 0.0) for o in sel)
-                                                 / max(per_kind[kind]["wall_s"], 1e-12))
-            per_kind[kind]["predicted_excess_share"] = (sum(o.get("predicted_excess_s", 0.0) for o in sel)
-                                                        / max(per_kind[kind]["predicted_s"], 1e-12))
-            after = [abs(o["error_from_last_arrival"]) for o in sel if "error_from_last_arrival" in o]
-            if after:
-                per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
-            if kind in zero:
-                per_kind[kind]["completed_with_previous_share"] = zero[kind][1] / zero[kind][0]
-        else:
-            per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
+    per_kind = _by_kind(ops, zero)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
     from twin.trace import trace_breakdown
     idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
@@ -349,28 +357,92 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 "stretch_predicted": _predicted_stretch(study, grid),
                 "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                 "compute_median_abs_error": statistics.median(compute) if compute else None,
-                "by_kind": per_kind},
+                "by_kind": per_kind, "collective_spans": zero},
         "memory": {"predicted_bytes": mem_pred.total, "predicted": mem_pred.as_dict(), "measured_bytes": mem_meas,
                    "error": mem_pred.total / mem_meas - 1 if mem_meas else None},
         "per_op": ops,
     }
 
 
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def pool_repeats(runs: list[dict]) -> dict:
+    """One report entry for repeated runs of the same job (validate_run's results: same model, grid,
+    batch, switches; so the same prediction). Measured figures are medians over the repeats: the
+    iteration (with each run's and their spread, max/min - 1, beside it), each op's measured, wall,
+    on-CPU, peer-wait and wake-up figures (per op name; its error taken again against the median), the
+    stretch, the time outside ops and the memory peak. `repeats` counts the runs, `runs` names them."""
+    first = runs[0]
+    its = [r["iteration"]["measured_s"] for r in runs]
+    measured = statistics.median(its)
+    predicted = first["iteration"]["predicted_s"]
+    iteration = {**first["iteration"], "measured_s": measured, "error": predicted / measured - 1,
+                 "steps_used": sum(r["iteration"]["steps_used"] for r in runs),
+                 "outside_ops_measured_s": _median([r["iteration"]["outside_ops_measured_s"] for r in runs]),
+                 "measured_each_s": its, "spread": max(its) / min(its) - 1}
+    if len(runs) == 1:
+        return {**first, "runs": [first["run"]], "repeats": 1, "iteration": iteration}
+    by_name: dict[str, list[dict]] = {}
+    for r in runs:
+        for o in r["per_op"]:
+            by_name.setdefault(o["name"], []).append(o)
+    ops = []
+    for name, same in by_name.items():
+        o = dict(same[0])
+        for key in ("measured_s", "wall_s", "cpu_s", "peer_wait_s", "wake_s"):
+            if key in o:
+                o[key] = statistics.median(x[key] for x in same if key in x)
+        o["error"] = o["predicted_s"] / o["measured_s"] - 1
+        o.pop("error_from_last_arrival", None)
+        after = o["measured_s"] - o.get("peer_wait_s", 0.0)
+        if "predicted_excess_s" in o and after > 0:
+            o["error_from_last_arrival"] = (o["predicted_s"] - o["predicted_excess_s"]) / after - 1
+        ops.append(o)
+    zero: dict[str, list[int]] = {}
+    for r in runs:
+        for kind, (n, n0) in r["ops"].get("collective_spans", {}).items():
+            z = zero.setdefault(kind, [0, 0])
+            z[0] += n
+            z[1] += n0
+    compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
+    ops_summary = {**first["ops"], "matched": len(ops),
+                   "unmatched": sorted({u for r in runs for u in r["ops"]["unmatched"]}),
+                   "stretch": _median([r["ops"]["stretch"] for r in runs]),
+                   "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
+                   "compute_median_abs_error": statistics.median(compute) if compute else None,
+                   "by_kind": _by_kind(ops, zero), "collective_spans": zero}
+    mem = first["memory"]
+    mem_meas = _median([r["memory"]["measured_bytes"] for r in runs])
+    memory = {**mem, "measured_bytes": mem_meas,
+              "error": mem["predicted_bytes"] / mem_meas - 1 if mem_meas else None}
+    return {**first, "runs": [r["run"] for r in runs], "repeats": len(runs), "iteration": iteration,
+            "ops": ops_summary, "memory": memory, "per_op": ops}
+
+
 def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str | None = None,
                   progress=None) -> dict:
-    """validate_run over several runs, plus the grid ranking (Spearman, predicted vs measured).
+    """validate_run over several runs, repeated runs of one job pooled into one entry (pool_repeats;
+    runs are the same job when model, grid, batch and switches agree), in the order of their first
+    run; plus the grid ranking over the entries (Spearman, predicted vs measured).
     progress(what, done, total) is called before each run (twin.progress.Steps)."""
     if not run_dirs:
         raise TwinError("twin validate needs at least one run directory (from `backend run --out DIR`)")
-    runs = []
+    groups: dict[str, list[dict]] = {}
     for i, d in enumerate(run_dirs):
         if progress is not None:
             progress(f"validating {Path(d).name}", i, len(run_dirs))
-        runs.append(validate_run(d, system, profile))
+        r = validate_run(d, system, profile)
+        key = json.dumps([r["model"], r["grid"], r["batch"], r["options"]], sort_keys=True)
+        groups.setdefault(key, []).append(r)
+    runs = [pool_repeats(rs) for rs in groups.values()]
     pred = [r["iteration"]["predicted_s"] for r in runs]
     meas = [r["iteration"]["measured_s"] for r in runs]
     return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
-            "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs)}
+            "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs),
+            "repeats": sum(r["repeats"] for r in runs)}
 
 
 def scatter_html(report: dict) -> str:

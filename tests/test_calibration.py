@@ -378,7 +378,8 @@ def test_the_loop_end_to_end(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
     assert {run["grid"] for run in rep["runs"]} == {"2x1x1x1", "1x1x1x2"}
-    for run in rep["runs"]:
+    for run in rep["runs"]:  # each grid run twice (--ci), compared at the median of the two
+        assert run["repeats"] == 2 and len(run["runs"]) == 2 and run["iteration"]["spread"] >= 0
         ratio = run["iteration"]["predicted_s"] / run["iteration"]["measured_s"]
         assert 1 / 200 < ratio < 50, (run["grid"], ratio)
         assert run["ops"]["matched"] > 20 and run["memory"]["measured_bytes"] > 0

@@ -267,3 +267,73 @@ def test_grid_auto_on_cpu_picks_the_fastest_grid():
     best, _ = choose_grid(study)
     every = [c.grid for c in rank_grids(study, None, keep=1000)]
     assert best.simulated_s == pytest.approx(min(simulate_grid(study, g).iteration_time_s for g in every))
+
+
+def _validated(run: str, measured_it: float, op_measured: float, spread_ops: float = 1.0) -> dict:
+    """A validate_run result of one run of 2x1x1x1 with two ops (what pool_repeats reads)."""
+    ops = [{"name": "fwd.gemm", "kind": "gemm", "measured_s": op_measured, "predicted_s": 0.010,
+            "error": 0.010 / op_measured - 1, "wall_s": op_measured, "cpu_s": op_measured},
+           {"name": "ar.data", "kind": "all_reduce", "measured_s": 0.004 * spread_ops, "predicted_s": 0.004,
+            "error": 1 / spread_ops - 1, "wall_s": 0.004 * spread_ops, "peer_wait_s": 0.001,
+            "predicted_excess_s": 0.001}]
+    return {"run": run, "model": "gpt-tiny", "grid": "2x1x1x1", "batch": 8, "options": {},
+            "iteration": {"measured_s": measured_it, "predicted_s": 0.10, "error": 0.10 / measured_it - 1,
+                          "steps_used": 4, "outside_ops_measured_s": 0.01},
+            "ops": {"matched": 2, "unmatched": [], "stretch": 1.0, "median_abs_error": 0.0,
+                    "compute_median_abs_error": 0.0, "by_kind": {}, "collective_spans": {"all_reduce": [4, 1]}},
+            "memory": {"predicted_bytes": 100, "measured_bytes": 100, "error": 0.0}, "per_op": ops}
+
+
+def test_repeated_runs_of_a_grid_are_compared_at_their_median():
+    """A single CPU run per grid carries +-15 % per-process noise (the same grid minutes apart), as
+    large as the loop's target: the loop repeats each grid and `twin validate` compares the prediction
+    with the median of the repeats, per op too, and reports their spread beside the error."""
+    from calibration.validate import pool_repeats
+    runs = [_validated("a", 0.125, 0.0125, 1.5), _validated("b", 0.100, 0.010), _validated("c", 0.080, 0.008, 0.5)]
+    p = pool_repeats(runs)
+    assert p["repeats"] == 3 and p["runs"] == ["a", "b", "c"]
+    it = p["iteration"]
+    assert it["measured_s"] == pytest.approx(0.100) and it["error"] == pytest.approx(0.0)  # not 0.125's -20 %
+    assert it["spread"] == pytest.approx(0.125 / 0.080 - 1) and it["measured_each_s"] == [0.125, 0.100, 0.080]
+    assert it["steps_used"] == 12
+    ops = {o["name"]: o for o in p["per_op"]}
+    assert ops["fwd.gemm"]["measured_s"] == pytest.approx(0.010) and ops["fwd.gemm"]["error"] == pytest.approx(0)
+    assert ops["ar.data"]["error_from_last_arrival"] == pytest.approx(0.003 / 0.003 - 1)
+    assert p["ops"]["median_abs_error"] == pytest.approx(0) and p["ops"]["by_kind"]["gemm"]["median_abs_error"] == 0
+    assert p["ops"]["by_kind"]["all_reduce"]["completed_with_previous_share"] == pytest.approx(3 / 12)
+    one = pool_repeats(runs[:1])  # one run: as validated, with a spread of 0
+    assert one["iteration"]["error"] == pytest.approx(0.10 / 0.125 - 1) and one["iteration"]["spread"] == 0
+
+
+def test_the_loops_passes_vary_the_order_of_the_grids():
+    """Repeats run in interleaved passes whose order varies, so that a drift of the machine during the
+    loop does not fall on one grid: every pass runs every grid once, no grid keeps its place or its
+    predecessor in all passes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_validate", LOOPS.parent.parent / "benchmarks" / "bench_validate.py")
+    bv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bv)
+    grids = [f"g{i}" for i in range(35)]
+    orders = bv.pass_orders(grids, 3)
+    assert len(orders) == 3 and all(sorted(o) == sorted(grids) for o in orders)
+    assert not any(len({o.index(g) for o in orders}) == 1 for g in grids)
+    before = [{g: o[o.index(g) - 1] for g in o[1:]} for o in orders]
+    assert not any(all(g in b and b[g] == before[0].get(g) for b in before) for g in grids)
+    assert bv.pass_orders(grids, 1) == [grids]
+
+
+def test_ranks_are_pinned_round_robin_when_asked():
+    """BACKEND_CPU_BIND=cores pins rank i to core i mod cores (as srun --cpu-bind=cores); unset, a
+    rank keeps every core it was given."""
+    import os
+    import subprocess
+    import sys
+    from backend.launch import bind_cores
+    assert [bind_cores(r, [0, 1]) for r in range(4)] == [{0}, {1}, {0}, {1}]
+    cores = sorted(os.sched_getaffinity(0))
+    code = "import sys; from backend.launch import bind_rank; print(sorted(bind_rank(int(sys.argv[1]))))"
+    for bind, want in (("cores", [cores[1 % len(cores)]]), ("none", cores)):
+        env = {**os.environ, "BACKEND_CPU_BIND": bind, "BACKEND_CPU_BIND_CORES": ",".join(map(str, cores))}
+        out = subprocess.run([sys.executable, "-c", code, "1"], env=env, cwd=LOOPS.parent.parent,
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+        assert out == str(want), (bind, out)

@@ -46,19 +46,21 @@ def validate_cmd(
     from twin.progress import Steps, quiet_default
     with Steps(quiet_default(False, quiet)) as steps:
         rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
-    cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "per-op median |err|", "compute ops |err|",
-            "memory measured (MiB)", "predicted (MiB)")
-    t = table(*cols, title="twin vs backend", keep=("grid",), right=cols[1:])
+    cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "spread (runs)", "per-op median |err|",
+            "compute |err|", "memory (MiB)", "predicted (MiB)")
+    t = table(*cols, title="twin vs backend (a grid's runs: their median, spread max/min - 1)",
+              keep=("grid",), right=cols[1:])
     for r in rep["runs"]:
         it, ops, mem = r["iteration"], r["ops"], r["memory"]
         pct = (lambda v: "-" if v is None else f"{100 * v:.0f} %")  # noqa: E731
         t.add_row(r["grid"], f"{it['measured_s']:.4f}", f"{it['predicted_s']:.4f}", f"{100 * it['error']:+.0f} %",
+                  f"{pct(it['spread'])} ({r['repeats']})" if r["repeats"] > 1 else "- (1)",
                   pct(ops["median_abs_error"]), pct(ops["compute_median_abs_error"]),
                   "-" if mem["measured_bytes"] is None else f"{mem['measured_bytes'] / 2**20:.1f}",
                   f"{mem['predicted_bytes'] / 2**20:.1f}")
     console.print(t)
     if rep["spearman"] is not None:
-        console.print(f"grid ranking: Spearman {rep['spearman']:.2f} over {len(rep['runs'])} runs")
+        console.print(f"grid ranking: Spearman {rep['spearman']:.2f} over {len(rep['runs'])} grids ({rep['repeats']} runs)")
     if json_out is not None:
         write_atomic(json_out, json.dumps(rep, indent=1))
         console.print(f"wrote {json_out}")

@@ -1,0 +1,164 @@
+"""Where a CPU run's per-process spread comes from: the same grids run several times, alternating, with
+and without binding ranks to cores, and what the machine did meanwhile.
+
+    python benchmarks/cpu_run_spread.py --grids 1x2x1x1,1x2x2x1,1x1x2x4,8x1x1x1 --repeats 3
+    python benchmarks/cpu_run_spread.py --binds none,cores --repeats 4      # pinned against not (default)
+
+Each pass runs every (grid, bind) once with `backend run --model M --steps S --warmup 1`, in an order
+rotated from pass to pass (so that a drift of the machine does not fall on one grid or one bind), and
+takes a run's iteration as the median step time of its steps after the first two (as `twin validate`).
+While a run goes, every 0.2 s it samples /proc: the steal and niced share of the machine's time (a
+hypervisor or the other users taking the cores), and per rank process the scheduler's migrations and
+involuntary switches. It prints per grid and bind the iterations of the passes, their spread
+(max/min - 1), the median, and the sampled figures; at the end, per bind, the median spread over grids.
+Timings depend on the machine's load: the load average is printed at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_times() -> list[int]:
+    """The machine's cpu line of /proc/stat: user nice system idle iowait irq softirq steal (jiffies)."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def children(root: int) -> list[int]:
+    """Every process below `root` (by parent pid)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def sched(pid: int) -> dict[str, float]:
+    """nr_migrations, nr_involuntary_switches and sum_exec_runtime (ms) of /proc/PID/sched, summed over
+    its threads."""
+    tot = {"migrations": 0.0, "involuntary": 0.0, "cpu_ms": 0.0}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return tot
+    for t in tids:
+        try:
+            for line in Path(f"/proc/{pid}/task/{t}/sched").read_text().splitlines():
+                k, _, v = line.partition(":")
+                k = k.strip()
+                if k == "se.nr_migrations":
+                    tot["migrations"] += float(v)
+                elif k == "nr_involuntary_switches":
+                    tot["involuntary"] += float(v)
+                elif k == "se.sum_exec_runtime":
+                    tot["cpu_ms"] += float(v)
+        except OSError:
+            pass
+    return tot
+
+
+def one_run(model: str, grid: str, steps: int, bind: str, out: Path) -> dict:
+    """One `backend run`, sampled; its iteration (s) and what the machine and the ranks did."""
+    env = {**os.environ, "BACKEND_CPU_BIND": bind}
+    c0, t0 = cpu_times(), time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "backend.cli", "run", "--model", model, "--grid", grid,
+                          "--steps", str(steps), "--warmup", "1", "--out", str(out)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last: dict[int, dict] = {}
+    ranks: list[int] = []
+    while p.poll() is None:
+        time.sleep(0.2)
+        if not ranks or len(ranks) < int(grid_size(grid)) - 1:
+            ranks = children(p.pid)
+        for r in ranks + [p.pid]:
+            s = sched(r)
+            if s["cpu_ms"]:
+                last[r] = s
+    wall = time.perf_counter() - t0
+    c1 = cpu_times()
+    if p.returncode:
+        sys.exit(f"backend run {grid} failed: {p.stdout.read()[-2000:]}")
+    steps_s = [json.loads(line)["step_time_s"] for line in (out / "log.jsonl").read_text().splitlines()]
+    d = [b - a for a, b in zip(c0, c1)]
+    total = sum(d) or 1
+    rank_stats = [v for k, v in last.items() if k != p.pid] or list(last.values())
+    return {"iteration_s": statistics.median(steps_s[2:]), "steps_s": steps_s, "wall_s": wall,
+            "steal": d[7] / total, "niced": d[1] / total, "idle": d[3] / total,
+            "migrations_per_s": statistics.fmean(s["migrations"] for s in rank_stats) / wall if rank_stats else 0,
+            "involuntary_per_s": statistics.fmean(s["involuntary"] for s in rank_stats) / wall if rank_stats else 0}
+
+
+def grid_size(grid: str) -> int:
+    n = 1
+    for x in grid.split("x"):
+        n *= int(x)
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grids", default="1x2x1x1,1x2x2x1,1x1x2x4,8x1x1x1")
+    ap.add_argument("--binds", default="none,cores", help="BACKEND_CPU_BIND values to alternate")
+    ap.add_argument("--repeats", type=int, default=3, help="passes over every (grid, bind)")
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--json", help="write every run's figures here")
+    a = ap.parse_args()
+    grids, binds = a.grids.split(","), a.binds.split(",")
+    cases = [(g, b) for g in grids for b in binds]
+    print(f"load average at the start {os.getloadavg()}; {len(cases)} cases x {a.repeats} passes", flush=True)
+    res: dict[tuple, list[dict]] = {c: [] for c in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(a.repeats):
+            k = (rep * 3) % len(cases)
+            order = cases[k:] + cases[:k]
+            if rep % 2:
+                order = order[::-1]
+            for g, b in order:
+                r = one_run(a.model, g, a.steps, b, Path(tmp) / f"{g}-{b}-{rep}")
+                res[(g, b)].append(r)
+                print(f"  pass {rep}  {g:8s} bind={b:5s} {r['iteration_s']:.3f} s  steal {100 * r['steal']:.1f} %  "
+                      f"niced {100 * r['niced']:.1f} %  migrations {r['migrations_per_s']:.1f}/s  "
+                      f"involuntary {r['involuntary_per_s']:.0f}/s", flush=True)
+    print("grid     bind   iterations (s)                 spread  median   steal  migr/s")
+    spreads: dict[str, list[float]] = {b: [] for b in binds}
+    for (g, b), rs in res.items():
+        its = [r["iteration_s"] for r in rs]
+        spread = max(its) / min(its) - 1
+        spreads[b].append(spread)
+        print(f"{g:8s} {b:6s} {' '.join(f'{x:.3f}' for x in its):30s} {100 * spread:5.1f} %  {statistics.median(its):.3f}  "
+              f"{100 * statistics.fmean(r['steal'] for r in rs):4.1f} %  "
+              f"{statistics.fmean(r['migrations_per_s'] for r in rs):5.1f}")
+    for b in binds:
+        meds = {g: statistics.median(r["iteration_s"] for r in res[(g, b)]) for g in grids}
+        print(f"bind={b}: median spread {100 * statistics.median(spreads[b]):.1f} %, "
+              f"worst {100 * max(spreads[b]):.1f} %; iteration medians "
+              + " ".join(f"{g} {meds[g]:.3f}" for g in grids))
+    if a.json:
+        Path(a.json).write_text(json.dumps({f"{g}/{b}": rs for (g, b), rs in res.items()}, indent=1))
+    print(f"load average at the end {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
