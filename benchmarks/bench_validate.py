@@ -1,7 +1,8 @@
 """The calibration loop on this machine: bench, calibrate, then run and validate every grid.
 
-    python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01 \\
-        --profile calibration/profiles/cpu.toml            # the whole loop (gpt-small, 1-8 ranks)
+    python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01g \\
+        --work /tmp/bv7/work --profile calibration/profiles/cpu.toml
+                        # the whole loop: gpt-small, 1-8 ranks, 35 grids x 3 repeats (about 23 min quiet)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
         --profile calibration/profiles/cpu.toml   # step 4 only, on runs already made (offline, seconds)

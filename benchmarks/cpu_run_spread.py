@@ -12,12 +12,33 @@ hypervisor or the other users taking the cores), and per rank process the schedu
 involuntary switches. It prints per grid and bind the iterations of the passes, their spread
 (max/min - 1), the median, and the sampled figures; at the end, per bind, the median spread over grids.
 Timings depend on the machine's load: the load average is printed at the start and the end.
+
+What it found on the 2-core development VM (2026-12-01, gpt-small, 6 steps, 3 passes; other helpers'
+niced jobs around, load 2-12):
+- The per-process spread is real: over 35 grids run in the three quiet loops 01d, 01e and 01f, the
+  same grid's iteration (median of steps 3-6) moved by a standard deviation of 9.6 % (of its log),
+  while its steps within a run scatter by 6.1 % each, which alone would move a median of 4 by about
+  4 %. Three passes here: 6-11 % against 4 %. So more steps per run do little; more runs help.
+- Not steal time: /proc/stat's steal was 0.0-0.3 % of the machine during every run.
+- Not the ranks wandering between cores: binding rank i to core i mod 2 (BACKEND_CPU_BIND=cores)
+  stopped migrations (4-20/s unbound, 0 bound) but did not narrow the spread (median max/min - 1 over
+  the four grids: 12 % unbound, 25 % bound, with this script's default grids). It moves the level:
+  8x1x1x1 2.95 -> 2.09 s, 1x2x2x1 0.55 -> 0.63 s. So it stays off by default (backend.launch).
+- Other users' work fills the ranks' idle gaps even when niced: the kernel groups a session's
+  processes (sched_autogroup_enabled = 1), and `nice` weighs only within a group, so other sessions'
+  `nice -n 19` jobs took 12-72 % of the machine's time during these runs ("niced" in the lines),
+  and the spread reached 40-240 %. Raising the measuring session's group (`echo -20 >
+  /proc/self/autogroup`, root) brought that to about 20 % and the spread to the figures above. The
+  quiet loop needs a machine without other sessions' jobs, niced or not.
+- The first two steps are left out for a reason: step 2 (where torch's memory tracker measures the
+  peak) takes 1.3-2.3x the median of steps 3-6, step 1 1.1-1.25x. The traced last step takes 1.01-1.04x.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -108,6 +129,23 @@ def one_run(model: str, grid: str, steps: int, bind: str, out: Path) -> dict:
             "involuntary_per_s": statistics.fmean(s["involuntary"] for s in rank_stats) / wall if rank_stats else 0}
 
 
+def noise(groups: list[list[list[float]]]) -> tuple[float, float]:
+    """Per grid the step times of each of its runs: (between, steps), both rms over the grids. between:
+    the standard deviation over the runs of the log of a run's iteration (median of its steps after
+    the first two); steps: what the scatter of the steps within a run alone would give it (their
+    standard deviation, pooled over the runs, x 1.2 / sqrt(steps): a median of a few)."""
+    between, steps = [], []
+    for runs in groups:
+        logs = [[math.log(x) for x in s[2:]] for s in runs]
+        if len(logs) < 2 or min(map(len, logs)) < 2:
+            continue
+        between.append(statistics.stdev(statistics.median(lg) for lg in logs))
+        within = math.sqrt(statistics.fmean(statistics.variance(lg) for lg in logs))
+        steps.append(1.2 * within / math.sqrt(statistics.fmean(map(len, logs))))
+    rms = (lambda v: math.sqrt(statistics.fmean(x * x for x in v)) if v else float("nan"))  # noqa: E731
+    return rms(between), rms(steps)
+
+
 def grid_size(grid: str) -> int:
     n = 1
     for x in grid.split("x"):
@@ -151,9 +189,12 @@ def main() -> int:
               f"{statistics.fmean(r['migrations_per_s'] for r in rs):5.1f}")
     for b in binds:
         meds = {g: statistics.median(r["iteration_s"] for r in res[(g, b)]) for g in grids}
+        between, steps = noise([[r["steps_s"] for r in res[(g, b)]] for g in grids])
         print(f"bind={b}: median spread {100 * statistics.median(spreads[b]):.1f} %, "
               f"worst {100 * max(spreads[b]):.1f} %; iteration medians "
               + " ".join(f"{g} {meds[g]:.3f}" for g in grids))
+        print(f"  a run's iteration moves by {100 * between:.1f} % (sd of its log over the passes, rms over grids); "
+              f"its steps' scatter alone would move it by {100 * steps:.1f} %")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{g}/{b}": rs for (g, b), rs in res.items()}, indent=1))
     print(f"load average at the end {os.getloadavg()}")
