@@ -140,11 +140,11 @@ def finetune_cmd(
 ) -> int:
     """Fine-tune a Llama from a Hugging Face checkpoint: the loss on responses only, a lower learning rate,
     warm-up then cosine decay, a held-out loss in the log."""
+    from backend.finetune import default_lr, default_warmup, finetune_model
     from backend.launch import launch
     from backend.train import TrainConfig, validate
 
     spec, hf_config, init_from = finetune_model(init_from, ckpt_dir, seq_len, batch)
-    from backend.finetune import default_lr, default_warmup
     lr = lr if lr is not None else default_lr(spec.hidden)
     if export and not ckpt_dir:
         raise TwinError("--export writes the final checkpoint: give --ckpt-dir too")
@@ -174,34 +174,6 @@ def finetune_cmd(
         files = write_hf(ckpt_dir, export)
         typer.echo(f"exported to {export}/ ({len(files)} files)")
     return 0
-
-
-def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | None, batch: int):
-    """The model of a fine-tune, its Hugging Face config and the directory it started from (its
-    tokenizer's): from --init-from, else from the checkpoint it resumes (raises TwinError when there
-    is neither)."""
-    from pathlib import Path
-
-    from twin.model import ModelSpec
-
-    if seq_len is not None and seq_len < 1:
-        raise TwinError(f"--seq-len must be >= 1, got {seq_len}")
-    if init_from:
-        from backend.hf import HFCheckpoint
-        ckpt = HFCheckpoint(init_from)
-        return ckpt.spec(seq_len, batch), ckpt.config.raw, init_from
-    from backend import checkpoint
-    path = checkpoint.latest(ckpt_dir) if ckpt_dir else None
-    if path is None:
-        raise TwinError("give --init-from HF_DIR (a Hugging Face Llama directory), or a --ckpt-dir holding a "
-                        "checkpoint of a fine-tune to resume")
-    meta = checkpoint.read_meta(path)
-    saved = meta.get("config", {}) if isinstance(meta.get("config"), dict) else {}
-    spec = ModelSpec(**meta["model"])
-    if seq_len is not None and seq_len != spec.seq_len:
-        raise TwinError(f"the checkpoint in {ckpt_dir} was trained with --seq-len {spec.seq_len}, not {seq_len}")
-    source = saved.get("init_from")
-    return spec, saved.get("hf_config"), source if isinstance(source, str) and Path(source).is_dir() else None
 
 
 @handles_errors

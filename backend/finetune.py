@@ -1,5 +1,5 @@
 """Fine-tuning: prompt/response data whose loss counts only the response, its held-out loss, and the
-defaults of `backend finetune`.
+model and defaults of `backend finetune`.
 
 Data: a JSONL file, one example per line, `{"prompt": "...", "response": "..."}`. An example becomes
 one sequence of the model's length: the prompt's tokens then the response's (then the end-of-text
@@ -61,6 +61,32 @@ def default_lr(hidden: int) -> float:
 def default_warmup(steps: int) -> int:
     """Linear warm-up steps: 3 % of the run (at least 1), the usual share for fine-tuning."""
     return max(1, round(0.03 * steps))
+
+
+def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | None, batch: int):
+    """The model of a fine-tune, its Hugging Face config and the directory it started from (its
+    tokenizer's): from --init-from, else from the checkpoint it resumes (raises TwinError when there
+    is neither)."""
+    from twin.model import ModelSpec
+
+    if seq_len is not None and seq_len < 1:
+        raise TwinError(f"--seq-len must be >= 1, got {seq_len}")
+    if init_from:
+        from backend.hf import HFCheckpoint
+        ckpt = HFCheckpoint(init_from)
+        return ckpt.spec(seq_len, batch), ckpt.config.raw, init_from
+    from backend import checkpoint
+    path = checkpoint.latest(ckpt_dir) if ckpt_dir else None
+    if path is None:
+        raise TwinError("give --init-from HF_DIR (a Hugging Face Llama directory), or a --ckpt-dir holding a "
+                        "checkpoint of a fine-tune to resume")
+    meta = checkpoint.read_meta(path)
+    saved = meta.get("config", {}) if isinstance(meta.get("config"), dict) else {}
+    spec = ModelSpec(**meta["model"])
+    if seq_len is not None and seq_len != spec.seq_len:
+        raise TwinError(f"the checkpoint in {ckpt_dir} was trained with --seq-len {spec.seq_len}, not {seq_len}")
+    source = saved.get("init_from")
+    return spec, saved.get("hf_config"), source if isinstance(source, str) and Path(source).is_dir() else None
 
 
 # -- tokenizers ------------------------------------------------------------------------------------

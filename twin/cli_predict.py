@@ -149,24 +149,12 @@ def report_cmd(
     """One self-contained page: where an iteration's time goes and why (breakdown, timeline with
     exposed communication and the critical path, traffic between dragonfly groups, the job's rings,
     the grid search, scaling and validation when given)."""
-    import json
-
-    from twin.report import build_report, write_report
+    from twin.report import build_report, read_scaling_points, write_report
 
     opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
     if top < 0 or simulate_top < 0:
         raise TwinError("--top and --simulate-top must be at least 0")
-    points = None
-    if scaling is not None:
-        try:
-            points = json.loads(scaling.read_text())
-        except json.JSONDecodeError as e:
-            raise TwinError(f"--scaling {scaling}: not JSON ({e})") from None
-        if isinstance(points, dict):
-            points = points.get("points", [])
-        if not isinstance(points, list) or any(not isinstance(p, dict) or "gpus" not in p or "flops_per_s" not in p
-                                               for p in points):
-            raise TwinError(f"--scaling {scaling}: expected a list of {{\"gpus\": N, \"flops_per_s\": F}} objects")
+    points = None if scaling is None else read_scaling_points(scaling)
     for r in run or []:
         if not r.is_dir():
             raise TwinError(f"--run {r}: not a folder (give the --out folder of `backend run`)")

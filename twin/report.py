@@ -358,6 +358,23 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
             + "<script>" + "\n".join(scripts) + "</script></body></html>")
 
 
+def read_scaling_points(path: str | Path) -> list[dict]:
+    """The scaling points of `twin report --scaling FILE`: a JSON list of {"gpus": N, "flops_per_s": F,
+    ...} objects, or an object holding that list under "points" (raises TwinError, one line)."""
+    from twin.common import TwinError
+
+    try:
+        points = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise TwinError(f"--scaling {path}: not JSON ({e})") from None
+    if isinstance(points, dict):
+        points = points.get("points", [])
+    if not isinstance(points, list) or any(not isinstance(p, dict) or "gpus" not in p or "flops_per_s" not in p
+                                           for p in points):
+        raise TwinError(f"--scaling {path}: expected a list of {{\"gpus\": N, \"flops_per_s\": F}} objects")
+    return points
+
+
 def write_report(path: str | Path, rep: Report) -> None:
     """Write the page (atomically)."""
     from twin.common import write_atomic
