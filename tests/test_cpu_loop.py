@@ -68,7 +68,8 @@ def _fitted(loop: str) -> str:
 
 # (loop, median |error| under, at least this many of 35 within 15 %, worst under, Spearman at least)
 BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 24, 0.36, 0.94),
-          ("cpu-2026-12-01d", 0.075, 29, 0.23, 0.95), ("cpu-2026-12-01e", 0.07, 28, 0.24, 0.94)]
+          ("cpu-2026-12-01d", 0.075, 29, 0.23, 0.95), ("cpu-2026-12-01e", 0.07, 28, 0.24, 0.94),
+          ("cpu-2026-12-01g", 0.07, 35, 0.15, 0.96)]
 
 
 @pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
@@ -110,7 +111,13 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     at the start): measured 6.9 %, 29 within 15 %, worst 22 % (1x1x2x4), Spearman 0.96. With the stretch
     bench measured as the floor where the ranks do not outnumber the cores (twin.cores.stretch_floor):
     6.3 %, 29, worst 22 %, Spearman 0.959 (benchmarks/cpu_bias.py); asserted: median under 7 %, at
-    least 28, worst under 24 %, Spearman at least 0.94."""
+    least 28, worst under 24 %, Spearman at least 0.94.
+
+    cpu-2026-12-01g (the committed profile's files; the first loop that ran every grid 3 times in
+    interleaved passes and compares the twin with the median of the three, since one run carries
+    +-15 % per-process noise; quiet, load 0.7 at the start, 1,488 s): measured 6.2 %, 35 within 15 %,
+    worst 13.3 % (4x1x1x1 -12 %, 2x1x2x2 -13 %, 4x2x1x1 +13 %), Spearman 0.978; asserted: median under
+    7 %, all 35 within 15 %, worst under 15 %, Spearman at least 0.96."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
