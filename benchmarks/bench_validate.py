@@ -3,8 +3,8 @@
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01g \\
         --work /tmp/bv7/work --profile calibration/profiles/cpu.toml
                         # the whole loop: gpt-small, 1-8 ranks, 35 grids x 3 repeats
-    (estimated 22-23 min on a quiet machine from 01e: bench about 190 s; a pass of the 35 runs about
-    380 s, 208 s of steps and about 5 s per run to start, build and write its trace)
+    (measured: 1,488 s on the quiet 2-core VM for cpu-2026-12-01g, of which bench 216 s; a pass of
+    the 35 runs about 6-7 minutes)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
         --profile calibration/profiles/cpu.toml   # step 4 only, on runs already made (offline, seconds)
