@@ -3,6 +3,7 @@ and without binding ranks to cores, and what the machine did meanwhile.
 
     python benchmarks/cpu_run_spread.py --grids 1x2x1x1,1x2x2x1,1x1x2x4,8x1x1x1 --repeats 3
     python benchmarks/cpu_run_spread.py --binds none,cores --repeats 4      # pinned against not (default)
+    python benchmarks/cpu_run_spread.py --binds none,norand --repeats 4 --grids 1x1x1x2,2x1x1x1,1x2x2x1,2x2x2x1
 
 Each pass runs every (grid, bind) once with `backend run --model M --steps S --warmup 1`, in an order
 rotated from pass to pass (so that a drift of the machine does not fall on one grid or one bind), and
@@ -24,6 +25,10 @@ niced jobs around, load 2-12):
   stopped migrations (4-20/s unbound, 0 bound) but did not narrow the spread (median max/min - 1 over
   the four grids: 12 % unbound, 25 % bound, with this script's default grids). It moves the level:
   8x1x1x1 2.95 -> 2.09 s, 1x2x2x1 0.55 -> 0.63 s. So it stays off by default (backend.launch).
+- Not the memory layout: with address space randomization off (`setarch -R`, what `--binds
+  none,norand` alternates; measured before that option existed, by the same alternation of plain and
+  `setarch -R` runs, 4 grids x 4 passes, medians of steps 3-6, 2026-12-01 15:10 UTC, quiet) the spread was 2-29 % (1x1x1x2 24 %, 2x1x1x1 2 %,
+  1x2x2x1 29 %, 2x2x2x1 19 %) against 9-33 % with it (25, 9, 33, 17 %).
 - Other users' work fills the ranks' idle gaps even when niced: the kernel groups a session's
   processes (sched_autogroup_enabled = 1), and `nice` weighs only within a group, so other sessions'
   `nice -n 19` jobs took 12-72 % of the machine's time during these runs ("niced" in the lines),
@@ -99,10 +104,13 @@ def sched(pid: int) -> dict[str, float]:
 
 
 def one_run(model: str, grid: str, steps: int, bind: str, out: Path) -> dict:
-    """One `backend run`, sampled; its iteration (s) and what the machine and the ranks did."""
-    env = {**os.environ, "BACKEND_CPU_BIND": bind}
+    """One `backend run`, sampled; its iteration (s) and what the machine and the ranks did. bind: a
+    BACKEND_CPU_BIND value, or 'norand' (unbound, the process tree started by `setarch -R`: address
+    space randomization off, so every run lays out its memory alike)."""
+    env = {**os.environ, "BACKEND_CPU_BIND": "none" if bind == "norand" else bind}
+    pre = ["setarch", os.uname().machine, "-R"] if bind == "norand" else []
     c0, t0 = cpu_times(), time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "backend.cli", "run", "--model", model, "--grid", grid,
+    p = subprocess.Popen(pre + [sys.executable, "-m", "backend.cli", "run", "--model", model, "--grid", grid,
                           "--steps", str(steps), "--warmup", "1", "--out", str(out)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last: dict[int, dict] = {}
@@ -156,7 +164,7 @@ def grid_size(grid: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grids", default="1x2x1x1,1x2x2x1,1x1x2x4,8x1x1x1")
-    ap.add_argument("--binds", default="none,cores", help="BACKEND_CPU_BIND values to alternate")
+    ap.add_argument("--binds", default="none,cores", help="BACKEND_CPU_BIND values (none, cores) or norand (none, address randomization off) to alternate")
     ap.add_argument("--repeats", type=int, default=3, help="passes over every (grid, bind)")
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--steps", type=int, default=6)
