@@ -166,9 +166,18 @@ def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol
     if not finite.any():
         return None
     top = fcap[finite].max()
-    wide = np.zeros(len(cap_link), dtype=bool)
-    wide[used[share >= top]] = True
-    easy = np.minimum.reduceat(wide[links], starts) & finite   # every link of the path wide
+    narrow = used[share < top]
+    if len(narrow) == 0:  # every link wide: every flow with a finite cap is easy
+        easy = finite
+    else:  # the flows with an entry on a narrow link are not easy
+        on = np.zeros(len(cap_link), dtype=bool)
+        on[narrow] = True
+        e = np.flatnonzero(on[links])                  # the entries on narrow links
+        if 8 * len(e) < len(starts):
+            easy = finite.copy()
+            easy[np.searchsorted(starts, e, side="right") - 1] = False
+        else:
+            easy = ~np.maximum.reduceat(on[links], starts) & finite
     if 2 * np.count_nonzero(easy) < len(fcap):
         return None
     c = fcap[easy]
