@@ -91,20 +91,26 @@ class _FlowSet:
                  caps: np.ndarray, n_rings: int):
         self.routes, self.parent, self.ring, self.weight = routes, parent, ring, weight
         self.caps, self.n_rings = caps, n_rings
-        self._used = None
+        self._counts = None
         self._latency: dict[bytes, float] = {}
 
     @property
     def nbytes(self) -> int:
         return self.routes.nbytes + sum(a.nbytes for a in (self.parent, self.ring, self.weight, self.caps))
 
+    def link_counts(self, n_links: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the links any of these flows cross, sorted; how many of the flows cross each of them),
+        n_links: the network's link count. Worked out once per flow set: max-min asks for them
+        every time the set is rated, alone or beside others."""
+        if self._counts is None:
+            per_link = np.bincount(self.routes.links, minlength=n_links)
+            used = np.flatnonzero(per_link > 0)
+            self._counts = (used, per_link[used])
+        return self._counts
+
     def links_used(self, n_links: int) -> np.ndarray:
         """The links any of these flows cross (sorted; n_links: the network's link count)."""
-        if self._used is None:
-            on = np.zeros(n_links, dtype=bool)
-            on[self.routes.links] = True       # (2x faster than counting entries per link)
-            self._used = np.flatnonzero(on)
-        return self._used
+        return self.link_counts(n_links)[0]
 
     def path_latency(self, latency: np.ndarray) -> float:
         """The largest sum of link latencies (s) over these flows' paths (0 if none), given every
@@ -117,6 +123,14 @@ class _FlowSet:
                 hit = float(np.add.reduceat(latency[r.links], r.ptr[:-1][np.diff(r.ptr) > 0]).max())
             self._latency[key] = hit
         return hit
+
+    def slowest(self, rates: np.ndarray) -> float:
+        """The smallest bus rate of these rings (bytes/s; bus_rates(rates).min(), without the
+        per-ring minima: a min is the same taken in any grouping)."""
+        if len(self.ring) == 0:
+            return math.inf
+        flow_rate = np.bincount(self.parent, weights=rates, minlength=len(self.ring))
+        return float((self.weight * flow_rate).min())
 
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
         """Bus rate of each ring (bytes/s): min over its flows of weight x rate (sum of sub-flows)."""
@@ -137,6 +151,17 @@ def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
                 old = group[j]
                 group = [group[i] if g == old else g for g in group]
     return [[i for i in range(len(sets)) if group[i] == g] for g in dict.fromkeys(group)]
+
+
+def _link_counts(sets: list["_FlowSet"], n_links: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the links the flow sets' flows cross, sorted; the flows through every link) of the flow sets
+    together, as twin.flows.max_min_rates takes them (from each set's counts: no pass over the entries)."""
+    per_link = np.zeros(n_links, dtype=np.int64)
+    for f in sets:
+        used, count = f.link_counts(n_links)
+        per_link[used] += count
+    used = sets[0].links_used(n_links) if len(sets) == 1 else np.flatnonzero(per_link > 0)
+    return used, per_link
 
 
 _CAPACITY: dict[tuple, tuple] = {}  # (id(net), inter_node_cap) -> (net, capacity, channel cap)
@@ -343,14 +368,15 @@ class CollectiveModel:
                     fs = [allf[i] for i in group]
                     routes = Routes.concat([f.routes for f in fs])
                     # the routes' key (from the flow sets' keys) determines the caps too
-                    r = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in fs]), key=routes.key)
+                    r = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in fs]), key=routes.key,
+                                      link_counts=lambda: _link_counts(fs, self.net.n_links))
                     off = 0
                     for i, f in zip(group, fs):
                         rates[i] = r[off:off + len(f.routes)]
                         off += len(f.routes)
                 for (a, v), f, r in zip(sets.items(), allf, rates):
                     if k < len(v):
-                        out[a].append(float(f.bus_rates(r).min()))
+                        out[a].append(f.slowest(r))
             self._rates[key] = out
         return self._rates[key]
 

@@ -34,7 +34,8 @@ def _csr(paths) -> tuple[np.ndarray, np.ndarray]:
 
 
 def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarray | None = None,
-                  rtol: float = 1e-9, key: bytes | None = None) -> np.ndarray:
+                  rtol: float = 1e-9, key: bytes | None = None,
+                  link_counts=None) -> np.ndarray:
     """Max-min fair rate of each flow, bytes/s.
 
     paths: an object with CSR arrays `ptr`, `links` (topologies.routing.Routes) or a sequence of
@@ -45,7 +46,10 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     Raises ValueError on a NaN or negative capacity or cap (which would defeat the loop's exit test).
     The same question asked twice in a process (the same paths, capacities of the links they use,
     caps) gets the same answer from a memo; treat the array returned as read-only. `key`, a digest
-    that determines both the paths and the caps (the caller's), saves hashing them.
+    that determines both the paths and the caps (the caller's), saves hashing them. `link_counts`,
+    (the links the paths cross, sorted; the number of paths through every link, as
+    np.bincount(links, minlength=len(capacity)) counts them), or a function that returns them (called
+    only when the memo does not have the rates), saves counting them where the caller knows them.
     """
     ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
@@ -59,12 +63,12 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     hit = RATES.get(key)
     if hit is not None:
         return hit
-    rate = _max_min(ptr, links, cap_link, cap_flow, rtol)
+    rate = _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts() if callable(link_counts) else link_counts)
     RATES.put(key, rate)
     return rate
 
 
-def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
+def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarray:
     n = len(ptr) - 1
     rate = np.full(n, np.inf)
     lens = np.diff(ptr)
@@ -72,8 +76,11 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol) -> np.ndarray:
     rate[empty] = cap_flow[empty]
     if links.size == 0:
         return rate
-    per_link = np.bincount(links, minlength=len(cap_link))
-    used = np.flatnonzero(per_link > 0)                # (on booleans: 4x faster than on counts)
+    if link_counts is None:
+        per_link = np.bincount(links, minlength=len(cap_link))
+        used = np.flatnonzero(per_link > 0)            # (on booleans: 4x faster than on counts)
+    else:
+        used, per_link = link_counts
     rem = cap_link[used].copy()                        # remaining capacity of each used link
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
