@@ -154,6 +154,14 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
     return rate
 
 
+def _flow_of(e: np.ndarray, starts: np.ndarray, flen: np.ndarray) -> np.ndarray:
+    """The flow of each of the entries `e` (sorted entry indices; flows by their first entry
+    `starts`, increasing, and path lengths `flen`, laid out one after the other)."""
+    if 4 * len(e) < len(starts):  # a binary search per entry (sorted: from where the last one ended)
+        return np.searchsorted(starts, e, side="right") - 1
+    return np.repeat(np.arange(len(starts)), flen)[e]   # else a table of every entry's flow
+
+
 def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol):
     """Progressive filling's first round (as the loop of _max_min computes it) where most flows are
     `easy`: a finite cap, the same for all of them, and every link of the path with a first fair
@@ -180,11 +188,8 @@ def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol
         on = np.zeros(len(cap_link), dtype=bool)
         on[narrow] = True
         e = np.flatnonzero(on[links])                  # the entries on narrow links
-        if 8 * len(e) < len(starts):
-            easy = finite.copy()
-            easy[np.searchsorted(starts, e, side="right") - 1] = False
-        else:
-            easy = ~np.maximum.reduceat(on[links], starts) & finite
+        easy = finite.copy()
+        easy[_flow_of(e, starts, flen)] = False
     if 2 * np.count_nonzero(easy) < len(fcap):
         return None
     c = fcap[easy]
