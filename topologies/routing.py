@@ -387,38 +387,52 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
 
 
 def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Routes:
+    """Routes of `route`, laid out as a (flows, columns) matrix of link indices padded with -1 and
+    compacted: [GPU -> NIC GPU] GPU -> NIC, NIC -> switch, [switch hops], switch -> NIC, NIC -> GPU,
+    [NIC GPU -> GPU] for node-crossing flows, the one GPU-GPU link for the others. Columns that no
+    flow uses are left out, and a matrix without holes is the CSR layout itself (no compaction)."""
     n = len(src)
-    m = np.full((n, 6 + _HOPS), -1, dtype=np.int64)
     g = net.gpn
     intra = (src // g) == (dst // g)
-    i = intra & (src != dst)
-    if i.any():
-        m[i, 0] = net.gpu_link(src[i], dst[i])
     x = ~intra
-    if x.any():
-        rows = slice(None) if not intra.any() else np.flatnonzero(x)   # a slice writes faster
-        s, t, a, b = src[rows], dst[rows], sv[rows], dv[rows]
-        off = a != s
-        if off.any():
-            m[rows, 0] = np.where(off, net.gpu_link(s, a), -1)
-        nic_a, nic_b = net.nic_of_gpus[a], net.nic_of_gpus[b]
-        m[rows, 1] = net.gpu_to_nic_link(a)
-        m[rows, 2] = net.nic_to_switch_link(nic_a)
-        sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
+    if not x.any():  # every flow stays in its node: one link each (none to itself)
+        i = src != dst
+        return Routes.from_matrix(np.where(i, net.gpu_link(src, dst), -1)[:, None])
+    has_intra = not x.all()
+    rows = np.flatnonzero(x) if has_intra else slice(None)   # a slice reads and writes faster
+    s, t, a, b = src[rows], dst[rows], sv[rows], dv[rows]
+    off_a, off_b = a != s, b != t
+    first = has_intra or bool(off_a.any())    # a column for the first GPU-GPU link
+    last = bool(off_b.any())                  # one for the last
+    sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
+    hops = 0 if not (sa != sb).any() else 3 if mode == "minimal" else _HOPS
+    c = int(first)                            # column of GPU -> NIC
+    m = np.full((n, c + 4 + hops + int(last)), -1, dtype=np.int64)
+    if has_intra:
+        i = intra & (src != dst)
+        m[i, 0] = net.gpu_link(src[i], dst[i])
+    if first and off_a.any():
+        m[rows, 0] = np.where(off_a, net.gpu_link(s, a), -1)
+    nic_a, nic_b = net.nic_of_gpus[a], net.nic_of_gpus[b]
+    m[rows, c] = net.gpu_to_nic_link(a)
+    m[rows, c + 1] = net.nic_to_switch_link(nic_a)
+    if hops:
+        sw = slice(c + 2, c + 2 + hops)
         if mode == "minimal":
-            m[rows, 3:6] = minimal(net, sa, sb)
+            m[rows, sw] = minimal(net, sa, sb)
         elif mode == "nonminimal":
-            m[rows, 3:3 + _HOPS] = valiant(net, sa, sb, seed)
+            m[rows, sw] = valiant(net, sa, sb, seed)
         else:
-            dem = None if demand is None else \
-                np.broadcast_to(np.asarray(demand, dtype=float), (n,))[rows]
+            dem = None if demand is None else np.broadcast_to(np.asarray(demand, dtype=float), (n,))[rows]
             if isinstance(rows, slice):  # written in place
-                adaptive(net, sa, sb, dem, seed, out=m[rows, 3:3 + _HOPS])
+                adaptive(net, sa, sb, dem, seed, out=m[rows, sw])
             else:
-                m[rows, 3:3 + _HOPS] = adaptive(net, sa, sb, dem, seed)
-        m[rows, 3 + _HOPS] = net.switch_to_nic_link(nic_b)
-        m[rows, 4 + _HOPS] = net.nic_to_gpu_link(b)
-        off = b != t
-        if off.any():
-            m[rows, 5 + _HOPS] = np.where(off, net.gpu_link(b, t), -1)
+                m[rows, sw] = adaptive(net, sa, sb, dem, seed)
+    m[rows, c + 2 + hops] = net.switch_to_nic_link(nic_b)
+    m[rows, c + 3 + hops] = net.nic_to_gpu_link(b)
+    if last:
+        m[rows, -1] = np.where(off_b, net.gpu_link(b, t), -1)
+    if not (has_intra or hops) and (not first or off_a.all()) and (not last or off_b.all()):
+        # every flow has every column: the matrix is the CSR layout
+        return Routes(np.arange(0, n * m.shape[1] + 1, m.shape[1], dtype=np.int64), m.ravel())
     return Routes.from_matrix(m)
