@@ -129,19 +129,31 @@ def _live_draws(net: Network, s: np.ndarray, d: np.ndarray, live: np.ndarray, se
     gs, gd = s // S, d // S
     via = (gs != gd) & (G > 2)
     inside = (gs == gd) & (s != d)
-    kv, ki = int(via.sum()), int(inside.sum())
-    lv, li = via[live], inside[live]
-    rv, ri = (np.cumsum(via) - 1)[live], (np.cumsum(inside) - 1)[live]   # rank among the flows that draw
     zero = np.zeros(len(live), dtype=np.int64)
+
+    def reader(draws: np.ndarray):
+        """(draws made, index of each live flow's draw among them, which live flows draw or None if all)."""
+        k = int(draws.sum())
+        if k == 0 or k == len(draws):   # none, or every flow draws: flow i's draw is the i-th
+            return k, live, None
+        rank = (np.cumsum(draws) - 1)[live]
+        lm = draws[live]
+        return k, rank, None if lm.all() else lm
+
+    def pick(values: np.ndarray, rank: np.ndarray, lm: np.ndarray | None) -> np.ndarray:
+        values = values.take(rank)
+        return values if lm is None else np.where(lm, values, 0)
+
+    (kv, rv, lv), (ki, ri, li) = reader(via), reader(inside)
     out = []
     for seed in seeds:
         rng = np.random.default_rng(seed)
         gi = j = mid = zero
         if kv:
-            gi = np.where(lv, rng.integers(0, G - 2, kv)[rv], 0)
-            j = np.where(lv, rng.integers(0, net.L, kv)[rv], 0)
+            gi = pick(rng.integers(0, G - 2, kv), rv, lv)
+            j = pick(rng.integers(0, net.L, kv), rv, lv)
         if ki:
-            mid = np.where(li, rng.integers(0, S, ki)[ri], 0)
+            mid = pick(rng.integers(0, S, ki), ri, li)
         out.append((gi, j, mid))
     return out
 
