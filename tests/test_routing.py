@@ -84,3 +84,13 @@ def test_routes_are_those_computed_before_the_speed_work():
         ROUTES.clear()   # computed, not handed back from the memo
         got[name] = _checksum(route(net, **kw))
     assert got == PINNED
+
+
+def test_cumsum_adds_in_turn_as_loads_accumulate():
+    """Adaptive routing looks a link's load up by how many flows cross it: the k-th entry of a cumsum
+    of one demand must be that demand added k times in turn (as np.add.at placed it), not a pairwise sum."""
+    for demand in (0.7e9, 1 / 3, 1.1e9, 5e9 / 3, 1.25e9 / 7):
+        held, turn = np.cumsum(np.full(5000, demand)), 0.0
+        for k in range(5000):
+            turn += demand
+            assert held[k] == turn

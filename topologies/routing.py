@@ -310,16 +310,29 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     # exactly (rounding is monotone), so a batch reads the load alone; the sentinel's load is -inf
     # (a path of a flow that leaves its switch always has a hop). Else the sentinel's capacity is
     # infinite and the batch also reads capacities.
-    load = np.zeros(net.n_links + 1)               # bytes/s placed per link (sentinel last)
-    if cap is None:
-        cap_ext = np.append(net.capacity, np.inf)
+    # With one demand D for all flows too, a link that k flows cross holds the load T[k], D added k
+    # times to 0 in turn: the same float whichever flows they are. T never decreases, so a path's
+    # busiest hop is its hop with the most flows, and its cost (T[k] + D) / C is looked up by that
+    # count: a batch reads and adds integer counts (in any order) and computes the same floats.
+    counts = cap is not None and one is not None and one >= 0
+    if counts:
+        count = np.zeros(net.n_links + 1, dtype=np.int32)
+        count[-1] = np.iinfo(np.int32).min // 2    # the sentinel: never a path's busiest hop
+        held = np.zeros(len(live) + 1)              # T[k]; no path crosses a link twice, so k <= flows
+        np.cumsum(np.full(len(live), one), out=held[1:])   # (cumsum adds in turn, as add.at did)
+        cost_of_count = (held + one) / cap
+        unit = np.int32(1)
     else:
-        load[-1] = -np.inf
+        load = np.zeros(net.n_links + 1)           # bytes/s placed per link (sentinel last)
+        if cap is None:
+            cap_ext = np.append(net.capacity, np.inf)
+        else:
+            load[-1] = -np.inf
     choice = np.empty((len(live), _HOPS), dtype=net.cable_tables[2].dtype)
     K = L + detours
-    rows_k = np.arange(size + 1) * K
     cost_of_hops = 1 + hop_weight * np.arange(_HOPS + 1)   # a path's factor by its hops (looked up: 7x faster)
     chunk = max(1, 8192 // max(size, 1))          # batches per chunk of laid-out candidates
+    rows = np.arange(chunk * (size + 1)) * K      # where each flow's candidates start in a chunk's `flat`
     for k0 in range(0, parts, chunk):
         k1 = min(k0 + chunk, parts)
         A, B = nb[k0], nb[k1]
@@ -329,13 +342,16 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         cand = _candidates(net, s[sel], d[sel], [[x[A:B] for x in dr] for dr in draws], L)  # (hops, flows, K)
         factor = cost_of_hops.take(np.add.reduce((cand >= 0).view(np.uint8), axis=0, dtype=np.uint8))  # (flows, K)
         flat = cand.reshape(_HOPS, -1)                                                      # (hops, flows*K)
+        picked = np.empty(B - A, dtype=np.intp)   # each flow's chosen candidate, as an index into flat
         for k in range(k0, k1):
             a, b = nb[k] - A, nb[k + 1] - A
             if a == b:
                 continue
             c = cand[:, a:b]
-            if cap is None:
-                util = load.take(c)                 # take: a third of the time of load[c] here
+            if counts:
+                cost = cost_of_count.take(count.take(c).max(0))   # take: a third of the time of x[c] here
+            elif cap is None:
+                util = load.take(c)
                 util += dem[A + a:A + b, None]
                 util /= cap_ext.take(c)
                 cost = util.max(0)
@@ -344,10 +360,15 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
                 cost += dem[A + a:A + b, None] if one is None else one
                 cost /= cap
             cost *= factor[a:b]
-            placed = choice[A + a:A + b]
-            placed[:] = flat.take(rows_k[:b - a] + (a * K) + cost.argmin(1), axis=1).T  # the chosen candidates
+            pick = picked[a:b]
+            np.add(cost.argmin(1), rows[a:b], out=pick)
             # -1 (no hop) adds to the sentinel, which no cost reads: no effect
-            np.add.at(load, placed.ravel(), dem_hops[(A + a) * _HOPS:(A + b) * _HOPS] if one is None else one)
+            if counts:
+                np.add.at(count, flat.take(pick, axis=1), unit)
+            else:  # flow by flow, so that each link's load sums its demands in the order it always did
+                placed = flat.take(pick, axis=1).T.ravel()
+                np.add.at(load, placed, dem_hops[(A + a) * _HOPS:(A + b) * _HOPS] if one is None else one)
+        choice[A:B] = flat.take(picked, axis=1).T
     out[live] = choice
     return out
 
