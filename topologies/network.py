@@ -168,6 +168,25 @@ class Network:
         small = np.int32 if self.n_links < 2**31 else np.int64
         return port.reshape(G * G, L).astype(small), cable.reshape(G * G, L).astype(small), local.astype(small)
 
+    @cached_property
+    def valiant_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lookup tables of Valiant paths through an intermediate group (groups > 2), in cable_tables'
+        integer type: (G*G*L,) switch index where g's cable j to h lands in h, at (g*G + h)*L + j;
+        (G*G*(G-2),) for a path from group g to group h through the r-th group i of the G-2 others
+        (in group order), (g*G + i)*L at (g*G + h)*(G-2) + r, and (i*G + h)*L at the same place."""
+        G, S, L = self.groups, self.S, max(self.L, 1)
+        port, _, _ = self.cable_tables
+        g, h = np.divmod(np.arange(G * G), G)
+        land = (port.reshape(G, G, L).transpose(1, 0, 2) + (h * S).reshape(G, G, 1)).ravel()
+        r = np.arange(max(G - 2, 0))
+        lo, hi = np.minimum(g, h)[:, None], np.maximum(g, h)[:, None]
+        i = r + (r >= lo)
+        i = i + (i >= hi)                       # the r-th group other than g and h
+        via_out = (g[:, None] * G + i) * L
+        via_on = (i * G + h[:, None]) * L
+        small = port.dtype
+        return land.astype(small), via_out.ravel().astype(small), via_on.ravel().astype(small)
+
     # -- arrays ---------------------------------------------------------------------------------
     def _build_arrays(self, ends: bool) -> None:
         """kind, capacity and latency of every link; with `ends`, src and dst instead."""

@@ -215,43 +215,46 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
     cross = np.flatnonzero(~is_same) if len(same) else slice(None)  # a slice writes faster
     if len(same):  # minimal: the local link; Valiant: via a third switch of the group
         s1, d1 = s[same], d[same]
-        direct = loc.take(s1 * S + d1 % S)
+        s1S, sp, dp = s1 * S, s1 % S, d1 % S
+        direct = loc.take(s1S + dp)
+        onward = (s1 - sp) * S + dp          # + mid * S: the link from the third switch to d
         cand[1, same, :L] = direct[:, None]
         for k, (_, _, mid) in enumerate(draws):
             mid = mid[same].astype(small)
-            via = gs[same] * S + mid
-            detour = (via != s1) & (via != d1)
-            cand[0, same, L + k] = np.where(detour, loc.take(s1 * S + mid), direct)
-            cand[1, same, L + k] = np.where(detour, loc.take(via * S + d1 % S), -1)
+            # no detour where the third switch is s (loc's -1 for a switch itself would read there) or d
+            # (loc gives the direct link, then -1 from d to itself: what no detour gives)
+            stay = mid == sp
+            cand[0, same, L + k] = np.where(stay, direct, loc.take(s1S + mid))
+            cand[1, same, L + k] = np.where(stay, -1, loc.take(mid * S + onward))
     s2, d2, g1, g2 = s[cross], d[cross], gs[cross], gd[cross]
     if len(s2):
-        there, back = g1 * G + g2, g2 * G + g1
-        dp, s2S, g2S = d2 % S, s2 * S, g2 * S
+        land, via_out, via_on = net.valiant_tables
+        there = g1 * G + g2
+        dp, s2S = d2 % S, s2 * S
         cand[0, cross, :L] = loc.take(s2S[:, None] + port.take(there, axis=0))
         cand[1, cross, :L] = cable.take(there, axis=0)
-        cand[2, cross, :L] = loc.take((g2S[:, None] + port.take(back, axis=0)) * S + dp[:, None])
-        lo, hi, g1G, g2G = np.minimum(g1, g2), np.maximum(g1, g2), g1 * G, g2 * G
+        cand[2, cross, :L] = loc.take(land.reshape(-1, L).take(there, axis=0) * S + dp[:, None])
         pf, cf = port.ravel(), cable.ravel()       # row r, cable j at r * L + j
+        pair = there * (G - 2)
         for k, (gi, j, _) in enumerate(draws):
             c = cand[:, cross, L + k]
-            if G > 2:  # via group gi (the draw from G-2 skips both ends), then minimal from where it lands
-                gi, j = gi[cross].astype(small), j[cross].astype(small)
-                gi = gi + (gi >= lo)
-                gi = gi + (gi >= hi)
-                out = (g1G + gi) * L + j
-                land = pf.take((gi * G + g1) * L + j) + gi * S
-                j2 = (land + d2) % L
-                on = (gi * G + g2) * L + j2
+            if G > 2:  # via the gi-th group other than both ends, then minimal from where it lands
+                r = pair + gi[cross].astype(small)
+                out = via_out.take(r) + j[cross].astype(small)   # g1's cable j to that group
+                at = land.take(out)                               # the switch it lands on
+                j2 = at + d2
+                j2 = j2 & (L - 1) if L & (L - 1) == 0 else j2 % L  # (the same for L a power of 2)
+                on = via_on.take(r) + j2                          # its cable j2 to g2
                 c[0] = loc.take(s2S + pf.take(out))
                 c[1] = cf.take(out)
-                c[2] = loc.take(land * S + pf.take(on))
+                c[2] = loc.take(at * S + pf.take(on))
                 c[3] = cf.take(on)
-                c[4] = loc.take((g2S + pf.take((g2G + gi) * L + j2)) * S + dp)
+                c[4] = loc.take(land.take(on) * S + dp)
             else:  # two groups only: minimal, by the address hash
                 j = (s2 + d2) % L
                 c[0] = loc.take(s2S + pf.take(there * L + j))
                 c[1] = cf.take(there * L + j)
-                c[2] = loc.take((g2S + pf.take(back * L + j)) * S + dp)
+                c[2] = loc.take(land.take(there * L + j) * S + dp)
             if not isinstance(cross, slice):  # c is a copy, not a view
                 cand[:, cross, L + k] = c
     return cand
