@@ -92,15 +92,66 @@ _BIT = {a: 1 << k for k, a in enumerate(AXES)}
 _CONC = [{a: frozenset(b for b in AXES if b != a and mask & _BIT[b]) for a in AXES} for mask in range(1 << len(AXES))]
 
 
+class _Plan:
+    """What a run derives from the program's streams, axes and deps alone (kept for programs alike).
+
+    by_stream: stream -> its ops in program order; pos[i]: op i's position in its stream; axis_of[i];
+    cross[i]: op i's dependencies on other streams (a stream's own earlier ops are done by stream
+    order); waited_on[i]: an op of another stream depends on op i; counted[j]: every dependency of
+    op j has j as its only such dependent, so nothing else ever waits for them and a group may wait
+    for all its members' at once (_GroupStream); todo: stream -> [(op, cross deps)] in order."""
+
+    __slots__ = ("by_stream", "pos", "axis_of", "cross", "waited_on", "counted", "todo")
+
+    def __init__(self, ops: list):
+        n = len(ops)
+        streams = [op.stream for op in ops]
+        self.by_stream = by_stream = {s: [] for s in ("compute",) + AXES}
+        for op in ops:
+            by_stream[op.stream].append(op.index)
+        self.pos = pos = [0] * n
+        for stream_ops in by_stream.values():
+            for k, i in enumerate(stream_ops):
+                pos[i] = k
+        self.axis_of = [op.axis for op in ops]
+        self.cross = cross = [tuple([d for d in op.deps if streams[d] != s]) if op.deps else ()
+                              for op, s in zip(ops, streams)]
+        dependents = [0] * n
+        for deps in cross:
+            for d in deps:
+                dependents[d] += 1
+        self.waited_on = bytearray(k > 0 for k in dependents)
+        self.counted = bytearray(all(dependents[d] == 1 for d in deps) for deps in cross)
+        self.todo = {k: [(i, cross[i]) for i in stream_ops] for k, stream_ops in by_stream.items()}
+
+
+_PLANS: dict[tuple, _Plan] = {}  # (streams, axes, deps of every op) -> its plan, the latest few
+PLANS_KEPT = 16
+
+
+def _plan(ops: list) -> _Plan:
+    """The _Plan of a program's ops, made once for ops alike in streams, axes and deps (a grid search
+    runs programs that differ only in sizes: twin.program.regrid)."""
+    key = (tuple([op.stream for op in ops]), tuple([op.axis for op in ops]), tuple([op.deps for op in ops]))
+    plan = _PLANS.pop(key, None)
+    if plan is None:
+        plan = _Plan(ops)
+        if len(_PLANS) >= PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = plan  # the latest last
+    return plan
+
+
 class _Sim:
     """Shared state of one run: the clock, per-rank done flags, waiters, in-flight bookkeeping."""
 
     def __init__(self, program: Program, nranks: int, record: bool,
-                 collective_s: Callable[[int, frozenset], float]):
+                 collective_s: Callable[[int, frozenset], float], by_size: bool = False, plan: _Plan | None = None):
         self.now = 0                                    # the clock (ns)
         self.heap: list[int] = []                       # due times (ns) that have a bucket
         self.ops, self.n = program.ops, len(program.ops)
-        self.axis_of = [op.axis for op in self.ops]
+        self.plan = plan = plan or _plan(program.ops)
+        self.axis_of = plan.axis_of
         self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]
         self.waiters: dict[int, list] = {}
         self.busy = [0] * nranks                        # collectives in flight that include the rank
@@ -110,24 +161,17 @@ class _Sim:
         self.conc = _CONC[0]                            # axis -> the other axes now in flight
         self.compute: list[_ComputeStream] = []
         self.group_of: dict[str, dict[int, _GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
-        self.pos = [0] * self.n                         # position of each op in its stream
+        self.pos = plan.pos                             # position of each op in its stream
         self.end_ns, self.record = 0, record
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
+        # same[i]: the first op with op i's (kind, axis, bytes) where collective_s depends on nothing else
+        # (by_size): it is asked once per distinct collective and concurrency, not once per op
+        self.same = _first_alike(self.ops) if by_size else range(self.n)
         self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
         self._mask_tables: list[dict | None] = [None] * len(_CONC)  # mask -> {axis: table}, made as reached
         self.table = self.tables_of(0)  # axis -> the table of its concurrency now
-        # waits cross streams only (a stream's own earlier ops are done): waited_on[i], an op of another
-        # stream depends on op i; counted[j], every dependency of op j has j as its only such dependent, so
-        # nothing else ever waits for them and a group may wait for all its members' at once (_GroupStream)
-        ops = self.ops
-        self.cross = [tuple(d for d in op.deps if ops[d].stream != op.stream) for op in ops]  # deps that can wait
-        dependents = [0] * self.n
-        for deps in self.cross:
-            for d in deps:
-                dependents[d] += 1
-        self.waited_on = bytearray(k > 0 for k in dependents)
-        self.counted = bytearray(all(dependents[d] == 1 for d in deps) for deps in self.cross)
+        self.cross, self.waited_on, self.counted = plan.cross, plan.waited_on, plan.counted
         self.woken = -1  # rank * n + op: the completion whose waiters are being advanced
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
         self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
@@ -165,7 +209,11 @@ class _Sim:
         table = self.table[axis]
         t = table[i]
         if t is None:
-            t = table[i] = self._collective_s(i, self.conc[axis]) * NS
+            j = self.same[i]
+            t = table[j]
+            if t is None:
+                t = table[j] = self._collective_s(j, self.conc[axis]) * NS
+            table[i] = t
         return t
 
     def wait(self, key: int, stream) -> None:
@@ -229,6 +277,16 @@ class _Sim:
                 if running:
                     for g in list(running):
                         g.rerate()
+
+
+def _first_alike(ops: list) -> list[int]:
+    """For each op, the index of the first collective with its (kind, axis, bytes) (itself if none)."""
+    first: dict[tuple, int] = {}
+    same = list(range(len(ops)))
+    for op in ops:
+        if op.axis is not None:
+            same[op.index] = first.setdefault((op.kind, op.axis, op.bytes), op.index)
+    return same
 
 
 class _ComputeStream:
@@ -469,8 +527,8 @@ def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
                      record: bool = False, merge_alike: bool = True, comm_share: float = 1.0,
-                     lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None
-                     ) -> EngineResult:
+                     lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None,
+                     by_size: bool = False) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -490,14 +548,16 @@ def simulate_program(program: Program, compute_s: list[float],
         with each op at its least time, twin.search.tail_ns); when a compute op starts at a time t
         with t + tail_ns[i] > stop_ns, the run stops and raises Stopped(t + tail_ns[i]), a lower bound
         on its end (ns). 0: run to the end.
+    by_size: collective_s(i, concurrent) depends on op i only through its (kind, axis, bytes), as
+        twin.simulate.collective_timer's does: it is then asked once per distinct collective and
+        concurrency (a program of 3,000 collectives has a few dozen distinct ones).
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}
     if slowdown and not full:
         raise ValueError("per-rank slowdown factors need full mode")
-    by_stream: dict[str, list[int]] = {s: [] for s in ("compute",) + AXES}
-    for op in program.ops:
-        by_stream[op.stream].append(op.index)
+    plan = _plan(program.ops)
+    by_stream = plan.by_stream
     axes = tuple(a for a in AXES if by_stream[a])
     nranks = grid.size if full else 1
     if not full:
@@ -523,14 +583,14 @@ def simulate_program(program: Program, compute_s: list[float],
             return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
                                 exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
                                 simulated_ops=ops, ranks=nranks, spans=[], classes=nsim)
-    sim = _Sim(program, nsim, record, collective_s)
+    sim = _Sim(program, nsim, record, collective_s, by_size, plan)
     sim.comm_slow = 1.0 / comm_share
     if stop_ns:
         if full or tail_ns is None or len(tail_ns) != sim.n:
             raise ValueError("stop_ns needs symmetric mode and a tail per op")
         sim.stop_ns, sim.tail_ns = stop_ns, tail_ns
     base_ns = [t * NS for t in compute_s]
-    todo = {k: [(i, sim.cross[i]) for i in ops] for k, ops in by_stream.items()}
+    todo = sim.plan.todo
     sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],
                                   overlap_slowdown) for c in range(nsim)]
     groups: list[_GroupStream] = []
@@ -538,9 +598,6 @@ def simulate_program(program: Program, compute_s: list[float],
         streams = [_GroupStream(sim, axis, m, by_stream[axis], todo[axis]) for m in classes.groups[axis]]
         groups += streams
         sim.group_of[axis] = {c: streams[k] for c, k in enumerate(classes.group_of[axis])}
-    for ops in by_stream.values():
-        for k, i in enumerate(ops):
-            sim.pos[i] = k
     gc_on = gc.isenabled()
     gc.disable()  # millions of short-lived objects and no cycles to collect: the collector only costs time
     try:

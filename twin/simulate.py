@@ -32,7 +32,8 @@ from twin.trace import Span, op_args
 
 
 def collective_timer(program: Program, model):
-    """collective_s(op index, concurrent axes) -> seconds, from `model.time` (which caches its answers)."""
+    """collective_s(op index, concurrent axes) -> seconds, from `model.time` (which caches its answers):
+    it depends on the op only through its (kind, axis, bytes) (twin.engine's by_size)."""
     ops = program.ops
 
     def timer(i: int, concurrent: frozenset) -> float:
@@ -169,7 +170,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                            overlap_slowdown=study.profile.overlap_slowdown, record=record,
                            comm_share=study.profile.comm_share,
-                           stop_ns=int(stop_s * NS) if tails is not None else 0, tail_ns=tails)
+                           stop_ns=int(stop_s * NS) if tails is not None else 0, tail_ns=tails, by_size=True)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -218,7 +219,8 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     for _ in range(STRETCH_ROUNDS):
         res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + p.host_op_s
                                       for op, t in zip(prog.ops, on_cpu)], timer,
-                               overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
+                               overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share,
+                               by_size=True)
         new = core_stretch(ranks, p.node_cores, p.collective_core_load,
                            *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, p.host_op_s), floor)
         done = abs(new - stretch) <= 1e-4 * stretch
