@@ -155,8 +155,8 @@ class _Sim:
         self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]
         self.waiters: dict[int, list] = {}
         self.busy = [0] * nranks                        # collectives in flight that include the rank
-        self.inflight = {a: 0 for a in AXES}           # groups of each axis with a collective in flight
         self.running: dict[str, dict] = {a: {} for a in AXES}  # axis -> in-flight group streams
+        self.runs = [self.running[a] for a in AXES]     # the same in AXES order
         self.mask = 0                                   # bit AXES.index(a) set: axis a has collectives in flight
         self.conc = _CONC[0]                            # axis -> the other axes now in flight
         self.compute: list[_ComputeStream] = []
@@ -167,7 +167,7 @@ class _Sim:
         self._collective_s = collective_s
         # same[i]: the first op with op i's (kind, axis, bytes) where collective_s depends on nothing else
         # (by_size): it is asked once per distinct collective and concurrency, not once per op
-        self.same = _first_alike(self.ops) if by_size else range(self.n)
+        self.same = _first_alike(self.ops, plan) if by_size else range(self.n)
         self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
         self._mask_tables: list[dict | None] = [None] * len(_CONC)  # mask -> {axis: table}, made as reached
         self.table = self.tables_of(0)  # axis -> the table of its concurrency now
@@ -191,7 +191,8 @@ class _Sim:
                 g.rerate()
 
     def table_of(self, conc: frozenset) -> list:
-        """The durations (ns) of collective ops under concurrency `conc`, filled as asked (coll_ns)."""
+        """The durations (ns) of collective ops under concurrency `conc`, filled as asked (coll_ns; only
+        at the ops `same` names)."""
         t = self._tables.get(conc)
         if t is None:
             t = self._tables[conc] = [None] * self.n
@@ -204,16 +205,13 @@ class _Sim:
             t = self._mask_tables[mask] = {a: self.table_of(_CONC[mask][a]) for a in AXES}
         return t
 
-    def coll_ns(self, i: int, axis: str) -> float:
-        """Duration of collective op i of `axis` under the concurrency now (ns, memoised)."""
+    def coll_ns(self, j: int, axis: str) -> float:
+        """Duration of collective op j of `axis` (j = same[j]: the ops alike share its entry) under the
+        concurrency now (ns, memoised)."""
         table = self.table[axis]
-        t = table[i]
+        t = table[j]
         if t is None:
-            j = self.same[i]
-            t = table[j]
-            if t is None:
-                t = table[j] = self._collective_s(j, self.conc[axis]) * NS
-            table[i] = t
+            t = table[j] = self._collective_s(j, self.conc[axis]) * NS
         return t
 
     def wait(self, key: int, stream) -> None:
@@ -266,26 +264,26 @@ class _Sim:
             else:
                 rank, op = divmod(blk, self.n)
 
-    def axis_changed(self, axis: str) -> None:
-        """An axis started or stopped having collectives in flight: re-rate the other axes' collectives."""
-        self.mask = mask = self.mask ^ _BIT[axis]
+    def axis_changed(self, bit: int, mine: dict) -> None:
+        """An axis (its bit, its in-flight groups `mine`) started or stopped having collectives in
+        flight: re-rate the other axes' collectives."""
+        self.mask = mask = self.mask ^ bit
         self.conc = _CONC[mask]
         self.table = self._mask_tables[mask] or self.tables_of(mask)
-        for a in AXES:
-            if a != axis:
-                running = self.running[a]
-                if running:
-                    for g in list(running):
-                        g.rerate()
+        for running in self.runs:
+            if running and running is not mine:
+                for g in list(running):
+                    g.rerate()
 
 
-def _first_alike(ops: list) -> list[int]:
+def _first_alike(ops: list, plan: _Plan) -> list[int]:
     """For each op, the index of the first collective with its (kind, axis, bytes) (itself if none)."""
     first: dict[tuple, int] = {}
     same = list(range(len(ops)))
-    for op in ops:
-        if op.axis is not None:
-            same[op.index] = first.setdefault((op.kind, op.axis, op.bytes), op.index)
+    for axis in AXES:
+        for i in plan.by_stream[axis]:
+            op = ops[i]
+            same[i] = first.setdefault((op.kind, op.axis, op.bytes), i)
     return same
 
 
@@ -378,11 +376,14 @@ class _ComputeStream:
 
 class _GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
-                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot", "missing")
+                 "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot", "missing", "bit", "peers",
+                 "same")
 
     def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int], todo: list):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = todo                             # [(op, deps on other streams)] shared by the axis
+        self.bit, self.peers = _BIT[axis], sim.running[axis]  # the axis's bit, its groups in flight
+        self.same = sim.same
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes
         self.missing = 0                             # dependencies still awaited, when waiting for all at once
@@ -414,18 +415,19 @@ class _GroupStream:
         self.running = True
         self.start = self.seg = now
         self.frac = 1.0
-        dur = sim.table[axis][i]
+        j = self.same[i]
+        dur = sim.table[axis][j]
         if dur is None:
-            dur = sim.coll_ns(i, axis)
+            dur = sim.coll_ns(j, axis)
         if sim.comm_slow != 1.0:
             dur *= sim.comm_factor(self.members)
         self.dur = dur
         self.due = due = now + int(dur + 0.5)
         sim.schedule(due, self)
-        sim.running[axis][self] = None
-        k = sim.inflight[axis] = sim.inflight[axis] + 1
-        if k == 1:
-            sim.axis_changed(axis)
+        peers = self.peers
+        peers[self] = None
+        if len(peers) == 1:
+            sim.axis_changed(self.bit, peers)
         busy, compute = sim.busy, sim.compute
         for r in self.members:
             b = busy[r] = busy[r] + 1
@@ -475,7 +477,7 @@ class _GroupStream:
         now = sim.now
         self.frac = max(0.0, self.frac - (now - self.seg) / self.dur) if self.dur > 0 else 0.0
         self.seg = now
-        self.dur = sim.coll_ns(self.ops[self.pc], self.axis) * (
+        self.dur = sim.coll_ns(self.same[self.ops[self.pc]], self.axis) * (
             sim.comm_factor(self.members) if sim.comm_slow != 1.0 else 1.0)
         due = now + int(self.frac * self.dur + 0.5)
         if due < self.due:
@@ -498,11 +500,10 @@ class _GroupStream:
             sim.end_ns = now
         self.running = False
         self.pc += 1
-        axis = self.axis
-        del sim.running[axis][self]
-        k = sim.inflight[axis] = sim.inflight[axis] - 1
-        if k == 0:
-            sim.axis_changed(axis)
+        peers = self.peers
+        del peers[self]
+        if not peers:
+            sim.axis_changed(self.bit, peers)
         busy, compute, flags = sim.busy, sim.compute, sim.done[i]
         waited = sim.waited_on[i]
         waiters, n = sim.waiters, sim.n
