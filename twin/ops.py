@@ -194,7 +194,8 @@ class Builder:
     # -- appending ------------------------------------------------------------------------------
     def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
         idx = len(self.ops)
-        deps = tuple(sorted({d for d in deps if d is not None}))
+        deps = [d for d in deps if d is not None]
+        deps = tuple(deps if len(deps) < 2 else sorted(set(deps)))  # sorted, each once
         self.ops.append(_new_op(idx, self.prefix + name, kind, stream, deps, self.phase, self.mb, kw))
         return idx
 
