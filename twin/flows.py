@@ -85,16 +85,18 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     tol = 1 + rtol
-    flows = np.flatnonzero(~empty)                     # unfrozen flows
-    fcap = cap_flow[flows]
+    # the unfrozen flows, their caps, path lengths and first entries (first round)
+    if empty.any():
+        flows = np.flatnonzero(~empty)
+        fcap, flen, starts = cap_flow[flows], lens[flows], ptr[:-1][flows]
+    else:  # (cap_flow is the caller's copy)
+        flows, fcap, flen, starts = np.arange(n), cap_flow, lens, ptr[:-1]
     share = rem / per_link[used]                       # every used link's first fair share
     if np.isfinite(top := fcap.max()) and (share >= top).all():
         # every link's first fair share is at least every flow's cap, so the first round freezes
         # every flow at its own cap: rate = cap
         rate[flows] = fcap
         return rate
-    flen = lens[flows]                                 # their path lengths
-    starts = ptr[:-1][flows]                           # first entry of each flow (first round)
     first = _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol)
     if first is not None:
         fmin, hit, rest = first
