@@ -260,37 +260,41 @@ class CollectiveModel:
         source GPU, destination GPU, the GPUs whose NICs the flow leaves and enters by, ring (row),
         weight (channels per ring where the flow carries all of them) and cap (bytes/s)."""
         R, q = gpus.shape
-        nxt = np.roll(gpus, -1, axis=1)
-        node = gpus // self.system.gpus_per_node
-        pos = np.broadcast_to(np.arange(q), (R, q))
-        cross = node != np.roll(node, -1, axis=1)       # hop i -> i+1 leaves the node
-        new_run = np.ones((R, q), dtype=bool)
-        new_run[:, 1:] = node[:, 1:] != node[:, :-1]
-        run_start = np.maximum.accumulate(np.where(new_run, pos, 0), axis=1)
-        is_end = np.ones((R, q), dtype=bool)
-        is_end[:, :-1] = new_run[:, 1:]
-        run_end = np.minimum.accumulate(np.where(is_end, pos + 1, q)[:, ::-1], axis=1)[:, ::-1]
-        single = new_run.sum(1) == 1
-        K = np.where(single, 2 if q > 2 else 1, (run_end - run_start).min(1))  # channels per ring
-        ring_id = np.broadcast_to(np.arange(R)[:, None], (R, q))
-        parts: list[tuple] = []   # (src, dst, src NIC GPU, dst NIC GPU, ring, weight, cap)
-        i = ~cross                 # node-internal hops: one flow each
-        rid = ring_id[i]
-        parts.append((gpus[i], nxt[i], gpus[i], nxt[i], rid, np.where(single[rid], K[rid], 1), np.inf))
-        if q > 2:                  # single-node rings run both directions
-            j = i & single[:, None]
-            rid = ring_id[j]
-            parts.append((nxt[j], gpus[j], nxt[j], gpus[j], rid, K[rid], np.inf))
-        rr, ii = np.nonzero(cross)  # node-crossing hops: K channels through the c-th members' NICs
-        if len(rr):
-            jj = (ii + 1) % q
-            for c in range(int(K[rr].max())):
-                ok = c < K[rr]
-                r_, i_, j_ = rr[ok], ii[ok], jj[ok]
-                parts.append((gpus[r_, i_], gpus[r_, j_], gpus[r_, run_start[r_, i_] + c],
-                              gpus[r_, run_start[r_, j_] + c], r_, K[r_], self.channel_cap))
-        return [np.concatenate([np.broadcast_to(np.asarray(pt[k]), (len(pt[0]),)) for pt in parts])
-                for k in range(7)]
+        g = gpus.ravel()                                # member i of ring r at r*q + i
+        nxt = np.roll(gpus, -1, axis=1).ravel()         # its successor
+        node = g // self.system.gpus_per_node
+        cross = node != nxt // self.system.gpus_per_node  # hop i -> i+1 leaves the node
+        # runs of consecutive members on one node (a run never spans two rings)
+        new_run = np.empty(R * q, dtype=bool)
+        new_run[1:] = node[1:] != node[:-1]
+        new_run[::q] = True
+        run0 = np.flatnonzero(new_run)                  # each run's first member
+        first = np.flatnonzero(run0 % q == 0)           # each ring's first run
+        single = np.diff(first, append=len(run0)) == 1
+        K = np.where(single, 2 if q > 2 else 1,         # channels per ring: its shortest run
+                     np.minimum.reduceat(np.diff(run0, append=R * q), first))
+        hop = np.flatnonzero(~cross)                    # node-internal hops: one flow each
+        rid = hop // q
+        src, dst, ring, weight = [g[hop]], [nxt[hop]], [rid], [np.where(single[rid], K[rid], 1)]
+        if q > 2:                                       # single-node rings run both directions
+            back = single[rid]
+            hop, rid = hop[back], rid[back]
+            src.append(nxt[hop]), dst.append(g[hop]), ring.append(rid), weight.append(K[rid])
+        n_in = sum(len(x) for x in src)
+        src_nic, dst_nic = list(src), list(dst)
+        hop = np.flatnonzero(cross)  # node-crossing hops: K channels through the c-th members' NICs
+        if len(hop):
+            rid = hop // q
+            start = run0[np.searchsorted(run0, hop, side="right") - 1]  # the first member of the hop's run
+            to = np.where((hop + 1) % q == 0, hop + 1 - q, hop + 1)     # the next member: a run's first
+            # channel c of every hop whose ring has more than c channels, channel by channel
+            c, h = np.nonzero(np.arange(int(K[rid].max()))[:, None] < K[rid])
+            src.append(g[hop[h]]), dst.append(g[to[h]]), ring.append(rid[h]), weight.append(K[rid[h]])
+            src_nic.append(g[start[h] + c]), dst_nic.append(g[to[h] + c])
+        cols = [np.concatenate(x) for x in (src, dst, src_nic, dst_nic, ring, weight)]
+        cap = np.full(len(cols[0]), self.channel_cap, dtype=float)
+        cap[:n_in] = np.inf
+        return cols + [cap]
 
     def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> _FlowSet:
         cols = self._ring_channels(gpus)
