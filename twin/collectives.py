@@ -105,7 +105,9 @@ class _FlowSet:
         if self._counts is None:
             per_link = np.bincount(self.routes.links, minlength=n_links)
             used = np.flatnonzero(per_link > 0)
-            self._counts = (used, per_link[used])
+            count = per_link[used]
+            used.flags.writeable = count.flags.writeable = False   # shared by every problem of the set
+            self._counts = (used, count)
         return self._counts
 
     def links_used(self, n_links: int) -> np.ndarray:
@@ -154,14 +156,16 @@ def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
 
 
 def _link_counts(sets: list["_FlowSet"], n_links: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the links the flow sets' flows cross, sorted; the flows through every link) of the flow sets
+    """(the links the flow sets' flows cross, sorted; how many flows cross each) of the flow sets
     together, as twin.flows.max_min_rates takes them (from each set's counts: no pass over the entries)."""
+    if len(sets) == 1:
+        return sets[0].link_counts(n_links)
     per_link = np.zeros(n_links, dtype=np.int64)
     for f in sets:
         used, count = f.link_counts(n_links)
         per_link[used] += count
-    used = sets[0].links_used(n_links) if len(sets) == 1 else np.flatnonzero(per_link > 0)
-    return used, per_link
+    used = np.flatnonzero(per_link > 0)
+    return used, per_link[used]
 
 
 _CAPACITY: dict[tuple, tuple] = {}  # (id(net), inter_node_cap) -> (net, capacity, channel cap)

@@ -47,9 +47,9 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     The same question asked twice in a process (the same paths, capacities of the links they use,
     caps) gets the same answer from a memo; treat the array returned as read-only. `key`, a digest
     that determines both the paths and the caps (the caller's), saves hashing them. `link_counts`,
-    (the links the paths cross, sorted; the number of paths through every link, as
-    np.bincount(links, minlength=len(capacity)) counts them), or a function that returns them (called
-    only when the memo does not have the rates), saves counting them where the caller knows them.
+    (the links the paths cross, sorted; the number of paths through each of them), or a function
+    that returns them (called only when the memo does not have the rates), saves counting them
+    where the caller knows them.
     """
     ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
@@ -79,8 +79,9 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
     if link_counts is None:
         per_link = np.bincount(links, minlength=len(cap_link))
         used = np.flatnonzero(per_link > 0)            # (on booleans: 4x faster than on counts)
+        count = per_link[used]                         # flows per used link
     else:
-        used, per_link = link_counts
+        used, count = link_counts
     rem = cap_link[used].copy()                        # remaining capacity of each used link
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
@@ -91,13 +92,13 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
         fcap, flen, starts = cap_flow[flows], lens[flows], ptr[:-1][flows]
     else:  # (cap_flow is the caller's copy)
         flows, fcap, flen, starts = np.arange(n), cap_flow, lens, ptr[:-1]
-    share = rem / per_link[used]                       # every used link's first fair share
+    share = rem / count                                # every used link's first fair share
     if np.isfinite(top := fcap.max()) and (share >= top).all():
         # every link's first fair share is at least every flow's cap, so the first round freezes
         # every flow at its own cap: rate = cap
         rate[flows] = fcap
         return rate
-    first = _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol)
+    first = _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol)
     if first is not None:
         fmin, hit, rest = first
         if rest is None:  # the first round froze every flow
@@ -111,7 +112,7 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
         local = np.empty(len(cap_link), dtype=np.int64)
         local[used] = np.arange(len(used))
         lk = local[links]                              # local link id of each entry
-        cnt = per_link[used]                           # unfrozen flows per link
+        cnt = count                                    # unfrozen flows per link
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
     U = len(rem)
@@ -164,10 +165,10 @@ def _flow_of(e: np.ndarray, starts: np.ndarray, flen: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(len(starts)), flen)[e]   # else a table of every entry's flow
 
 
-def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol):
+def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     """Progressive filling's first round (as the loop of _max_min computes it) where most flows are
     `easy`: a finite cap, the same for all of them, and every link of the path with a first fair
-    share (`share`, of the `used` links) at least the largest finite cap. An easy flow freezes at its
+    share (`share`, of the `used` links, crossed by `count` flows) at least the largest finite cap. An easy flow freezes at its
     cap; on each link it crosses, it makes the link no bottleneck exactly when share > cap x tol,
     which with one cap for all of them is a test per link. So only the other flows (`hard`) and the
     links they cross are worked out entry by entry. The links of the flows left unfrozen get their
@@ -214,7 +215,7 @@ def _first_round(links, cap_link, per_link, used, share, starts, flen, fcap, tol
     local = np.empty(len(cap_link), dtype=np.int64)
     local[ul] = np.arange(len(ul))
     lh = local[lg]
-    cnt = per_link[ul]                                 # flows per link, easy ones included
+    cnt = count[np.searchsorted(used, ul)]             # flows per link, easy ones included
     share_h = cap_link[ul] / cnt                       # as `share` has them
     share_e = share_h[lh]
     fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
