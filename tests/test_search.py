@@ -79,10 +79,14 @@ def test_lower_bound_is_below_every_simulation(system, model, gpus, batch):
     study = prepare(system, model, gpus, batch=batch)
     grids = [c.grid for c in rank_grids(study)]
     assert len(grids) >= 10
+    gaps = []
     for g in grids:
         bound, sim = lower_bound(study, g), simulate_grid(study, g).iteration_time_s
         assert bound <= sim + 1e-6, g
         assert bound >= 0.5 * sim, g  # and it is a useful bound, not zero
+        gaps.append(sim / bound)
+    if system == "frontier":  # the overlap slowdown where a collective is surely in flight is counted (5.5 % without)
+        assert max(gaps) < 1.02
         cm = model_for(study, g)
         for (kind, axis, nbytes, conc), t in list(cm._times.items()):
             assert t >= cm.time(kind, axis, nbytes) * BOUND_SLACK * 0.9, (g, kind, axis, conc)
@@ -115,12 +119,14 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     import twin.simulate as sim_mod
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     first, _ = choose_grid(study)
+    cands = search(study, top=3, simulate_top=2)  # simulates the exact top 2 for its table too
+    assert min(c.simulated_s for c in cands if c.simulated_s) == first.simulated_s
     calls = []
     monkeypatch.setattr(sim_mod, "_simulate_grid", lambda *a, **k: calls.append("simulate"))
     monkeypatch.setattr(search_mod, "_path_ns", lambda *a, **k: calls.append("bound"))
     again, how = choose_grid(prepare("perlmutter", "gpt-1b", 16, batch=16))
     assert calls == [] and str(again.grid) == str(first.grid) and again.simulated_s == first.simulated_s
-    cands = search(study, top=3, simulate_top=2)  # the same head and pool as grid auto: all kept
+    cands = search(study, top=3, simulate_top=2)
     assert calls == [] and min(c.simulated_s for c in cands if c.simulated_s) == first.simulated_s
 
 

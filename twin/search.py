@@ -361,8 +361,8 @@ _BOUNDS: dict[tuple[bytes, str], float] = {}
 def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     """A lower bound on the simulated iteration time of `grid` (seconds): the longest path through the
     grid's program when each op takes the least time the engine can give it: a compute op its time
-    alone (the engine only slows compute, by the profile's overlap slowdown >= 1, while a collective
-    runs), a collective its time on the grid's own collective model with no other axis in flight
+    alone, slowed by the profile's overlap slowdown (>= 1) only while a collective is surely in flight
+    (`_path_ns`: where a collective earlier in program order cannot have ended yet), a collective its time on the grid's own collective model with no other axis in flight
     (`time(kind, axis, bytes, concurrent=frozenset())`: every group of its axis at once, latency,
     algorithm choice and all, exactly as the simulation computes it, minus the other axes' traffic).
 
@@ -438,7 +438,8 @@ def _keep_bound(cache: dict, key, t: float) -> float:
 
 def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> float:
     """The longest path through the grid's program (seconds), each collective at
-    model.time(..., concurrent=frozenset()), each compute op at its time alone (lower_bound).
+    model.time(..., concurrent=frozenset()), each compute op at its time alone and its overlap
+    slowdown where a collective is surely in flight (lower_bound, _path_ns).
     like: a grid of the same program class and GPU count, whose program is read instead: the same ops,
     streams and deps, each op the same size except the data all-reduces of gradient shards, which
     get bytes x P_like // P (at most grid's b // P when like's are b // P_like, P: G_x G_y G_z), and
@@ -447,7 +448,7 @@ def _longest_path(study: Study, grid: Grid, model, like: Grid | None = None) -> 
     prog, ns = _least_ns(study, grid, model, like)
     shape = _shape(prog)
     if shape is not None:
-        return _path_ns(shape, ns) / NS
+        return _path_ns(shape, ns, study.profile.overlap_slowdown) / NS
     # not in program order (an edited program): the engine handles any order
     from twin.engine import simulate_program
     durations = [t / NS for t in ns]
@@ -520,7 +521,7 @@ def tail_ns(study: Study, grid: Grid) -> list[int] | None:
     shape = _shape(prog)
     if shape is None:
         return None
-    stream, deps, n = shape
+    stream, deps, n, _ = shape
     tail, after = [0] * len(ns), [0] * len(ns)  # after[i]: the longest tail of an op that waits for op i
     nxt = [0] * n                                # per stream: the tail of its next op
     for i in range(len(ns) - 1, -1, -1):
@@ -564,35 +565,64 @@ def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple],
 _SHAPES: dict[int, tuple] = {}
 
 
-def _shape(prog) -> tuple[list[int], list[tuple[int, ...]], int] | None:
-    """(stream number of each op, its deps, number of streams) of a program whose ops are in program
-    order (each dep an earlier op), else None. Kept for the last few programs."""
+def _shape(prog) -> tuple[list[int], list[tuple[int, ...]], int, int] | None:
+    """(stream number of each op, its deps, number of streams, the compute stream's number or -1) of a
+    program whose ops are in program order (each dep an earlier op), else None. Kept for the last
+    few programs."""
     hit = _SHAPES.get(id(prog))
     if hit is not None and hit[0] is prog:
         return hit[1]
     streams: dict[str, int] = {}
-    shape = ([streams.setdefault(op.stream, len(streams)) for op in prog.ops], [tuple(op.deps) for op in prog.ops],
-             0)
+    numbers = [streams.setdefault(op.stream, len(streams)) for op in prog.ops]
     ok = all(op.index == i and all(d < i for d in op.deps) for i, op in enumerate(prog.ops))
-    shape = (shape[0], shape[1], len(streams)) if ok else None
+    shape = (numbers, [tuple(op.deps) for op in prog.ops], len(streams), streams.get("compute", -1)) if ok else None
     _SHAPES[id(prog)] = (prog, shape)  # holds prog, so its id is not reused while kept
     if len(_SHAPES) > KEEP_GRIDS:
         _SHAPES.pop(next(iter(_SHAPES)))
     return shape
 
 
-def _path_ns(shape, ns: list[int]) -> int:
-    """End of the last op (ns) when op i takes ns[i] whatever else runs: each op starts when its stream's
-    previous op and its deps are done (`shape`: see _shape)."""
-    stream, deps, n = shape
+def _path_ns(shape, ns: list[int], overlap: float = 1.0) -> int:
+    """End of the last op (ns) when op i takes at least ns[i]: each op starts when its stream's previous
+    op and its deps are done (`shape`: see _shape). overlap > 1: a compute op is also slowed by that
+    factor while a collective is surely in flight (the engine's overlap slowdown), which makes it
+    end at least at
+
+        start + w + min(b, w x overlap) x (1 - 1 / overlap),  b = max(0, H - start),
+
+    where w is its least time and H the latest lower bound on the end of a collective earlier in
+    program order. Why a collective c earlier than compute op i is in flight from i's start until c
+    ends, if c ends later: in the engine's symmetric run, at any time t before c ends, take the
+    earliest op in program order among the collectives up to c not done at t. Its compute deps come
+    before c in program order, so before i on the one compute stream: done, as i has started; its
+    other deps and its stream's earlier ops come earlier in program order: done. So it is ready at t,
+    and a ready collective starts at once: it is in flight at t, and the rank is busy. The end above
+    grows with start, H and w, so lower bounds on them give a lower bound on the end, and the
+    induction over program order holds as without overlap. (1 ns per slowed op is given away
+    against the engine's rounding.)"""
+    stream, deps, n, compute = shape
     end = [0] * len(ns)
     last = [0] * n
+    horizon = 0  # the latest lower bound on the end of a collective so far (ns)
+    keep = 1.0 - 1.0 / overlap if overlap > 1.0 else 0.0
     for i, s in enumerate(stream):
         t = last[s]
         for d in deps[i]:
             if end[d] > t:
                 t = end[d]
-        t += ns[i]
+        w = ns[i]
+        if s != compute:
+            t += w
+            if t > horizon:
+                horizon = t
+        else:
+            if keep and horizon > t and w > 0:
+                b = horizon - t
+                slowed = w * overlap
+                extra = int((b if b < slowed else slowed) * keep) - 1
+                if extra > 0:
+                    w += extra
+            t += w
         end[i] = last[s] = t
     return max(last, default=0)
 
