@@ -154,3 +154,18 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
             else:
                 assert r.iteration_time_s == full
     assert stops >= len(grids)
+
+
+
+def test_grid_auto_simulates_in_full_only_grids_that_could_win():
+    """The analytical top is not simulated for its rank alone: on the default Frontier study every grid
+    grid auto simulates in full could still beat the fastest by its lower bound, and the analytical
+    top two (1x32x32x32, 1x32x16x64), which their bounds rule out, are not simulated."""
+    from twin.search import lower_bound
+    from twin.simulate import BOUND_SLACK, _auto
+    study = prepare("frontier")
+    looked = _auto(study, 2, None)
+    sims = [c for c in looked if c.simulated_s is not None]
+    fastest = min(c.simulated_s for c in sims)
+    assert all(BOUND_SLACK * lower_bound(study, c.grid) < fastest for c in sims)
+    assert all(c.simulated_s is None and BOUND_SLACK * c.bound_s >= fastest for c in looked[:2])

@@ -7,7 +7,7 @@ behind `twin scaling`.
 - strong: the system's default model on 1/8, 1/4, 1/2 and all of its default GPU count, one batch
   (the default study's).
 
-Each point gets its best grid (`--grid auto`: analytical ranking, the best `simulate_top` simulated),
+Each point gets its best grid (`--grid auto`: the analytical top `simulate_top` + 16, bounded and simulated: twin.simulate),
 the iteration time, flop/s, percent of the advertised peak and the efficiency against the first
 point: flop/s per GPU of the point over that of the first (for strong scaling, with one model and
 one batch, this is speed-up over the GPU ratio). Points whose model does not fit or whose GPU count

@@ -3,9 +3,10 @@
 Pieces: the study (twin.study: system spec, model, kernel profile), the program of the grid
 (twin.program), the collective model (twin.collectives.CollectiveModel on the job's rank placement),
 and the engine (twin.engine). `--grid auto` ranks every valid grid with the analytical model of
-twin.search on routing-free probes (`estimate_grids`) and simulates the best few and any other of
-the top few that its lower bound does not rule out (`choose_grid` here); `search` ranks with the
-exact probes (`rank_grids`) for its table and then does the same.
+twin.search on routing-free probes (`estimate_grids`), bounds the top few from below and simulates,
+best bound first, those that their lower bound does not rule out (`choose_grid` here); `search`
+ranks with the exact probes (`rank_grids`) for its table, simulates its top rows, and then does the
+same.
 """
 
 from __future__ import annotations
@@ -64,28 +65,28 @@ def min_ops_per_rank(study: Study) -> int:
 
 
 # Grid auto looks at the analytical top simulate_top + SCAN of every valid grid, ranked by the
-# analytical model on routing-free probes (twin.search.estimate_grids: twin.solobound's bounds on
-# each probe, so no whole-machine probe is routed for ranking; the exact ranking of `twin search`
-# routes one per data-axis size, about 0.17 s each on Frontier). It simulates the best
-# `simulate_top`, bounds the others from below (twin.search.lower_bound: the grid's own collective
-# model without the other axes' traffic, compute without overlap slowdown, the longest path through
+# analytical model on routing-free probes (twin.search.estimate_grids: twin.solobound's bounds on each
+# probe, so no whole-machine probe is routed for ranking; the exact ranking of `twin search` routes
+# one per data-axis size, about 0.17 s each on Frontier). It bounds each from below
+# (twin.search.lower_bound: the grid's own collective model without the other axes' traffic, compute
+# slowed by the overlap slowdown only where a collective is surely in flight, the longest path through
 # the program) and simulates them in the order of their bounds while BOUND_SLACK x a bound is below
-# the fastest simulated time. The bound would be exact if contention never sped a collective up; in
-# the flow model it sometimes does (a flow's sub-flows on adaptive paths: up to 7% on a data
-# all-reduce with z running, Alps and Perlmutter), so the exhaustive check
-# (benchmarks/search_exhaustive.py: every valid grid of several studies simulated) measures
-# simulated / bound: at least 0.99956 over every grid of Frontier, Alps and Perlmutter studies (1.0
-# on Frontier), and the grid chosen the fastest of all in every study (6 studies, 106-412 grids each,
-# the default Frontier study included), the fastest at 0-based rank 0 to 12 of the estimate (and of
-# the exact ranking). The slack is 4x the worst shortfall measured; SCAN leaves room beyond rank 12. A
-# grid's bound is first taken without routing (twin.search.quick_bound, at most lower_bound: proved,
-# and checked on every grid by the same benchmark), then with the exact times of the axes routed
-# already in this process (twin.search.routed_bound, between the two); nothing is routed for a
-# bound. A grid that is simulated in the bound search stops as soon as its clock plus the least time
-# left (twin.search.tail_ns: the same bound from the op running on) rules it out: on Frontier the
-# whole gap between a bound and the simulation is the overlap slowdown, which the clock has then
-# taken for the part simulated, and a run stopped before the end of the step never routes the data
-# axis, which only the gradient all-reduces at the end use.
+# the fastest simulated time (the first one in full). The bound would be exact if contention never
+# sped a collective up; in the flow model it sometimes does (a flow's sub-flows on adaptive paths: up
+# to 7% on a data all-reduce with z running, Alps and Perlmutter), so the exhaustive check
+# (benchmarks/search_exhaustive.py: every valid grid of several studies simulated) measures simulated
+# / bound: at least 0.99943 over every grid of Frontier, Alps and Perlmutter studies (1.0 on Frontier;
+# the bound counts the overlap slowdown where a collective is surely in flight), and the grid chosen
+# the fastest of all in every study (6 studies, 106-412 grids each, the default Frontier study
+# included), the fastest at 0-based rank 0 to 12 of the estimate (and of the exact ranking). The slack
+# is 3.5x the worst shortfall measured; SCAN leaves room beyond rank 12. A grid's bound is first taken
+# without routing (twin.search.quick_bound, at most lower_bound: proved, and checked on every grid by
+# the same benchmark), then with the exact times of the axes routed already in this process
+# (twin.search.routed_bound, between the two); nothing is routed for a bound. A grid that is simulated
+# in the bound search stops as soon as its clock plus the least time left (twin.search.tail_ns: the
+# same bound from the op running on, without the overlap slowdown) rules it out, and a run stopped
+# before the end of the step never routes the data axis, which only the gradient all-reduces at the
+# end use.
 SCAN = 16
 BOUND_SLACK = 0.998
 _SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
@@ -260,17 +261,18 @@ def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None)
 
 
 def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
-    """The grids grid auto looks at: the analytical top simulate_top + SCAN by the routing-free estimate
-    (twin.search.estimate_grids; with a stand-in collective model, the top simulate_top of the exact
-    ranking), the best `simulate_top` simulated, the others through `_bound_search`."""
+    """The grids grid auto looks at: the analytical top simulate_top + SCAN by the routing-free
+    estimate (twin.search.estimate_grids), every one through `_bound_search` (the first one it takes,
+    the best bound, simulated in full; each other simulated, and stopped partway where its bound
+    rules it out, or not at all). With a stand-in collective model: the top simulate_top of the exact
+    ranking, all simulated."""
     if collectives is not None:
         looked = rank_grids(study, collectives)[:simulate_top]
-    else:
-        looked = estimate_grids(study)[:simulate_top + SCAN]
-    best = math.inf
-    for c in looked[:simulate_top]:
-        best = min(best, _simulate(study, c, collectives))
-    _bound_search(study, looked[simulate_top:], best)
+        for c in looked:
+            _simulate(study, c, collectives)
+        return looked
+    looked = estimate_grids(study)[:simulate_top + SCAN]
+    _bound_search(study, looked, math.inf)
     return looked
 
 
@@ -334,7 +336,8 @@ def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpu
              record: bool = False, simulate_top: int = 2, collectives=None,
              program: Program | None = None, progress=None) -> SimulationResult:
     """Simulate one training iteration; see the module docstring. Defaults: the system's default
-    study (model and GPU count), grid auto (analytical ranking, the best `simulate_top` simulated).
+    study (model and GPU count), grid auto (the analytical top `simulate_top` + SCAN, bounded, those
+    not ruled out simulated).
     With record=True the result's `spans` hold every op of every simulated rank (twin.trace.Span).
     program: simulate this program (twin.programfile); it fixes the model, grid, batch and switches."""
     t0 = time.perf_counter()
