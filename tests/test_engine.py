@@ -251,3 +251,43 @@ def golden_digest(case: str) -> str:
 @pytest.mark.parametrize("case", sorted(GOLDEN))
 def test_engine_output_is_pinned(case):
     assert golden_digest(case) == GOLDEN[case]
+
+
+def _tiny_run(prog, g, by_size=False, calls=None):
+    compute = [0.0 if op.is_collective else 1e-4 * (1 + (i % 5) / 5) for i, op in enumerate(prog.ops)]
+    cm = AlphaBeta(g)
+
+    def timer(i, conc):
+        op = prog.ops[i]
+        if calls is not None:
+            calls.append((op.kind, op.axis, op.bytes, conc))
+        return cm.time(op.kind, op.axis, op.bytes, conc)
+
+    r = simulate_program(prog, compute, timer, record=True, overlap_slowdown=1.15, by_size=by_size)
+    return r.iteration_s, r.compute_s, r.exposed_s, r.idle_s, r.simulated_ops, r.spans
+
+
+def test_by_size_asks_each_distinct_collective_once():
+    g = Grid.parse("2x2x2x2")
+    prog = build_program(load_model("gpt-tiny"), g, Options())
+    each, once = [], []
+    assert _tiny_run(prog, g, calls=each) == _tiny_run(prog, g, by_size=True, calls=once)
+    assert len(once) == len(set(once)) < len(each) / 3  # the same answers from far fewer questions
+    assert set(once) == set(each)
+
+
+def test_plan_is_shared_by_programs_alike_and_only_by_them():
+    from twin import engine
+    from twin.program import host_ordered, regrid
+    a, b = Grid.parse("2x2x2x4"), Grid.parse("2x2x4x2")  # class-mates: the same streams and deps, other sizes
+    pa = build_program(load_model("gpt-tiny"), a, Options(), batch=16)
+    pb = regrid(pa, b)
+    engine._PLANS.clear()
+    _tiny_run(pa, a)
+    shared = _tiny_run(pb, b)
+    assert len(engine._PLANS) == 1
+    ho = host_ordered(pb)  # other deps: a plan of its own
+    got = _tiny_run(ho, b)
+    assert len(engine._PLANS) == 2
+    engine._PLANS.clear()
+    assert _tiny_run(pb, b) == shared and _tiny_run(ho, b) == got
