@@ -208,15 +208,16 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     starts_h = np.zeros(len(hard), dtype=np.int64)
     np.cumsum(flen_h[:-1], out=starts_h[1:])
     pos = np.repeat(starts[hard] - starts_h, flen_h) + np.arange(starts_h[-1] + flen_h[-1])
-    lg = links[pos]
-    seen = np.zeros(len(cap_link), dtype=bool)
-    seen[lg] = True
-    ul = np.flatnonzero(seen)
-    local = np.empty(len(cap_link), dtype=np.int64)
-    local[ul] = np.arange(len(ul))
-    lh = local[lg]
-    cnt = count[np.searchsorted(used, ul)]             # flows per link, easy ones included
-    share_h = cap_link[ul] / cnt                       # as `share` has them
+    uidx = np.empty(len(cap_link), dtype=np.int64)     # a used link's place in `used`
+    uidx[used] = np.arange(len(used))
+    lu = uidx[links[pos]]
+    seen = np.zeros(len(used), dtype=bool)
+    seen[lu] = True
+    uh = np.flatnonzero(seen)                          # the links hard flows cross, as places in `used`
+    local = np.empty(len(used), dtype=np.int64)
+    local[uh] = np.arange(len(uh))
+    lh = local[lu]
+    ul, cnt, share_h = used[uh], count[uh], share[uh]  # flows per link, easy ones included
     share_e = share_h[lh]
     fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
     slower = np.zeros(len(ul), dtype=bool)
@@ -242,8 +243,12 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
         on = np.zeros(len(cap_link), dtype=bool)
         on[ul[mixed]] = True
         e = np.flatnonzero(on[links])                  # every entry on those links, in order
-        w = np.repeat(np.where(hit, fmin, 0.0), flen)  # adding 0 (an unfrozen flow) changes no sum
-        acc[mixed] = np.bincount(local[links[e]], weights=w[e], minlength=len(ul))[mixed]
+        # each one's frozen rate: c (an easy flow), fmin_h or 0 (a hard flow: adding 0 changes no sum)
+        w = np.full(len(e), c)
+        is_hard = np.zeros(len(links), dtype=bool)
+        is_hard[pos] = True
+        w[is_hard[e]] = np.repeat(np.where(hit_h, fmin_h, 0.0), flen_h)[mixed[lh]]
+        acc[mixed] = np.bincount(local[uidx[links[e]]], weights=w, minlength=len(ul))[mixed]
     nl = np.flatnonzero(need)
     rem = cap_link[ul[nl]] - acc[nl]
     np.maximum(rem, 0.0, out=rem)
