@@ -374,9 +374,12 @@ class CollectiveModel:
                 rates: list = [None] * len(allf)
                 for group in _sharing_links(allf, self.net.n_links):
                     fs = [allf[i] for i in group]
-                    routes = Routes.concat([f.routes for f in fs])
-                    # the routes' key (from the flow sets' keys) determines the caps too
-                    r = max_min_rates(routes, self.capacity, np.concatenate([f.caps for f in fs]), key=routes.key,
+                    keys = [f.routes.key for f in fs]
+                    # the routes' key (Routes.concat's, from the flow sets' keys) determines the caps
+                    # too; the flows are laid out together only if the memo does not have the rates
+                    r = max_min_rates(lambda: Routes.concat([f.routes for f in fs]), self.capacity,
+                                      lambda: np.concatenate([f.caps for f in fs]),
+                                      key=None if None in keys else keys[0] if len(keys) == 1 else digest(*keys),
                                       link_counts=lambda: _link_counts(fs, self.net.n_links))
                     off = 0
                     for i, f in zip(group, fs):

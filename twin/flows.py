@@ -46,23 +46,30 @@ def max_min_rates(paths, capacity: np.ndarray, caps: Sequence[float] | np.ndarra
     Raises ValueError on a NaN or negative capacity or cap (which would defeat the loop's exit test).
     The same question asked twice in a process (the same paths, capacities of the links they use,
     caps) gets the same answer from a memo; treat the array returned as read-only. `key`, a digest
-    that determines both the paths and the caps (the caller's), saves hashing them. `link_counts`,
+    that determines both the paths and the caps (the caller's), saves hashing them; with a key, `paths`
+    and `caps` may be functions that return them (called only when the memo does not have the rates,
+    as concatenating a million entries costs milliseconds). `link_counts`,
     (the links the paths cross, sorted; the number of paths through each of them), or a function
     that returns them (called only when the memo does not have the rates), saves counting them
     where the caller knows them.
     """
-    ptr, links = _csr(paths)
     cap_link = np.asarray(capacity, dtype=float)
+    if key is not None:  # the memo first: nothing to lay out or check for a question asked before
+        key = digest(key, array_key(cap_link), rtol)
+        hit = RATES.get(key)
+        if hit is not None:
+            return hit
+    paths, caps = paths() if callable(paths) else paths, caps() if callable(caps) else caps
+    ptr, links = _csr(paths)
     n = len(ptr) - 1
     cap_flow = np.full(n, np.inf) if caps is None else np.broadcast_to(np.asarray(caps, dtype=float), (n,)).copy()
     if np.isnan(cap_flow).any() or (cap_flow < 0).any():
         raise ValueError("max_min_rates: per-flow caps must be non-negative numbers (inf for none)")
     if key is None:
-        key = digest(getattr(paths, "key", None) or digest(ptr, links), cap_flow)
-    key = digest(key, array_key(cap_link), rtol)
-    hit = RATES.get(key)
-    if hit is not None:
-        return hit
+        key = digest(digest(getattr(paths, "key", None) or digest(ptr, links), cap_flow), array_key(cap_link), rtol)
+        hit = RATES.get(key)
+        if hit is not None:
+            return hit
     rate = _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts() if callable(link_counts) else link_counts)
     RATES.put(key, rate)
     return rate
