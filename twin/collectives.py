@@ -93,6 +93,7 @@ class _FlowSet:
         self.caps, self.n_rings = caps, n_rings
         self._counts = None
         self._latency: dict[bytes, float] = {}
+        self._slowest: dict[bytes, float] = {}
 
     @property
     def nbytes(self) -> int:
@@ -126,13 +127,19 @@ class _FlowSet:
             self._latency[key] = hit
         return hit
 
-    def slowest(self, rates: np.ndarray) -> float:
+    def slowest(self, rates: np.ndarray, key: bytes | None = None) -> float:
         """The smallest bus rate of these rings (bytes/s; bus_rates(rates).min(), without the
-        per-ring minima: a min is the same taken in any grouping)."""
-        if len(self.ring) == 0:
-            return math.inf
-        flow_rate = np.bincount(self.parent, weights=rates, minlength=len(self.ring))
-        return float((self.weight * flow_rate).min())
+        per-ring minima: a min is the same taken in any grouping). `key`, a digest that determines
+        `rates` (the max-min question's), keeps the answer: the models of a search ask again."""
+        hit = self._slowest.get(key) if key is not None else None
+        if hit is None:
+            hit = math.inf
+            if len(self.ring):
+                flow_rate = np.bincount(self.parent, weights=rates, minlength=len(self.ring))
+                hit = float((self.weight * flow_rate).min())
+            if key is not None:
+                self._slowest[key] = hit
+        return hit
 
     def bus_rates(self, rates: np.ndarray) -> np.ndarray:
         """Bus rate of each ring (bytes/s): min over its flows of weight x rate (sum of sub-flows)."""
@@ -142,8 +149,23 @@ class _FlowSet:
         return out
 
 
+_SHARING: dict[tuple, list[list[int]]] = {}  # flow sets' route keys -> their groups (a search asks again)
+
+
 def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
     """The flow sets split into groups that share no link with each other (indices, in order)."""
+    key = tuple(f.routes.key for f in sets)
+    hit = _SHARING.get(key) if None not in key else None
+    if hit is None:
+        hit = _split_sharing(sets, n_links)
+        if None not in key:
+            if len(_SHARING) >= 1024:
+                _SHARING.pop(next(iter(_SHARING)))
+            _SHARING[key] = hit
+    return hit
+
+
+def _split_sharing(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
     group = list(range(len(sets)))
     for i in range(len(sets)):
         mask = np.zeros(n_links, dtype=bool)
@@ -377,17 +399,18 @@ class CollectiveModel:
                     keys = [f.routes.key for f in fs]
                     # the routes' key (Routes.concat's, from the flow sets' keys) determines the caps
                     # too; the flows are laid out together only if the memo does not have the rates
+                    key = None if None in keys else keys[0] if len(keys) == 1 else digest(*keys)
                     r = max_min_rates(lambda: Routes.concat([f.routes for f in fs]), self.capacity,
-                                      lambda: np.concatenate([f.caps for f in fs]),
-                                      key=None if None in keys else keys[0] if len(keys) == 1 else digest(*keys),
+                                      lambda: np.concatenate([f.caps for f in fs]), key=key,
                                       link_counts=lambda: _link_counts(fs, self.net.n_links))
+                    rkey = None if key is None else digest(key, array_key(self.capacity))
                     off = 0
                     for i, f in zip(group, fs):
-                        rates[i] = r[off:off + len(f.routes)]
+                        rates[i] = (r[off:off + len(f.routes)], None if rkey is None else digest(rkey, off))
                         off += len(f.routes)
                 for (a, v), f, r in zip(sets.items(), allf, rates):
                     if k < len(v):
-                        out[a].append(f.slowest(r))
+                        out[a].append(f.slowest(*r))
             self._rates[key] = out
         return self._rates[key]
 
