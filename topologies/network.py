@@ -35,6 +35,13 @@ from topologies.system import SystemSpec
 if TYPE_CHECKING:
     import networkx as nx
 
+
+def mod(x, k: int):
+    """x % k for integer arrays, by a mask where k is a power of 2 (the same integers, negative ones
+    too in two's complement; numpy's % by a scalar is several times slower than &)."""
+    return x & (k - 1) if k > 0 and k & (k - 1) == 0 else x % k
+
+
 GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL = range(7)
 LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global")
 
@@ -96,8 +103,8 @@ class Network:
     def gpu_link(self, a, b):
         """Link GPU a -> GPU b (machine-wide GPU ids on the same node)."""
         a, b = np.asarray(a), np.asarray(b)
-        la, lb, node = a % self.gpn, b % self.gpn, a // self.gpn
-        return self.b_gpu + (node * self.gpn + la) * (self.gpn - 1) + lb - (lb > la)
+        la, lb = mod(a, self.gpn), mod(b, self.gpn)
+        return self.b_gpu + a * (self.gpn - 1) + lb - (lb > la)   # a = node * gpn + la
 
     def gpu_to_nic_link(self, gpu):
         return self.b_gn + 2 * np.asarray(gpu)
@@ -186,6 +193,15 @@ class Network:
         via_on = (i * G + h[:, None]) * L
         small = port.dtype
         return land.astype(small), via_out.ravel().astype(small), via_on.ravel().astype(small)
+
+    @cached_property
+    def cable_tables_by_cable(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """cable_tables' switch positions and global links and valiant_tables' landing switches as
+        (L, G*G) tables: cable j of the group pair at row g*G + h is at [j, g*G + h]."""
+        G, L = self.groups, max(self.L, 1)
+        port, cable, _ = self.cable_tables
+        land = self.valiant_tables[0].reshape(G * G, L)
+        return tuple(np.ascontiguousarray(x.T) for x in (port, cable, land))
 
     # -- arrays ---------------------------------------------------------------------------------
     def _build_arrays(self, ends: bool) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.memo import Memo, array_key, digest
-from topologies.network import Network
+from topologies.network import Network, mod
 from twin.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
@@ -215,7 +215,7 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
     cross = np.flatnonzero(~is_same) if len(same) else slice(None)  # a slice writes faster
     if len(same):  # minimal: the local link; Valiant: via a third switch of the group
         s1, d1 = s[same], d[same]
-        s1S, sp, dp = s1 * S, s1 % S, d1 % S
+        s1S, sp, dp = s1 * S, s1 - gs[same] * S, d1 - gd[same] * S   # positions in the group
         direct = loc.take(s1S + dp)
         onward = (s1 - sp) * S + dp          # + mid * S: the link from the third switch to d
         cand[1, same, :L] = direct[:, None]
@@ -230,10 +230,11 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
     if len(s2):
         land, via_out, via_on = net.valiant_tables
         there = g1 * G + g2
-        dp, s2S = d2 % S, s2 * S
-        cand[0, cross, :L] = loc.take(s2S[:, None] + port.take(there, axis=0))
-        cand[1, cross, :L] = cable.take(there, axis=0)
-        cand[2, cross, :L] = loc.take(land.reshape(-1, L).take(there, axis=0) * S + dp[:, None])
+        dp, s2S = d2 - g2 * S, s2 * S
+        port_j, cable_j, land_j = net.cable_tables_by_cable   # (L, pairs): fewer passes over short rows
+        cand[0, cross, :L] = loc.take(port_j.take(there, axis=1) + s2S).T
+        cand[1, cross, :L] = cable_j.take(there, axis=1).T
+        cand[2, cross, :L] = loc.take(land_j.take(there, axis=1) * S + dp).T
         pf, cf = port.ravel(), cable.ravel()       # row r, cable j at r * L + j
         pair = there * (G - 2)
         for k, (gi, j, _) in enumerate(draws):
@@ -242,8 +243,7 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
                 r = pair + gi[cross].astype(small)
                 out = via_out.take(r) + j[cross].astype(small)   # g1's cable j to that group
                 at = land.take(out)                               # the switch it lands on
-                j2 = at + d2
-                j2 = j2 & (L - 1) if L & (L - 1) == 0 else j2 % L  # (the same for L a power of 2)
+                j2 = mod(at + d2, L)
                 on = via_on.take(r) + j2                          # its cable j2 to g2
                 c[0] = loc.take(s2S + pf.take(out))
                 c[1] = cf.take(out)
@@ -251,7 +251,7 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
                 c[3] = cf.take(on)
                 c[4] = loc.take(land.take(on) * S + dp)
             else:  # two groups only: minimal, by the address hash
-                j = (s2 + d2) % L
+                j = mod(s2 + d2, L)
                 c[0] = loc.take(s2S + pf.take(there * L + j))
                 c[1] = cf.take(there * L + j)
                 c[2] = loc.take(land.take(there * L + j) * S + dp)
