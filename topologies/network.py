@@ -115,7 +115,7 @@ class Network:
     def nic_of_gpu(self, gpu):
         """NIC index (0-based, not a vertex id) that a GPU uses."""
         gpu = np.asarray(gpu)
-        return (gpu // self.gpn) * self.nics_per_node + self.gpu_nic[gpu % self.gpn]
+        return (gpu // self.gpn) * self.nics_per_node + self.gpu_nic[mod(gpu, self.gpn)]
 
     @cached_property
     def nic_of_gpus(self) -> np.ndarray:
@@ -136,15 +136,15 @@ class Network:
     def switch_of_nic(self, nic):
         """Switch index (0-based) a NIC is cabled to."""
         nic = np.asarray(nic)
-        node, k = nic // self.nics_per_node, nic % self.nics_per_node
+        node, k = nic // self.nics_per_node, mod(nic, self.nics_per_node)
         npg = self.system.nodes_per_group
-        grp, i = node // npg, node % npg
+        grp, i = node // npg, mod(node, npg)
         return grp * self.S + (k * npg + i) // self.E
 
     def local_link(self, a, b):
         """Link switch a -> switch b (switch indices of the same group, a != b)."""
         a, b = np.asarray(a), np.asarray(b)
-        la, lb = a % self.S, b % self.S
+        la, lb = mod(a, self.S), mod(b, self.S)
         return self.b_loc + a * (self.S - 1) + lb - (lb > la)
 
     def global_link(self, g1, g2, j):
@@ -157,7 +157,7 @@ class Network:
     def global_switch(self, g, h, j):
         """Switch index in group g that carries g's j-th global link to group h."""
         g, h, j = np.asarray(g), np.asarray(h), np.asarray(j)
-        return g * self.S + ((h - (h > g)) * self.L + j) % self.S
+        return g * self.S + mod((h - (h > g)) * self.L + j, self.S)
 
     @cached_property
     def cable_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -171,37 +171,27 @@ class Network:
         port = self.global_switch(g, h, j) - g * S
         cable = np.where(g != h, self.global_link(g, h, j), -1)
         a, p = np.divmod(np.arange(self.n_switches * S), max(S, 1))
-        local = np.where(a % max(S, 1) != p, self.local_link(a, a - a % max(S, 1) + p), -1)
+        pos = mod(a, max(S, 1))
+        local = np.where(pos != p, self.local_link(a, a - pos + p), -1)
         small = np.int32 if self.n_links < 2**31 else np.int64
         return port.reshape(G * G, L).astype(small), cable.reshape(G * G, L).astype(small), local.astype(small)
 
     @cached_property
-    def valiant_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Lookup tables of Valiant paths through an intermediate group (groups > 2), in cable_tables'
-        integer type: (G*G*L,) switch index where g's cable j to h lands in h, at (g*G + h)*L + j;
-        (G*G*(G-2),) for a path from group g to group h through the r-th group i of the G-2 others
-        (in group order), (g*G + i)*L at (g*G + h)*(G-2) + r, and (i*G + h)*L at the same place."""
+    def cable_landing(self) -> np.ndarray:
+        """(G*G*L,) switch index where group g's cable j to group h lands in h, at (g*G + h)*L + j
+        (cable_tables' integer type): the switch in h holding h's cable j to g."""
         G, S, L = self.groups, self.S, max(self.L, 1)
-        port, _, _ = self.cable_tables
-        g, h = np.divmod(np.arange(G * G), G)
-        land = (port.reshape(G, G, L).transpose(1, 0, 2) + (h * S).reshape(G, G, 1)).ravel()
-        r = np.arange(max(G - 2, 0))
-        lo, hi = np.minimum(g, h)[:, None], np.maximum(g, h)[:, None]
-        i = r + (r >= lo)
-        i = i + (i >= hi)                       # the r-th group other than g and h
-        via_out = (g[:, None] * G + i) * L
-        via_on = (i * G + h[:, None]) * L
-        small = port.dtype
-        return land.astype(small), via_out.ravel().astype(small), via_on.ravel().astype(small)
+        port = self.cable_tables[0].reshape(G, G, L)
+        h = np.arange(G, dtype=port.dtype)
+        return (port.transpose(1, 0, 2) + (h * S)[None, :, None]).ravel()
 
     @cached_property
     def cable_tables_by_cable(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """cable_tables' switch positions and global links and valiant_tables' landing switches as
-        (L, G*G) tables: cable j of the group pair at row g*G + h is at [j, g*G + h]."""
+        """cable_tables' switch positions and global links and cable_landing as (L, G*G) tables:
+        cable j of the group pair at row g*G + h is at [j, g*G + h]."""
         G, L = self.groups, max(self.L, 1)
         port, cable, _ = self.cable_tables
-        land = self.valiant_tables[0].reshape(G * G, L)
-        return tuple(np.ascontiguousarray(x.T) for x in (port, cable, land))
+        return tuple(np.ascontiguousarray(x.T) for x in (port, cable, self.cable_landing.reshape(G * G, L)))
 
     # -- arrays ---------------------------------------------------------------------------------
     def _build_arrays(self, ends: bool) -> None:

@@ -228,7 +228,7 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
             cand[1, same, L + k] = np.where(stay, -1, loc.take(mid * S + onward))
     s2, d2, g1, g2 = s[cross], d[cross], gs[cross], gd[cross]
     if len(s2):
-        land, via_out, via_on = net.valiant_tables
+        land = net.cable_landing
         there = g1 * G + g2
         dp, s2S = d2 - g2 * S, s2 * S
         port_j, cable_j, land_j = net.cable_tables_by_cable   # (L, pairs): fewer passes over short rows
@@ -236,15 +236,17 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
         cand[1, cross, :L] = cable_j.take(there, axis=1).T
         cand[2, cross, :L] = loc.take(land_j.take(there, axis=1) * S + dp).T
         pf, cf = port.ravel(), cable.ravel()       # row r, cable j at r * L + j
-        pair = there * (G - 2)
+        lo, hi, g1GL = np.minimum(g1, g2), np.maximum(g1, g2), g1 * (G * L)
         for k, (gi, j, _) in enumerate(draws):
             c = cand[:, cross, L + k]
-            if G > 2:  # via the gi-th group other than both ends, then minimal from where it lands
-                r = pair + gi[cross].astype(small)
-                out = via_out.take(r) + j[cross].astype(small)   # g1's cable j to that group
+            if G > 2:  # via group gi (the draw from G-2 skips both ends), then minimal from where it lands
+                gi = gi[cross].astype(small)
+                gi += gi >= lo
+                gi += gi >= hi
+                out = g1GL + gi * L + j[cross].astype(small)    # g1's cable j to group gi
                 at = land.take(out)                               # the switch it lands on
                 j2 = mod(at + d2, L)
-                on = via_on.take(r) + j2                          # its cable j2 to g2
+                on = (gi * G + g2) * L + j2                       # gi's cable j2 to g2
                 c[0] = loc.take(s2S + pf.take(out))
                 c[1] = cf.take(out)
                 c[2] = loc.take(at * S + pf.take(on))
