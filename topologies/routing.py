@@ -321,12 +321,13 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     # count: a batch reads and adds integer counts (in any order) and computes the same floats.
     counts = cap is not None and one is not None and one >= 0
     if counts:
-        count = np.zeros(net.n_links + 1, dtype=np.int32)
-        count[-1] = np.iinfo(np.int32).min // 2    # the sentinel: never a path's busiest hop
-        held = np.zeros(len(live) + 1)              # T[k]; no path crosses a link twice, so k <= flows
+        wide = np.int32 if len(live) * _HOPS < 2**30 else np.int64   # (the sentinel stays below 0)
+        count = np.zeros(net.n_links + 1, dtype=wide)
+        count[-1] = np.iinfo(wide).min // 2       # the sentinel: never a path's busiest hop
+        held = np.zeros(len(live) + 1)   # T[k]; no path crosses a link twice, so k <= flows (else take raises)
         np.cumsum(np.full(len(live), one), out=held[1:])   # (cumsum adds in turn, as add.at did)
         cost_of_count = (held + one) / cap
-        unit = np.int32(1)
+        unit = wide(1)
     else:
         load = np.zeros(net.n_links + 1)           # bytes/s placed per link (sentinel last)
         if cap is None:
