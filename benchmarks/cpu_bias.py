@@ -1,7 +1,7 @@
 """The CPU model's consistent per-grid errors: every loop revalidated offline, each against a profile
 fitted from its own bench files, and each grid's error across the loops.
 
-    python benchmarks/cpu_bias.py                       # the five committed quiet loops, about 3 min
+    python benchmarks/cpu_bias.py                       # the seven quiet loops, about 10 min
     python benchmarks/cpu_bias.py --json /tmp/after.json --compare /tmp/before.json
 
 A single run per grid carries about +-15 % of per-process noise (the same grid run twice minutes
@@ -14,7 +14,9 @@ grids with the largest biases; and per loop the issue's measures: iteration medi
 within 15 %, worst, per-op median (median over runs) and Spearman. --json writes all of it;
 --compare prints an earlier --json's figures beside (the model before a change).
 Loops: NAME=RUNS:BENCH (RUNS: the loop's runs/ folder; BENCH: the measurement folder whose
-bench-*.json files the profile is fitted from; 01f was run against 01e's bench).
+bench-*.json files the profile is fitted from; 01f was run against 01e's bench, 01h against 01g's).
+A grid's folder holds one run (01b-01f) or repeats r1, r2, ... (01g, 01h: three interleaved runs),
+pooled at their median as `twin validate` does (calibration.validate.pool_repeats).
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from calibration.validate import spearman, validate_run  # noqa: E402
+from calibration.validate import pool_repeats, spearman, validate_run  # noqa: E402
 
 MEAS = ROOT / "calibration" / "measurements"
 LOOPS = [f"01b=/work/bv-work/runs:{MEAS}/cpu-2026-12-01b",
          f"01c=/work/bv-work2/runs:{MEAS}/cpu-2026-12-01c",
          f"01d=/work/bv-work3/runs:{MEAS}/cpu-2026-12-01d",
          f"01e=/work/bv-work4/runs:{MEAS}/cpu-2026-12-01e",
-         f"01f=/work/bv-work5/runs:{MEAS}/cpu-2026-12-01e"]
+         f"01f=/work/bv-work5/runs:{MEAS}/cpu-2026-12-01e",
+         f"01g=/work/bv-work7/runs:{MEAS}/cpu-2026-12-01g",
+         f"01h=/work/bv-work8/runs:{MEAS}/cpu-2026-12-01g"]
 
 
 def _order(g: str) -> tuple:
@@ -54,9 +58,11 @@ def loop_rows(runs: Path, bench: Path) -> dict[str, dict]:
         prof = Path(d) / "cpu.toml"
         prof.write_text(fit_profile(files, "cpu").toml)
         for run in sorted(runs.iterdir(), key=lambda p: _order(p.name)):
-            if not (run / "log.jsonl").exists():
+            repeats = [run] if (run / "log.jsonl").exists() else sorted(
+                d for d in run.iterdir() if d.is_dir() and (d / "log.jsonl").exists())
+            if not repeats:
                 continue
-            r = validate_run(run, profile=str(prof))
+            r = pool_repeats([validate_run(d, profile=str(prof)) for d in repeats])
             kinds = {k: {"measured_s": v["measured_s"], "predicted_s": v["predicted_s"],
                          "median_abs_error": v["median_abs_error"]} for k, v in r["ops"]["by_kind"].items()}
             out[r["grid"]] = {"measured_s": r["iteration"]["measured_s"], "predicted_s": r["iteration"]["predicted_s"],
