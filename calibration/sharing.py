@@ -16,20 +16,85 @@ LOAD_STEP = 0.01  # the grid of collective_core_load values tried
 LOAD_MAX = 3.0
 
 
-def replay(run: dict, host_s: float):
+def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False):
     """(program, engine result with spans) of a measurement file's recorded steps replayed by the
     twin's engine with every op at its measured median span (compute ops plus the host time between
-    them), host-ordered as the CPU executor issues them; None without steps."""
+    them: host_s, and issue_s per collective issued before the op, as twin.kernels.host_times
+    charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
+    collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
+    as the twin's in-training lines do."""
     from twin.engine import simulate_program
     from twin.grid import Grid
+    from twin.kernels import host_times
     from twin.model import load_model
     from twin.program import Options, build_program, host_ordered
     if not run.get("steps") or not run.get("model"):
         return None
     prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options()))
     secs = {row["name"]: row["seconds"] for row in run["steps"]}
-    compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + host_s for op in prog.ops]
+    if woken:
+        secs.update({row["name"]: row["seconds"] + max(0.0, row.get("wake_s", 0.0) - host_s)
+                     for row in run["steps"] if row["kind"] in COLLECTIVES})
+    hosts = host_times(prog.ops, host_s, issue_s)
+    compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + h for op, h in zip(prog.ops, hosts)]
     return prog, simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
+
+
+ISSUE_MAX = 0.05  # s: the largest host time per collective issue searched
+
+
+def replay_gaps(run: dict, host_s: float, issue_s: float) -> float:
+    """Seconds per step between consecutive compute ops of the file's recorded steps replayed (replay,
+    woken) with `issue_s` of host time per collective issued: the host time, the issues and the
+    waits for collectives, as the twin counts them."""
+    prog, res = replay(run, host_s, issue_s, woken=True)
+    comp = sorted((s, d) for _, i, s, d in res.spans if not prog.ops[i].is_collective)
+    kernels = sum(row["seconds"] for row in run["steps"] if row["stream"] == "compute" and row["kind"] not in COLLECTIVES)
+    return comp[-1][0] + comp[-1][1] - comp[0][0] - kernels
+
+
+def measured_gaps(run: dict) -> float | None:
+    """Seconds per step between consecutive compute ops of the file's recorded steps (bench's mean gap,
+    `mean_s` of its host row, times the gaps of a step); None without them."""
+    host = next((row for row in run.get("ops", []) if row["op"] == "host" and "mean_s" in row), None)
+    comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
+    if host is None or len(comp) < 2:
+        return None
+    return host["mean_s"] * (len(comp) - 1)
+
+
+def issue_cost(runs: list[dict], host_s: float) -> tuple[float, str] | None:
+    """(seconds, how): the host time per collective issue (Profile.host_issue_s) that makes the recorded
+    steps of `runs` (one rank count's measurement files), replayed through the twin's engine with
+    their measured spans (replay_gaps: host_s per compute op, each collective's span and wake-up),
+    spend the time between their compute ops that bench measured (measured_gaps), summed over the
+    files with collectives: what the replay misses is what issuing a collective costs the issuing
+    host (on a CPU, the buffers it fills and gloo's thread taking the rank's core as it wakes to the
+    transfer: in cpu-2026-12-01g's runs of 1x1x2x1 a gap in which a z collective was issued took
+    0.70 ms against 0.18 ms for a gap with none). 0 where the replay already spends as much (a
+    burst of collectives issued together); None without files that recorded gaps and collectives."""
+    use = [r for r in runs if measured_gaps(r) is not None
+           and any(row["kind"] in COLLECTIVES for row in r.get("steps", []))]
+    if not use:
+        return None
+    target = sum(measured_gaps(r) for r in use)
+
+    def replayed(c: float) -> float:
+        return sum(replay_gaps(r, host_s, c) for r in use)
+
+    lo, hi = 0.0, ISSUE_MAX
+    at0 = replayed(0.0)
+    if at0 >= target:
+        lo = hi = 0.0
+    for _ in range(30 if hi > 0 else 0):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if replayed(mid) < target else (lo, mid)
+    c = (lo + hi) / 2
+    n = sum(1 for r in use for row in r["steps"] if row["kind"] in COLLECTIVES)
+    return c, (f"fitted: the host time per collective issued that makes the replay of the recorded training "
+               f"steps (their measured spans and wake-ups, {host_s * 1e6:.0f} us per compute op) spend the "
+               f"{target * 1e3:.1f} ms between compute ops per step that bench measured (mean gap x gaps), "
+               f"summed over {len(use)} file(s) with {n} collectives per step; {at0 * 1e3:.1f} ms without it")
 
 
 def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:

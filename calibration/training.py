@@ -12,8 +12,8 @@ from pathlib import Path
 from calibration.lines import Residual, alone_point, collective_line, cost_line, excess_line, residual
 from calibration.measurements import COLLECTIVES, COVERED, MODELED, describe
 from calibration.profile_text import entry_text, number_text, quoted
-from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, measured_share, replayed_overlap,
-                                 sharing_point)
+from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, issue_cost, measured_share,
+                                 replayed_overlap, sharing_point)
 from twin.profile import load_profile
 
 
@@ -186,6 +186,13 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
                 f"training steps' collectives less (1 - share) x the time their rank's compute ran beside them "
                 f"(replayed from the steps' median spans) fit the per-axis lines best at this share (relative "
                 f"least squares, steps of {COMM_SHARE_STEP}), {src}")))
+        # where the ranks do not outnumber the cores (twin.cores: there the fluid share says 1): with
+        # more ranks, the collectives' work on the cores is in the stretch of every rank's compute
+        cores = {r["machine"].get("cores") for r in runs}
+        fits_cores = len(cores) == 1 and None not in cores and ranks <= int(cores.pop())
+        issued = issue_cost(runs, prof.host_op_s) if micro.host_ordered and fits_cores else None
+        if issued is not None:
+            lines.append("host_issue_s = " + entry_text(max(issued[0], 1e-9), f"{issued[1]}, {src}"))
         if ratios:
             lines.append("collective_slowdown = " + entry_text(statistics.median(ratios), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "

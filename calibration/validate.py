@@ -17,8 +17,9 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     fastest rank's wall span of the same op, which every rank runs on the same shapes) times its
     rank's stretch, wall over on-CPU time summed over the rank's compute ops: the rank's total is
     kept, spread over its ops as a fluid share would. The wall and on-CPU medians are reported too.
-    The twin's predicted span holds the host time before the op (the profile's host_op_s), the
-    measured span only the kernel: the host time is taken off before comparing;
+    The twin's predicted span holds the host time before the op (the profile's host_op_s, and its
+    host_issue_s per collective issued just before the op: twin.kernels.host_times), the measured
+    span only the kernel: the host time is taken off before comparing;
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
     member to issue it (on aligned clocks: the latest start among the group's ranks), reported per
@@ -220,6 +221,15 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
     return out
 
 
+def _host_of(study, grid: Grid) -> dict[str, float]:
+    """Per op name of the study's program, the host time the twin charges before it (seconds;
+    twin.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it)."""
+    from twin.kernels import host_times
+    from twin.simulate import program_for
+    prog = program_for(study, grid)
+    return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, study.kernels.profile.host_op_s, study.kernels.profile.host_issue_s))}
+
+
 def _predicted_stretch(study, grid: Grid) -> float | None:
     """The twin's stretch of this grid's compute ops (twin.simulate.shared_core_stretch), or None."""
     from twin.program import host_ordered
@@ -296,8 +306,9 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     kinds = {s.name: s.kind for s in run["spans"]}
     predicted: dict[str, list[float]] = {}
     excess = _excess_of(study, grid)
+    host_of = _host_of(study, grid)
     for s in res.spans:
-        host_s = 0.0 if s.kind in COLLECTIVES else host
+        host_s = 0.0 if s.kind in COLLECTIVES else host_of.get(s.name, host)
         predicted.setdefault(s.name, []).append(max(s.duration_s - host_s, 0.0))
     ops = []
     for name, times in measured.items():

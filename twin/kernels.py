@@ -19,8 +19,9 @@
   recorded inside training steps (`gemm_table` point with `training`) takes that point's rate
   instead, and attention's efficiency is the one measured inside training where it was recorded.
 Every op also pays a fixed launch cost, and, where the profile measured it (CPU), the host time
-the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping,
-issuing collectives), which the rank's compute stream cannot hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
+the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping)
+and per collective it issues (`host_issue_s`, host_times), which the rank's compute stream cannot
+hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
 overlaps it) is applied by the engine, which knows when communication is in flight.
 """
 
@@ -42,6 +43,24 @@ def cost_role(op: Op) -> str:
     fp32 statistics instead of torch's fused norm (backend/layers.py), measured at about 1 ns per byte
     against 0.3 inside training on 2-8 ranks (cpu-2026-12-01c: 14 runs with x > 1 against the others)."""
     return op.role + SPLIT if any(r.endswith("stats") for r in op.reads) else op.role
+
+
+def host_times(ops: list[Op], host_op_s: float, host_issue_s: float) -> list[float]:
+    """Per op of a program (in the order the host runs them), the host time charged before it
+    (seconds; 0 for a collective): for a compute op, `host_op_s` (Profile.host_op_s) plus
+    `host_issue_s` (Profile.host_issue_s) for each collective issued since the compute op before it. On a CPU the host that issues a collective
+    is the device that computes: it fills the collective's buffers (a zeroed output, a copy to reduce)
+    and, on a busy node, gloo's thread takes the issuing rank's core as it wakes to the transfer; the
+    compute op after the issue starts that much later (calibration.sharing.issue_cost fits it)."""
+    out, issued = [], 0
+    for op in ops:
+        if op.is_collective:
+            out.append(0.0)
+            issued += 1
+        else:
+            out.append(host_op_s + issued * host_issue_s)
+            issued = 0
+    return out
 
 
 class KernelModel:

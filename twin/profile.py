@@ -66,6 +66,8 @@ class NodeShare:
     # over summed on-CPU time: the rank's fluid share of the cores, inverted), which the in-training
     # op times hold (0: not measured)
     stretch: float = 0.0
+    # host time per collective the executor issues, charged to the compute op after it (twin.kernels.host_times)
+    host_issue_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,9 @@ class Profile:
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
     comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
     stretch: float = 0.0  # compute ops' span over on-CPU time that the in-training op times hold (CPU; 0: none)
+    # host time per collective the executor issues (CPU: the buffers it fills, gloo's thread taking the
+    # issuing rank's core), charged to the compute op after it (twin.kernels.host_times); 0: none
+    host_issue_s: float = 0.0
     # how the ranks share a CPU node's cores (twin.cores; 0: not measured, every grid at `stretch`):
     # the node's cores, and the share of a core a collective in flight keeps busy (gloo's threads)
     node_cores: int = 0
@@ -202,7 +207,7 @@ class Profile:
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
                       collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
-                      comm_share=share.comm_share, stretch=share.stretch)
+                      comm_share=share.comm_share, stretch=share.stretch, host_issue_s=share.host_issue_s)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
@@ -311,7 +316,9 @@ def load_profile(name_or_path: str) -> Profile:
                                 _value(path, f"{where}.comm_share", row["comm_share"], sources)
                                 if "comm_share" in row else 1.0,
                                 _value(path, f"{where}.stretch", row["stretch"], sources)
-                                if "stretch" in row else 0.0))
+                                if "stretch" in row else 0.0,
+                                _value(path, f"{where}.host_issue_s", row["host_issue_s"], sources)
+                                if "host_issue_s" in row else 0.0))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"

@@ -270,7 +270,7 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "host_op_s": Sourced(Positive(1.0)),
                                  "compute_contention": Sourced(SCALE),
                                  "collective_slowdown": Sourced(SCALE), "comm_share": Sourced(FRACTION),
-                                 "stretch": Sourced(SCALE),
+                                 "stretch": Sourced(SCALE), "host_issue_s": Sourced(Number(0.0, 1.0)),
                                  "axis_slowdown": Table(required={"source": Text(nonempty=True)},
                                                         optional={a: SCALE for a in ("x", "y", "z", "data")})})
 OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),

@@ -17,11 +17,13 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import asdict
+from itertools import repeat
 
 from topologies.system import SystemSpec
 from twin.common import TwinError
 from twin.engine import NS, Stopped, simulate_program
 from twin.grid import AXES, Grid
+from twin.kernels import host_times
 from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
@@ -162,11 +164,12 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     km = study.kernels
     cm = collectives if collectives is not None else model_for(study, grid)
     stretch = shared_core_stretch(study, grid, prog, cm)
-    if stretch is None:
-        compute_s = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
-    else:  # CPU: this grid's own stretch, for the pooled one the op times hold
-        scale, host = stretch / study.profile.stretch, study.profile.host_op_s
-        compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op in prog.ops]
+    # CPU: this grid's own stretch, for the pooled one the op times hold; each compute op with the host
+    # time before it (0 on a GPU)
+    scale = 1.0 if stretch is None else stretch / study.profile.stretch
+    p = study.profile
+    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s) if p.host_issue_s else repeat(p.host_op_s)
+    compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op, host in zip(prog.ops, hosts)]
     tails = tail_ns(study, grid) if stop_s else None
     res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                            overlap_slowdown=study.profile.overlap_slowdown, record=record,
@@ -217,9 +220,10 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     timer = collective_timer(prog, collectives)
     stretch = p.stretch
     floor = stretch_floor(ranks, p.node_cores, p.stretch)
+    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
     for _ in range(STRETCH_ROUNDS):
-        res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + p.host_op_s
-                                      for op, t in zip(prog.ops, on_cpu)], timer,
+        res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + h
+                                      for op, t, h in zip(prog.ops, on_cpu, hosts)], timer,
                                overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share,
                                by_size=True)
         new = core_stretch(ranks, p.node_cores, p.collective_core_load,
