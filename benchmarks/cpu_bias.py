@@ -17,6 +17,9 @@ Loops: NAME=RUNS:BENCH (RUNS: the loop's runs/ folder; BENCH: the measurement fo
 bench-*.json files the profile is fitted from; 01f was run against 01e's bench, 01h against 01g's).
 A grid's folder holds one run (01b-01f) or repeats r1, r2, ... (01g, 01h: three interleaved runs),
 pooled at their median as `twin validate` does (calibration.validate.pool_repeats).
+Over the seven loops, before and after the host time per collective issued where the ranks do not
+outnumber the cores (twin.kernels.host_times, Profile.host_issue_s): median |bias| 3.5 -> 3.4 %,
+grids beyond 8 %: 3 -> 2, worst 1x1x2x1 -11.4 % (now -4.7 %) -> 1x4x2x1 +9.8 % (unchanged).
 """
 
 from __future__ import annotations
@@ -112,10 +115,12 @@ def report(data: dict, old: dict | None) -> dict:
         print(line)
     b = list(bias.values())
     print(f"bias over the grids: median |bias| {statistics.median(map(abs, b)):.1%}, within 15 %: "
-          f"{sum(abs(x) <= 0.15 for x in b)}/{len(b)}, worst {max(b, key=abs):+.1%}; median spread "
+          f"{sum(abs(x) <= 0.15 for x in b)}/{len(b)}, beyond 8 %: {sum(abs(x) > 0.08 for x in b)}, worst "
+          f"{max(b, key=abs):+.1%}; median spread "
           f"{statistics.median(_mean_sd([data[n][g]['error'] for n in names])[1] for g in grids):.1%}"
           + (f"  (old: median |bias| {statistics.median(map(abs, old['bias'].values())):.1%}, within 15 %: "
-             f"{sum(abs(x) <= 0.15 for x in old['bias'].values())}, worst {max(old['bias'].values(), key=abs):+.1%})"
+             f"{sum(abs(x) <= 0.15 for x in old['bias'].values())}, beyond 8 %: "
+             f"{sum(abs(x) > 0.08 for x in old['bias'].values())}, worst {max(old['bias'].values(), key=abs):+.1%})"
              if old else ""))
     kinds = sorted({k for n in names for g in grids for k in data[n][g]["kinds"]})
     print("\nper op kind: summed predicted over summed measured - 1 of a run, mean over grids per loop; "
