@@ -41,6 +41,11 @@ def _cases():
     src, dst = np.repeat(g.ravel(), 4), np.repeat(np.roll(g, -1, axis=1).ravel(), 4)
     out.append(("frontier-data-rings", frontier, dict(src=src, dst=dst, mode="adaptive", seed=0, demand=1.25e9)))
     out.append(("frontier-data-rings-minimal", frontier, dict(src=src, dst=dst, mode="minimal")))
+    # rings inside nodes only: every flow on the node fabric, then some to themselves too
+    src = np.arange(32768)
+    dst = src - src % 8 + (src + 1) % 8
+    out.append(("frontier-node-rings", frontier, dict(src=src, dst=dst, mode="adaptive", seed=0, demand=2.5e10)))
+    out.append(("frontier-node-rings-and-self", frontier, dict(src=src, dst=np.where(src % 5 == 0, src, dst))))
     return out
 
 
@@ -75,6 +80,8 @@ PINNED = {  # computed at c4ff7fb by this file's cases
     "frontier-2-adaptive-one-demand": "8567210b24836140",
     "frontier-data-rings": "636d2699ec316c86",
     "frontier-data-rings-minimal": "81c50e35a90d26ea",
+    "frontier-node-rings": "11a337c9405843d2",
+    "frontier-node-rings-and-self": "8a2ab1b12bc085b9",
 }
 
 

@@ -436,6 +436,8 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     x = ~intra
     if not x.any():  # every flow stays in its node: one link each (none to itself)
         i = src != dst
+        if i.all():
+            return Routes(np.arange(n + 1, dtype=np.int64), net.gpu_link(src, dst).astype(np.int64, copy=False))
         return Routes.from_matrix(np.where(i, net.gpu_link(src, dst), -1)[:, None])
     has_intra = not x.all()
     rows = np.flatnonzero(x) if has_intra else slice(None)   # a slice reads and writes faster
