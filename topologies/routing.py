@@ -282,7 +282,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     batches matter: with 32768 flows, batches of 1024 left the worst ring of Frontier's data axis
     at 3.2 GB/s, batches of 128 at the full 5 GB/s. For the same reason the cost is not clamped at
     full utilization: with a flat cost below saturation a whole batch would pile onto one path.
-    `out`: a (flows, 5) int64 matrix filled with -1 (a view, say) to write the result into."""
+    `out`: a (flows, 5) integer matrix filled with -1 (a view, say; int32 suffices) to write the result into."""
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
     n = len(s)
     if out is None:
