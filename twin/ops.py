@@ -93,22 +93,6 @@ _OP_DEFAULTS = {f.name: f.default for f in fields(Op)}  # every field, in order 
 _object_new = object.__new__
 
 
-def _new_op(index: int, name: str, kind: str, stream: str, deps: tuple, phase: str, micro_batch: int,
-            kw: dict) -> Op:
-    """Op(index, name, kind, stream, deps, phase=phase, micro_batch=micro_batch, **kw), made without the
-    frozen dataclass's __init__ (one object.__setattr__ per field: about a third of a program's build time).
-    The fields are checked like __init__'s keyword arguments; the result is an equal Op."""
-    op = _object_new(Op)
-    d = op.__dict__
-    d.update(_OP_DEFAULTS)
-    d["index"], d["name"], d["kind"], d["stream"], d["deps"] = index, name, kind, stream, deps
-    d["phase"], d["micro_batch"] = phase, micro_batch
-    if not _KEYWORDS.issuperset(kw):
-        raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
-    d.update(kw)
-    return op
-
-
 _KEYWORDS = set(_OP_DEFAULTS) - {"index", "name", "kind", "stream", "deps", "phase", "micro_batch"}
 
 
@@ -176,6 +160,7 @@ class Builder:
 
     def __init__(self, model: ModelSpec, grid: Grid, options: Options, batch: int, seq_len: int):
         self.model, self.grid, self.opt = model, grid, options
+        self.axis_sizes = {a: grid.axis_size(a) for a in AXES}
         self.seq_len = seq_len
         self.vocab = model.padded_vocab(grid.y)
         self.seqs = batch // (grid.z * grid.data) // options.micro_batches  # per rank per micro-batch
@@ -193,10 +178,23 @@ class Builder:
 
     # -- appending ------------------------------------------------------------------------------
     def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
+        """Append Op(index, prefix + name, kind, stream, deps (sorted, each once, no None), phase,
+        micro_batch, **kw), made without the frozen dataclass's __init__ (one object.__setattr__ per
+        field: about a third of a program's build time); the fields are checked like __init__'s
+        keyword arguments, and the op is equal to the one __init__ makes."""
         idx = len(self.ops)
-        deps = [d for d in deps if d is not None]
-        deps = tuple(deps if len(deps) < 2 else sorted(set(deps)))  # sorted, each once
-        self.ops.append(_new_op(idx, self.prefix + name, kind, stream, deps, self.phase, self.mb, kw))
+        if None in deps:
+            deps = [d for d in deps if d is not None]
+        deps = tuple(deps) if len(deps) < 2 else tuple(sorted(set(deps)))
+        if not _KEYWORDS.issuperset(kw):
+            raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
+        op = _object_new(Op)
+        d = op.__dict__
+        d.update(_OP_DEFAULTS)
+        d["index"], d["name"], d["kind"], d["stream"], d["deps"] = idx, self.prefix + name, kind, stream, deps
+        d["phase"], d["micro_batch"] = self.phase, self.mb
+        d.update(kw)
+        self.ops.append(op)
         return idx
 
     def compute(self, name: str, kind: str, deps=(), **kw) -> int:
@@ -207,7 +205,7 @@ class Builder:
         return idx
 
     def collective(self, name: str, kind: str, axis: str, nbytes: int, deps=(), **kw) -> int | None:
-        if self.grid.axis_size(axis) == 1:
+        if self.axis_sizes[axis] == 1:
             return None
         return self._add(name, kind, axis, deps, bytes=int(nbytes), axis=axis, **kw)
 
