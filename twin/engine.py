@@ -114,14 +114,28 @@ class _Plan:
             for k, i in enumerate(stream_ops):
                 pos[i] = k
         self.axis_of = [op.axis for op in ops]
-        self.cross = cross = [tuple([d for d in op.deps if streams[d] != s]) if op.deps else ()
-                              for op, s in zip(ops, streams)]
+        self.cross = cross = []
         dependents = [0] * n
-        for deps in cross:
-            for d in deps:
-                dependents[d] += 1
+        for op, s in zip(ops, streams):
+            deps = op.deps
+            if len(deps) == 1:  # most ops
+                d = deps[0]
+                if streams[d] == s:
+                    deps = ()
+                else:
+                    dependents[d] += 1
+            elif deps:
+                deps = tuple([d for d in deps if streams[d] != s])
+                for d in deps:
+                    dependents[d] += 1
+            cross.append(deps)
         self.waited_on = bytearray(k > 0 for k in dependents)
-        self.counted = bytearray(all(dependents[d] == 1 for d in deps) for deps in cross)
+        self.counted = counted = bytearray(b"\x01" * n)
+        for j, deps in enumerate(cross):
+            for d in deps:
+                if dependents[d] != 1:
+                    counted[j] = 0
+                    break
         self.todo = {k: [(i, cross[i]) for i in stream_ops] for k, stream_ops in by_stream.items()}
 
 
