@@ -11,9 +11,12 @@ its due time; a heap holds the distinct due times, and the loop runs each time's
 order (entries added while it runs, zero-time ops, run last: simpy's order on ties). No Python object is made per rank and op: done flags are a bytearray
 per op (a group's members' flags for one op sit together), a group's start and blocker of each op
 are int arrays, a stream kind's (op, deps) list is shared. No cyclic GC during a run (only cost).
+What a run derives from the program's streams, axes and deps alone (a _Plan) is kept for the next
+program alike (a grid search's class-mates differ only in sizes, twin.program.regrid).
 
 Rates. A collective's duration comes from `collective_s(op, concurrent)` where `concurrent` is the set
-of other axes that have a collective in flight at that moment. When an axis starts or stops having
+of other axes that have a collective in flight at that moment (asked once per op and set, or with
+`by_size` once per distinct (kind, axis, bytes) and set). When an axis starts or stops having
 collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
 (a fraction) is carried over at the new rate. A compute op runs `overlap_slowdown` times slower while
 a collective of its rank is in flight, re-rated the same way; symmetrically, with `comm_share` < 1 (CPU:
