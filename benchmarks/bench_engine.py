@@ -20,6 +20,7 @@ The machine may be shared: CPU seconds of one process, alternated, are steadier 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import re
 import shutil
@@ -49,6 +50,8 @@ def load_baseline(root: Path, into: Path):
 
 
 def timed(f) -> float:
+    """CPU seconds of f(), from a collected heap (so that neither side pays the other's garbage)."""
+    gc.collect()
     t = time.process_time()
     f()
     return time.process_time() - t
