@@ -399,11 +399,11 @@ class CollectiveModel:
                     keys = [f.routes.key for f in fs]
                     # the routes' key (Routes.concat's, from the flow sets' keys) determines the caps
                     # too; the flows are laid out together only if the memo does not have the rates
-                    key = None if None in keys else keys[0] if len(keys) == 1 else digest(*keys)
+                    qkey = None if None in keys else keys[0] if len(keys) == 1 else digest(*keys)
                     r = max_min_rates(lambda: Routes.concat([f.routes for f in fs]), self.capacity,
-                                      lambda: np.concatenate([f.caps for f in fs]), key=key,
+                                      lambda: np.concatenate([f.caps for f in fs]), key=qkey,
                                       link_counts=lambda: _link_counts(fs, self.net.n_links))
-                    rkey = None if key is None else digest(key, array_key(self.capacity))
+                    rkey = None if qkey is None else digest(qkey, array_key(self.capacity))
                     off = 0
                     for i, f in zip(group, fs):
                         rates[i] = (r[off:off + len(f.routes)], None if rkey is None else digest(rkey, off))
