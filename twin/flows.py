@@ -181,7 +181,9 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     links they cross are worked out entry by entry. The links of the flows left unfrozen get their
     remaining capacity exactly as the loop's bincount gives it: capacity minus the frozen rates on
     the link added up in entry order; where only easy flows froze there, that sum is c + c + ...
-    (a table by count), elsewhere the link's frozen entries are found and added in order.
+    (a table by count), elsewhere it is one weighted bincount over every entry (c for an easy
+    flow's, the frozen rate or 0 for a hard flow's: adding 0 changes no sum, so each link's sum
+    is the loop's, the same numbers in the same order).
 
     Returns None where that does not hold or pays (fewer than half the flows easy, easy caps that
     differ); else (fmin, hit, rest) over the flows: their first-round rate and whether they froze,
@@ -210,56 +212,41 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     hard = np.flatnonzero(~easy)
     if len(hard) == 0:
         return fmin, hit, None
-    # the hard flows' entries, and the links they cross numbered 0..H-1
+    # the hard flows' entries (`pos` among all entries) and the links they cross (`lh`, places in `used`)
     flen_h, fcap_h = flen[hard], fcap[hard]
     starts_h = np.zeros(len(hard), dtype=np.int64)
     np.cumsum(flen_h[:-1], out=starts_h[1:])
     pos = np.repeat(starts[hard] - starts_h, flen_h) + np.arange(starts_h[-1] + flen_h[-1])
     uidx = np.empty(len(cap_link), dtype=np.int64)     # a used link's place in `used`
     uidx[used] = np.arange(len(used))
-    lu = uidx[links[pos]]
-    seen = np.zeros(len(used), dtype=bool)
-    seen[lu] = True
-    uh = np.flatnonzero(seen)                          # the links hard flows cross, as places in `used`
-    local = np.empty(len(used), dtype=np.int64)
-    local[uh] = np.arange(len(uh))
-    lh = local[lu]
-    ul, cnt, share_h = used[uh], count[uh], share[uh]  # flows per link, easy ones included
-    share_e = share_h[lh]
+    lh = uidx[links[pos]]
+    share_e = share[lh]
     fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
-    slower = np.zeros(len(ul), dtype=bool)
+    slower = np.zeros(len(used), dtype=bool)
     slower[lh[share_e > np.repeat(fmin_h * tol, flen_h)]] = True
-    hard_cnt = np.bincount(lh, minlength=len(ul))
-    slower |= (cnt > hard_cnt) & (share_h > c * tol)   # an easy flow on the link is slower
+    hard_cnt = np.bincount(lh, minlength=len(used))
+    slower |= (count > hard_cnt) & (share > c * tol)   # an easy flow on the link is slower
     hit_h = np.maximum.reduceat(~slower[lh], starts_h) | (fcap_h <= fmin_h * tol)
     fmin[hard], hit[hard] = fmin_h, hit_h
     if hit_h.all():
         return fmin, hit, None
     left = ~hit_h
     lr = lh[np.repeat(left, flen_h)]                   # the unfrozen flows' entries
-    need = np.zeros(len(ul), dtype=bool)
+    need = np.zeros(len(used), dtype=bool)
     need[lr] = True                                    # the links they cross
-    easy_cnt = cnt - hard_cnt
-    sums = np.add.accumulate(np.concatenate([[0.0], np.full(int(easy_cnt[need].max()), c)]))
-    acc = np.zeros(len(ul))
-    acc[need] = sums[easy_cnt[need]]                   # c added easy_cnt times, in turn
-    mixed = np.zeros(len(ul), dtype=bool)
-    mixed[lh[np.repeat(hit_h, flen_h)]] = True
-    mixed &= need                                      # a hard flow froze there too: add in order
-    if mixed.any():
-        on = np.zeros(len(cap_link), dtype=bool)
-        on[ul[mixed]] = True
-        e = np.flatnonzero(on[links])                  # every entry on those links, in order
-        # each one's frozen rate: c (an easy flow), fmin_h or 0 (a hard flow: adding 0 changes no sum)
-        w = np.full(len(e), c)
-        is_hard = np.zeros(len(links), dtype=bool)
-        is_hard[pos] = True
-        w[is_hard[e]] = np.repeat(np.where(hit_h, fmin_h, 0.0), flen_h)[mixed[lh]]
-        acc[mixed] = np.bincount(local[uidx[links[e]]], weights=w, minlength=len(ul))[mixed]
     nl = np.flatnonzero(need)
-    rem = cap_link[ul[nl]] - acc[nl]
+    froze = np.zeros(len(used), dtype=bool)
+    froze[lh[np.repeat(hit_h, flen_h)]] = True         # links where a hard flow froze
+    if froze[nl].any():  # on some needed link, hard flows' rates add up between the c's: in order
+        w = np.full(len(links), c)
+        w[pos] = np.repeat(np.where(hit_h, fmin_h, 0.0), flen_h)
+        acc = np.bincount(links, weights=w, minlength=len(cap_link))[used[nl]]
+    else:  # only easy flows froze there: c added easy_cnt times, in turn
+        easy_cnt = count[nl] - hard_cnt[nl]
+        acc = np.add.accumulate(np.concatenate([[0.0], np.full(int(easy_cnt.max()), c)]))[easy_cnt]
+    rem = cap_link[used[nl]] - acc
     np.maximum(rem, 0.0, out=rem)
-    renum = np.empty(len(ul), dtype=np.int64)
+    renum = np.empty(len(used), dtype=np.int64)
     renum[nl] = np.arange(len(nl))
     lk = renum[lr]
     return fmin, hit, (hard[left], lk, rem, np.bincount(lk, minlength=len(nl)))
