@@ -19,7 +19,8 @@ class Blocks:
         self.b, self.model, self.grid, self.options = b, model, grid, b.opt
         self.llama = model.is_llama
         self.m, self.h, self.gx, self.gy, self.s = b.tokens, model.hidden, grid.x, grid.y, b.seq_len
-        self.lin = {ln: (k, n, t) for ln, k, n, t in model.linear_shapes()}
+        # each linear's shard (k_local, n_local, in_axis, out_axis), the same in every block
+        self.lin = {ln: linear_dims(grid, k, n, t) for ln, k, n, t in model.linear_shapes()}
         self.qkv_local, self.f_local = model.qkv_width // grid.y, model.ffn // grid.y
         self.rope_width = (model.heads + model.n_kv_heads) * model.head_dim // grid.y  # rotated q and k features
 
@@ -49,18 +50,19 @@ class Blocks:
                       writes=(dinp,), add=add)
 
     # -- linear layers ------------------------------------------------------------------------------
-    def linear_fwd(self, lname: str, k: int, n: int, t: bool, inp: str, out: str, add: str = "") -> None:
+    def linear_fwd(self, lname: str, dims: tuple, inp: str, out: str, add: str = "") -> None:
+        """Forward GEMM of linear `lname` whose shard is `dims` (linear_dims), its input all-reduce."""
         b, m = self.b, self.m
-        kl, nl, in_axis, _ = linear_dims(self.grid, k, n, t)
+        kl, nl, in_axis, _ = dims
         ag = b.gather(lname)
         b.main(b.gemm(f"{lname}.{b.phase}.gemm", m, nl, kl, "NN", inp, W(lname), f"{lname}.out", deps=[ag],
                       weight=lname))
         b.allreduce_ready(f"{lname}.{b.phase}.ar_{in_axis}", in_axis, ACT_BYTES * m * nl, f"{lname}.out", out, add)
 
-    def linear_bwd(self, lname: str, k: int, n: int, t: bool, inp: str, dout: str, dinp: str, gathered: bool) -> None:
+    def linear_bwd(self, lname: str, dims: tuple, inp: str, dout: str, dinp: str, gathered: bool) -> None:
         """dgrad (dinp = dout W^T, all-reduced), wgrad (inp^T dout), reduce-scatter of the latter."""
         b, m = self.b, self.m
-        kl, nl, _, out_axis = linear_dims(self.grid, k, n, t)
+        kl, nl, _, out_axis = dims
         ag = None if gathered else b.gather(lname)
         dgrad = b.gemm(f"{lname}.bwd.dgrad", m, kl, nl, "NT", dout, W(lname), dinp, deps=[ag], weight=lname)
         if not gathered:
@@ -87,7 +89,7 @@ class Blocks:
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         self.norm(f"{L}.ln1", io["x"], io["qkv"])
-        self.linear_fwd(f"{L}.qkv", *lin["qkv"], io["qkv"], f"{L}.qkv.out")
+        self.linear_fwd(f"{L}.qkv", lin["qkv"], io["qkv"], f"{L}.qkv.out")
         if self.llama:  # rotary embeddings of q and k: 2 multiplies and an add per element
             b.elementwise(f"{L}.rope.{b.phase}", m * self.rope_width, 3, 2, replicas=gx, role="rope", n=s,
                           k=model.head_dim, reads=(f"{L}.qkv.out",), writes=(io["attn_in"],))
@@ -95,32 +97,32 @@ class Blocks:
                   bytes=ACT_BYTES * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
                   k=model.head_dim, replicas=gx, role="attention", reads=(io["attn_in"],),
                   writes=(io["attn_out"], f"{L}.attn.ctx"))
-        self.linear_fwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
+        self.linear_fwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
         self.norm(f"{L}.ln2", io["mid"], io["mlp_up"])
-        self.linear_fwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
+        self.linear_fwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
         if self.llama:  # silu(gate) * up: reads gate and up, writes the product
             b.elementwise(f"{L}.swiglu.{b.phase}", m * self.f_local, 6, 3, replicas=gx, role="swiglu",
                           reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.swiglu.ctx"))
         else:
             b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
                           reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
-        self.linear_fwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
+        self.linear_fwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
 
     def bwd(self, i: int) -> None:
         """Block i's backward ops (after its recomputed forward, with recomputation)."""
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         gathered = self.options.recompute  # with recomputation the backward reuses the recompute's gather
-        self.linear_bwd(f"{L}.mlp_down", *lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
+        self.linear_bwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
         if self.llama:
             b.elementwise(f"{L}.swiglu.bwd", m * self.f_local, 10, 5, replicas=gx, role="swiglu_bwd",
                           reads=(D(io["mlp_down"]), f"{L}.swiglu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
         else:
             b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
                           reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
-        self.linear_bwd(f"{L}.mlp_up", *lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
+        self.linear_bwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
         self.norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
-        self.linear_bwd(f"{L}.attn_out", *lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
+        self.linear_bwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
         b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * self.h / gy,
                   bytes=ACT_BYTES * 2 * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
                   k=model.head_dim, replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
@@ -128,5 +130,5 @@ class Blocks:
         if self.llama:  # the inverse rotation
             b.elementwise(f"{L}.rope.bwd", m * self.rope_width, 3, 2, replicas=gx, role="rope_bwd", n=s,
                           k=model.head_dim, reads=(D(io["attn_in"]),), writes=(D(f"{L}.qkv.out"),))
-        self.linear_bwd(f"{L}.qkv", *lin["qkv"], io["qkv"], D(f"{L}.qkv.out"), D(io["qkv"]), gathered)
+        self.linear_bwd(f"{L}.qkv", lin["qkv"], io["qkv"], D(f"{L}.qkv.out"), D(io["qkv"]), gathered)
         self.norm_bwd(f"{L}.ln1", D(io["qkv"]), D(io["x"]), add=D(io["mid"]))

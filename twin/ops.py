@@ -90,7 +90,9 @@ class Op:
 
 
 _OP_DEFAULTS = {f.name: f.default for f in fields(Op)}  # every field, in order (index..stream: placeholders)
+_N_FIELDS = len(_OP_DEFAULTS)
 _object_new = object.__new__
+_object_setattr = object.__setattr__
 
 
 _KEYWORDS = set(_OP_DEFAULTS) - {"index", "name", "kind", "stream", "deps", "phase", "micro_batch"}
@@ -177,29 +179,30 @@ class Builder:
         self.last_rs: dict[str, int] = {}  # weight key -> its latest reduce-scatter (or wgrad)
 
     # -- appending ------------------------------------------------------------------------------
-    def _add(self, name: str, kind: str, stream: str, deps, **kw) -> int:
+    def _add(self, name: str, kind: str, stream: str, deps, kw: dict) -> int:
         """Append Op(index, prefix + name, kind, stream, deps (sorted, each once, no None), phase,
         micro_batch, **kw), made without the frozen dataclass's __init__ (one object.__setattr__ per
-        field: about a third of a program's build time); the fields are checked like __init__'s
-        keyword arguments, and the op is equal to the one __init__ makes."""
+        field: about a third of a program's build time): its __dict__ is a copy of the defaults with
+        the fields set. An unknown field in `kw` raises TypeError as __init__ would (the positional
+        fields come from the builder), and the op is equal to the one __init__ makes."""
         idx = len(self.ops)
         if None in deps:
             deps = [d for d in deps if d is not None]
         deps = tuple(deps) if len(deps) < 2 else tuple(sorted(set(deps)))
-        if not _KEYWORDS.issuperset(kw):
-            raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
-        op = _object_new(Op)
-        d = op.__dict__
-        d.update(_OP_DEFAULTS)
+        d = _OP_DEFAULTS.copy()
         d["index"], d["name"], d["kind"], d["stream"], d["deps"] = idx, self.prefix + name, kind, stream, deps
         d["phase"], d["micro_batch"] = self.phase, self.mb
         d.update(kw)
+        if len(d) != _N_FIELDS or d["index"] is not idx:
+            raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
+        op = _object_new(Op)
+        _object_setattr(op, "__dict__", d)
         self.ops.append(op)
         return idx
 
     def compute(self, name: str, kind: str, deps=(), **kw) -> int:
         """A compute-stream op; it also waits for the current activation and blocking collectives."""
-        idx = self._add(name, kind, "compute", [self.ready, *self.blocking, *deps], **kw)
+        idx = self._add(name, kind, "compute", [self.ready, *self.blocking, *deps], kw)
         self.blocking = []
         self.ready = idx
         return idx
@@ -207,19 +210,26 @@ class Builder:
     def collective(self, name: str, kind: str, axis: str, nbytes: int, deps=(), **kw) -> int | None:
         if self.axis_sizes[axis] == 1:
             return None
-        return self._add(name, kind, axis, deps, bytes=int(nbytes), axis=axis, **kw)
+        kw["bytes"], kw["axis"] = int(nbytes), axis
+        return self._add(name, kind, axis, deps, kw)
 
     def gemm(self, name: str, m: int, n: int, k: int, layout: str, a: str, b: str, out: str, deps=(),
              weight: str = "") -> int:
         """C[m,n] = op(A) op(B) (layout: which operand is transposed); reads buffers a, b, writes out."""
-        nbytes = ACT_BYTES * (m * k + k * n + m * n)
-        return self.compute(name, "gemm", deps, flops=2.0 * m * n * k, bytes=nbytes, m=m, n=n, k=k,
-                            layout=layout, weight=weight, reads=(a, b), writes=(out,))
+        idx = self._add(name, "gemm", "compute", [self.ready, *self.blocking, *deps],
+                        {"flops": 2.0 * m * n * k, "bytes": ACT_BYTES * (m * k + k * n + m * n), "m": m, "n": n,
+                         "k": k, "layout": layout, "weight": weight, "reads": (a, b), "writes": (out,)})
+        self.blocking = []
+        self.ready = idx
+        return idx
 
     def elementwise(self, name: str, elements: int, flops_per_element: float, tensors: int,
                     replicas: int = 1, kind: str = "elementwise", **kw) -> int:
-        return self.compute(name, kind, flops=flops_per_element * elements,
-                            bytes=ACT_BYTES * tensors * elements, replicas=replicas, **kw)
+        kw["flops"], kw["bytes"], kw["replicas"] = flops_per_element * elements, ACT_BYTES * tensors * elements, replicas
+        idx = self._add(name, kind, "compute", [self.ready, *self.blocking], kw)
+        self.blocking = []
+        self.ready = idx
+        return idx
 
     def allreduce_ready(self, name: str, axis: str, nbytes: int, buf: str, out: str | None = None,
                         add: str = "", role: str = "") -> None:

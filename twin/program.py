@@ -80,9 +80,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
     W, D = weight_buffer, grad_buffer
     blk = Blocks(b)
 
-    def wbytes(k, n, t):
-        kl, nl, _, _ = linear_dims(grid, k, n, t)
-        return ACT_BYTES * kl * nl
+    wbytes = {ln: ACT_BYTES * math.prod(linear_dims(grid, k, n, t)[:2]) for ln, k, n, t in linears}
 
     def cached(i: int, first_mb: bool) -> bool:
         return i < options.cache_layers and not first_mb
@@ -91,7 +89,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         order = [("emb", "emb.fwd.ag_z", emb_bytes)]
         for i in range(model.layers):
             if not cached(i, first_mb):
-                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", wbytes(k, n, t)) for ln, k, n, t in linears]
+                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", wbytes[ln]) for ln, _, _, _ in linears]
         return order + [("head", "head.fwd.ag_z", wte_bytes)]
 
     def bwd_order() -> list[tuple[str, str, int]]:
@@ -100,7 +98,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
             if i < options.cache_layers:
                 continue
             lin = linears if options.recompute else linears[::-1]
-            order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", wbytes(k, n, t)) for ln, k, n, t in lin]
+            order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", wbytes[ln]) for ln, _, _, _ in lin]
         return order
 
     x0, xl = "x:L0", f"x:L{model.layers}"
