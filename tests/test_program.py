@@ -186,3 +186,21 @@ def test_regrid_gives_the_built_program(model, gpus, options):
     other = next((a, b) for a, b in permutations(built, 2) if not same_ops_but_shards(a, b))
     with pytest.raises(ValueError):
         regrid(built[other[0]], other[1])
+
+
+def test_builder_ops_equal_dataclass_ops_and_refuse_unknown_fields():
+    """The builder makes ops without Op.__init__: each equals the Op that __init__ makes from its
+    fields (same fields, in order), and an unknown field is refused as __init__ would refuse it."""
+    from dataclasses import fields
+
+    from twin.ops import Builder, Op
+    prog = build_program(load_model("llama-tiny"), Grid.parse("2x2x2x1"), Options(micro_batches=2))
+    names = [f.name for f in fields(Op)]
+    for op in prog.ops:
+        assert list(vars(op)) == names
+        assert Op(**vars(op)) == op
+    b = Builder(load_model("gpt-tiny"), Grid.parse("2x2x2x1"), Options(), 8, 64)
+    with pytest.raises(TypeError, match="colour"):
+        b.compute("x", "gemm", colour="red")
+    with pytest.raises(TypeError, match="index"):
+        b.collective("y", "all_reduce", "x", 4, index=3)
