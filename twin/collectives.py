@@ -202,12 +202,12 @@ def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.nda
     hit = _CAPACITY.get(key)
     if hit is not None and hit[0] is net:
         return hit[1], hit[2]
-    cap = net.capacity.copy()
-    cap[net.kind == GPU_GPU] *= system.collectives.intra_node_efficiency
+    cap = net.capacity.copy()  # masks multiply in place (`where`): no gather and scatter of half a million links
+    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap, where=net.kind == GPU_GPU)
     channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
     if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
         per_nic = min(1.0, channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
-        cap[(net.kind == NIC_SW) | (net.kind == SW_NIC)] *= per_nic
+        np.multiply(cap, per_nic, out=cap, where=(net.kind == NIC_SW) | (net.kind == SW_NIC))
         channel_cap = system.nic_bandwidth
     cap.flags.writeable = False
     c = system.collectives
