@@ -161,3 +161,18 @@ def test_first_round_of_mostly_capped_flows_equals_the_definition():
             paths = [np.array([0, 1]), np.array([1, 2])] + [np.array([2])] * k + [np.array([3])] * (k + 2)
             caps = np.array([np.inf, np.inf] + [c] * (2 * k + 2))
             assert np.array_equal(max_min_rates(paths, cap, caps), _max_min_by_definition(paths, cap, caps))
+
+
+def test_first_round_bottleneck_just_above_the_top_cap():
+    """A flow on a narrow link (share just below the easy flows' cap c) whose bottleneck is a link
+    whose share is c itself, within rtol of the flow's rate: the first round must look at that link's
+    flows too (twin.flows._first_round's `more` links), or the flow waits for a later round."""
+    for eps in (1e-12, 1e-11, 3e-10):
+        for n_easy in (4, 9):
+            # links: A (narrow: share 1 - eps), C (tight for flow 1), B (share exactly 1), roomy ones
+            cap = np.array([2 * (1 - eps), 0.5, 2.0] + [100.0] * n_easy)
+            paths = [np.array([0, 2]), np.array([0, 1]), np.array([2])] + [np.array([3 + i]) for i in range(n_easy)]
+            caps = np.array([np.inf, np.inf] + [1.0] * (1 + n_easy))
+            want = _max_min_by_definition(paths, cap, caps)
+            assert want[0] == 1 - eps                  # frozen in round one at A's share, by B
+            assert np.array_equal(max_min_rates(paths, cap, caps), want)

@@ -172,18 +172,44 @@ def _flow_of(e: np.ndarray, starts: np.ndarray, flen: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(len(starts)), flen)[e]   # else a table of every entry's flow
 
 
+def _entries(flows: np.ndarray, starts: np.ndarray, flen: np.ndarray) -> np.ndarray:
+    """The entries of `flows` (flow indices, increasing), in order."""
+    fl = flen[flows]
+    at = np.zeros(len(flows), dtype=np.int64)
+    np.cumsum(fl[:-1], out=at[1:])
+    return np.repeat(starts[flows] - at, fl) + np.arange(at[-1] + fl[-1])
+
+
+def _on(links: np.ndarray, n_links: int, which: np.ndarray) -> np.ndarray:
+    """The entries (increasing) whose link is one of `which` (link indices)."""
+    on = np.zeros(n_links, dtype=bool)
+    on[which] = True
+    return np.flatnonzero(on[links])
+
+
 def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     """Progressive filling's first round (as the loop of _max_min computes it) where most flows are
-    `easy`: a finite cap, the same for all of them, and every link of the path with a first fair
-    share (`share`, of the `used` links, crossed by `count` flows) at least the largest finite cap. An easy flow freezes at its
-    cap; on each link it crosses, it makes the link no bottleneck exactly when share > cap x tol,
-    which with one cap for all of them is a test per link. So only the other flows (`hard`) and the
-    links they cross are worked out entry by entry. The links of the flows left unfrozen get their
-    remaining capacity exactly as the loop's bincount gives it: capacity minus the frozen rates on
-    the link added up in entry order; where only easy flows froze there, that sum is c + c + ...
-    (a table by count), elsewhere it is one weighted bincount over every entry (c for an easy
-    flow's, the frozen rate or 0 for a hard flow's: adding 0 changes no sum, so each link's sum
-    is the loop's, the same numbers in the same order).
+    `easy`: a finite cap c, the same for all of them, and no link of the path `narrow` (a first
+    fair share, `share` of the `used` links crossed by `count` flows, below `top`, the largest
+    finite cap). An easy flow freezes at c; on a link it crosses it makes the link no bottleneck
+    exactly when share > c x tol. The other flows (`hard`) are worked out from a few entries `E`:
+
+    - a hard flow that crosses a narrow link (N) has its first-round rate fmin = min(cap, its
+      narrow links' shares) (every other link's share is at least top), and each link with share
+      above fmin x tol is no bottleneck, by the flow itself; so a link with share above
+      tau = max over N of fmin x tol is no bottleneck for any N flow: only its links with share
+      at most tau can free it, and E holds every entry on those links (every flow there, easy ones
+      included, is known: a link's test is exact);
+    - a hard flow without a narrow link (an uncapped one: I) may be freed by any link it crosses:
+      where there are N flows too, E holds every entry on every link an I flow crosses; with no
+      narrow link at all there are no N flows, E holds the I flows' entries, and the other flows
+      on their links are easy ones (the link's count minus E's).
+
+    The links of the flows left unfrozen get their remaining capacity exactly as the loop's
+    bincount gives it: capacity minus the frozen rates on the link added up in entry order; where
+    no hard flow froze, that sum is c + c + ... (a table by count), else one weighted bincount over
+    every entry (c for an easy flow's, the frozen rate or 0 for a hard flow's: adding 0 changes no
+    sum, so each link's sum is the loop's, the same numbers in the same order).
 
     Returns None where that does not hold or pays (fewer than half the flows easy, easy caps that
     differ); else (fmin, hit, rest) over the flows: their first-round rate and whether they froze,
@@ -193,15 +219,14 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     if not finite.any():
         return None
     top = fcap[finite].max()
-    narrow = used[share < top]
-    if len(narrow) == 0:  # every link wide: every flow with a finite cap is easy
-        easy = finite
-    else:  # the flows with an entry on a narrow link are not easy
-        on = np.zeros(len(cap_link), dtype=bool)
-        on[narrow] = True
-        e = np.flatnonzero(on[links])                  # the entries on narrow links
+    narrow = share < top
+    if narrow.any():  # the flows with an entry on a narrow link (N) are not easy
+        E = _on(links, len(cap_link), used[narrow])
+        fE = _flow_of(E, starts, flen)
         easy = finite.copy()
-        easy[_flow_of(e, starts, flen)] = False
+        easy[fE] = False
+    else:
+        easy = finite
     if 2 * np.count_nonzero(easy) < len(fcap):
         return None
     c = fcap[easy]
@@ -212,41 +237,60 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     hard = np.flatnonzero(~easy)
     if len(hard) == 0:
         return fmin, hit, None
-    # the hard flows' entries (`pos` among all entries) and the links they cross (`lh`, places in `used`)
-    flen_h, fcap_h = flen[hard], fcap[hard]
-    starts_h = np.zeros(len(hard), dtype=np.int64)
-    np.cumsum(flen_h[:-1], out=starts_h[1:])
-    pos = np.repeat(starts[hard] - starts_h, flen_h) + np.arange(starts_h[-1] + flen_h[-1])
     uidx = np.empty(len(cap_link), dtype=np.int64)     # a used link's place in `used`
     uidx[used] = np.arange(len(used))
-    lh = uidx[links[pos]]
-    share_e = share[lh]
-    fmin_h = np.minimum(np.minimum.reduceat(share_e, starts_h), fcap_h)
+    if narrow.any():
+        isn = np.zeros(len(fcap), dtype=bool)
+        isn[fE] = True
+        I = hard[~isn[hard]]                           # hard without a narrow link: uncapped
+        lE = uidx[links[E]]
+        gst = np.flatnonzero(np.diff(fE, prepend=-1))  # each N flow's first entry in E
+        tau = np.minimum(np.minimum.reduceat(share[lE], gst), fcap[fE[gst]]).max() * tol
+        more = (share >= top) & (share <= tau)         # not narrow, yet maybe an N flow's bottleneck
+        if more.any() or len(I):  # E: every entry on narrow, `more` and I flows' links
+            extra = [used[narrow | more]]
+            if len(I):
+                extra.append(links[_entries(I, starts, flen)])
+            E = _on(links, len(cap_link), np.concatenate(extra))
+            fE = _flow_of(E, starts, flen)
+            lE = uidx[links[E]]
+        scanned = True
+    else:  # every hard flow is uncapped: E is their entries
+        E = _entries(hard, starts, flen)
+        fE = np.repeat(hard, flen[hard])
+        lE = uidx[links[E]]
+        scanned = False
+    sE = share[lE]
+    # the hard flows' rates from their entries in E, and which links are no bottleneck
+    hE = ~easy[fE]
+    fH = fE[hE]
+    gst = np.flatnonzero(np.diff(fH, prepend=-1))      # each hard flow's first entry (every one has some)
+    fmin_h = np.minimum(np.minimum.reduceat(sE[hE], gst), fcap[hard])
+    fm = np.full(len(E), c)
+    fm[hE] = np.repeat(fmin_h, np.diff(gst, append=len(fH)))
     slower = np.zeros(len(used), dtype=bool)
-    slower[lh[share_e > np.repeat(fmin_h * tol, flen_h)]] = True
-    hard_cnt = np.bincount(lh, minlength=len(used))
-    slower |= (count > hard_cnt) & (share > c * tol)   # an easy flow on the link is slower
-    hit_h = np.maximum.reduceat(~slower[lh], starts_h) | (fcap_h <= fmin_h * tol)
+    slower[lE[sE > fm * tol]] = True
+    if not scanned:  # an easy flow on the link (not in E) is slower
+        slower |= (count > np.bincount(lE, minlength=len(used))) & (share > c * tol)
+    hit_h = np.maximum.reduceat(~slower[lE[hE]], gst) | (fcap[hard] <= fmin_h * tol)
     fmin[hard], hit[hard] = fmin_h, hit_h
     if hit_h.all():
         return fmin, hit, None
-    left = ~hit_h
-    lr = lh[np.repeat(left, flen_h)]                   # the unfrozen flows' entries
+    left = hard[~hit_h]
+    lr = uidx[links[_entries(left, starts, flen)]]  # the unfrozen flows' entries
     need = np.zeros(len(used), dtype=bool)
     need[lr] = True                                    # the links they cross
     nl = np.flatnonzero(need)
-    froze = np.zeros(len(used), dtype=bool)
-    froze[lh[np.repeat(hit_h, flen_h)]] = True         # links where a hard flow froze
-    if froze[nl].any():  # on some needed link, hard flows' rates add up between the c's: in order
-        w = np.full(len(links), c)
-        w[pos] = np.repeat(np.where(hit_h, fmin_h, 0.0), flen_h)
-        acc = np.bincount(links, weights=w, minlength=len(cap_link))[used[nl]]
-    else:  # only easy flows froze there: c added easy_cnt times, in turn
-        easy_cnt = count[nl] - hard_cnt[nl]
-        acc = np.add.accumulate(np.concatenate([[0.0], np.full(int(easy_cnt.max()), c)]))[easy_cnt]
-    rem = cap_link[used[nl]] - acc
-    np.maximum(rem, 0.0, out=rem)
     renum = np.empty(len(used), dtype=np.int64)
     renum[nl] = np.arange(len(nl))
     lk = renum[lr]
-    return fmin, hit, (hard[left], lk, rem, np.bincount(lk, minlength=len(nl)))
+    cnt = np.bincount(lk, minlength=len(nl))
+    if hit_h.any():  # hard flows' rates add up between the c's: in order
+        w = np.repeat(np.where(hit, fmin, 0.0), flen)  # each entry's frozen rate (0: not frozen)
+        acc = np.bincount(links, weights=w, minlength=len(cap_link))[used[nl]]
+    else:  # only easy flows froze: c added (count - unfrozen) times, in turn
+        easy_cnt = count[nl] - cnt
+        acc = np.add.accumulate(np.concatenate([[0.0], np.full(int(easy_cnt.max()), c)]))[easy_cnt]
+    rem = cap_link[used[nl]] - acc
+    np.maximum(rem, 0.0, out=rem)
+    return fmin, hit, (left, lk, rem, cnt)
