@@ -5,11 +5,17 @@ whole. (The backend prints lines, not tables: its step line is checked in test_b
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
+from rich import box
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 from typer.testing import CliRunner
 
 import twin.cli_common
@@ -22,7 +28,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 @pytest.fixture()
 def run80(monkeypatch):
     """Run a twin command as in a terminal 80 columns wide; returns its stdout after checking it."""
-    monkeypatch.setattr(twin.cli_common.console, "real", Console(width=80, force_terminal=False))
+    monkeypatch.setattr(twin.cli_common.console, "width", 80)
 
     def run(*args: str) -> str:
         r = CliRunner().invoke(app, list(args))
@@ -91,11 +97,52 @@ def test_the_layout_never_cuts_a_word():
     """A table far wider than the console: cells wrap at spaces, never inside a word."""
     t = table("name", "a long description of something", "value", keep=("name",))
     t.add_row("perlmutter-with-a-long-name", "word " * 40, "1x32x128x8")
-    console = Console(width=60, record=True, force_terminal=False)
-    console.print(t)
-    text = console.export_text()
+    text = "\n".join(t.render(60))
     assert all(len(line) <= 60 for line in text.splitlines()) and "…" not in text
     assert "perlmutter-with-a-long-name" in text and "1x32x128x8" in text
+
+
+def test_the_layout_is_rich_s_at_our_widths():
+    """Our tables print as rich prints a table of the same columns at the widths we chose (light
+    rules, headers at the bottom of their row, cells wrapped at spaces): random tables and widths."""
+    rnd = random.Random(13)
+    vocabulary = ["a", "gpt-320b", "2x32x64x8", "exposed comm", "collectives.intra_node_efficiency", "35.4 %", "-", ""]
+    for _ in range(60):
+        n = rnd.randint(1, 6)
+        heads = [f"{rnd.choice(vocabulary)} {i}" if rnd.random() < 0.9 else "" for i in range(n)]
+        keep = tuple(h for h in heads if rnd.random() < 0.4)
+        right = tuple(h for h in heads if rnd.random() < 0.4)
+        title = rnd.choice([None, "one iteration", " ".join(rnd.choices(vocabulary, k=12))])
+        rows = [[" ".join(rnd.choices(vocabulary, k=rnd.choice([1, 1, 3, 12]))) for _ in heads] for _ in range(rnd.randint(0, 4))]
+        width = rnd.choice([40, 80, 120])
+        ours = table(*heads, title=title, keep=keep, right=right)
+        for i, row in enumerate(rows):
+            ours.add_row(*row)
+            if i == 1:
+                ours.add_section()
+        widths, wrapped = ours.widths(width)
+        if sum(widths) + 2 * (n - 1) > width:
+            continue  # wider than the console even with every cell wrapped: rich would cut words, we do not
+        theirs = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
+                       title_justify="left")
+        for h, shown, w in zip(heads, wrapped, widths):
+            theirs.add_column(Text(shown), width=w, no_wrap=h in keep, justify="right" if h in right else "left",
+                              overflow="fold")
+        for i, row in enumerate(rows):
+            theirs.add_row(*map(Text, row), end_section=i == 1)
+        console = Console(width=width, record=True, force_terminal=False)
+        console.print(theirs)
+        assert console.export_text() == "".join(line + "\n" for line in ours.render(width)), (heads, rows, width)
+
+
+def test_printing_a_result_does_not_import_rich():
+    """rich (about 0.05 s to import) is for progress bars: a command's tables and lines are ours."""
+    code = ("import sys; from twin.cli import app\n"
+            "sys.argv = ['twin', 'simulate', '--system', 'cpu', '--model', 'gpt-tiny', '--grid', '2x2x2x1']\n"
+            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "print('rich imported' if any(m.split('.')[0] == 'rich' for m in sys.modules) else 'no rich')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "iteration time" in out and out.splitlines()[-1] == "no rich", out
 
 
 def test_units():

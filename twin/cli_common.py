@@ -9,22 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from twin.common import TwinError
+from twin.tables import Printer
 
-
-class _Console:
-    """rich's Console, made on first use: `--json` output never needs rich (about 0.03 s to import).
-    Every command module prints through this one object; a test swaps the Console in `real`."""
-
-    real = None
-
-    def __getattr__(self, name: str):
-        if self.real is None:
-            from rich.console import Console
-            self.real = Console()
-        return getattr(self.real, name)
-
-
-console = _Console()
+console = Printer()  # every command module prints through this one object; a test sets its width
 
 
 def handles_errors(fn):

@@ -66,7 +66,7 @@ def program_cmd(
     if json_out is not None:
         save_program(prog, json_out)
     s = prog.summary()
-    console.print(f"[bold]{spec.name}[/] on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
+    console.print(f"{spec.name} on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
                   f"{s['seq_len']} tokens, padded vocabulary {s['padded_vocab']}")
     kinds = table("kind", "ops", title="ops by kind", right=("ops",))
     for k, n in s["ops_by_kind"].items():
@@ -127,7 +127,7 @@ def topology_cmd(
     net = build_network(s)
     dt = time.perf_counter() - t0
     info = net.summary()
-    console.print(f"[bold]{s.name}[/]: {s.description}")
+    console.print(f"{s.name}: {s.description}")
     console.print(f"network built in {dt:.3f} s: {info['groups']} groups, {info['nodes']} nodes, {info['gpus']} GPUs, "
                   f"{info['nics']} NICs, {info['switches']} switches, {info['links']} directed links")
     links = table("link kind", "links", "GB/s per direction", keep=("link kind", "links"), right=("links",))

@@ -28,7 +28,7 @@ def _parse_slowdown(text: str | None) -> dict[int, float] | None:
 
 
 def _print_result(r) -> None:
-    """A simulation result as rich tables (seconds, PF/s, GiB)."""
+    """A simulation result as tables (seconds, PF/s, GiB)."""
     it = r.iteration_time_s
     head = table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode",
                  keep=("system", "model", "GPUs", "grid XxYxZxD"))

@@ -1,71 +1,171 @@
-"""Tables the command lines print: readable in an 80-column terminal.
+"""Tables the command lines print: plain text, readable in an 80-column terminal.
 
-`table(...)` makes a rich table with light rules (no box-drawing columns), one space between columns
-and cells that wrap or fold but are never cut with an ellipsis: a grid, a system name or a number
-is printed whole. Columns named in `keep` never wrap (names, grids, numbers a reader compares down
-the column); the others wrap at spaces. tests/test_tables.py prints every table at 80 columns.
+`table(...)` makes a table with light rules: a rule of '─' under the header, no lines between
+columns, two spaces between them, the title above on the left. Cells wrap at spaces but are never
+cut with an ellipsis: a grid, a system name or a number is printed whole. Columns named in `keep`
+never wrap (names, grids, numbers a reader compares down the column); the others wrap at spaces.
+tests/test_tables.py prints every table at 80 columns.
+
+This is our own small layout, not rich's: printing a result never imports rich (about 0.05 s of a
+command's start). It lays tables out as rich laid them out before (the same text at the same width;
+tests/test_tables.py compares the two), without rich's colours, with one difference: where even one
+word per line does not fit the console, the table grows wider than the console (rich cut the words).
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
-from functools import cache
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rich.table import Table
-
-
-def _plain(cell) -> str:
-    from rich.text import Text
-    return Text.from_markup(cell).plain if isinstance(cell, str) else cell.plain if isinstance(cell, Text) else ""
+_RULE = "─"
+_GAP = 2  # spaces between two columns
+_WORD = re.compile(r"\s*\S+\s*")
 
 
-@cache
-def _table_class() -> type:
-    """The rich Table below, made on first use: `--json` output never needs rich (about 0.03 s to import)."""
-    from rich.table import Table
+class Table:
+    """Columns (header, never wrapped or not, left or right aligned) and rows of strings;
+    `render(width)` lays it out for a console `width` columns wide (a list of lines)."""
 
-    class _Table(Table):
-        """A rich Table laid out so that no word is broken and nothing is cut at the console's width.
+    def __init__(self, title: str | None = None):
+        self.title = title
+        self.headers: list[str] = []
+        self.no_wrap: list[bool] = []
+        self.right: list[bool] = []
+        self.rows: list[list[str]] = []
+        self.section_ends: set[int] = set()  # indices of rows followed by a blank separator line
+
+    def add_column(self, header: str, no_wrap: bool = False, right: bool = False) -> None:
+        self.headers.append(header)
+        self.no_wrap.append(no_wrap)
+        self.right.append(right)
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append([str(c) for c in cells] + [""] * (len(self.headers) - len(cells)))
+
+    def add_section(self) -> None:
+        """A blank line after the rows so far."""
+        if self.rows:
+            self.section_ends.add(len(self.rows) - 1)
+
+    def widths(self, width: int) -> tuple[list[int], list[str]]:
+        """Each column's width and header for a console `width` columns wide.
 
         Each column gets at least its longest word (its longest line when it does not wrap; a header
         always wraps at spaces); what is left of the width goes to the columns that would use it, in
-        proportion to how much more they need for one line per cell. Rich then wraps cells at spaces."""
+        proportion to how much more they need for one line per cell. Cells then wrap at spaces."""
+        heads = list(self.headers)
+        body = [[line for row in self.rows for line in (row[i].splitlines() or [""])] or [""]
+                for i in range(len(heads))]
+        longest = [max(len(line) for line in [h, *ls]) for h, ls in zip(heads, body)]
+        words = [max(len(w) for line in [h, *ls] for w in (line.split() or [""])) for h, ls in zip(heads, body)]
+        least = [max(wd, *map(len, ls)) if keep else wd for keep, wd, ls in zip(self.no_wrap, words, body)]
+        room = width - (len(heads) - 1) * _GAP
+        if sum(longest) <= room:
+            return longest[:-1] + [longest[-1] or 1], heads  # an empty last column is one space wide
+        extra = max(0, room - sum(least))
+        want = [hi - lo for hi, lo in zip(longest, least)]
+        total = sum(want) or 1
+        widths = [lo + min(w, extra * w // total) for lo, w in zip(least, want)]
+        for i in sorted(range(len(widths)), key=lambda i: want[i] - (widths[i] - least[i]), reverse=True):
+            if sum(widths) >= room:
+                break
+            widths[i] += min(room - sum(widths), longest[i] - widths[i])  # what the rounding left
+        heads = [textwrap.fill(h, w) if len(h) > w else h for h, w in zip(heads, widths)]
+        return widths[:-1] + [widths[-1] or 1], heads
 
-        def __rich_console__(self, console, options):
-            body = [[line for c in col._cells for line in (_plain(c).splitlines() or [""])] or [""] for col in self.columns]
-            heads = [_plain(col.header) for col in self.columns]
-            longest = [max(len(h), *map(len, ls)) for h, ls in zip(heads, body)]
-            words = [max(len(w) for line in [h, *ls] for w in (line.split() or [""])) for h, ls in zip(heads, body)]
-            least = [max(wd, *map(len, ls)) if col.no_wrap else wd for col, wd, ls in zip(self.columns, words, body)]
-            gaps = (len(self.columns) - 1) * (self.padding[1] + self.padding[3] + 1)
-            room = options.max_width - gaps - (2 if self.show_edge else 0)
-            if sum(longest) > room:
-                extra = max(0, room - sum(least))
-                want = [hi - lo for hi, lo in zip(longest, least)]
-                total = sum(want) or 1
-                widths = [lo + min(w, extra * w // total) for lo, w in zip(least, want)]
-                for i in sorted(range(len(widths)), key=lambda i: want[i] - (widths[i] - least[i]), reverse=True):
-                    if sum(widths) >= room:
-                        break
-                    widths[i] += min(room - sum(widths), longest[i] - widths[i])  # what the rounding left
-                for col, head, w in zip(self.columns, heads, widths):
-                    col.width = w
-                    if len(head) > w:
-                        col.header = textwrap.fill(head, w)
-            return super().__rich_console__(console, options)
+    def render(self, width: int = 80, bold: bool = False) -> list[str]:
+        """The table's lines for a console `width` columns wide (`bold`: the header in bold, for a terminal)."""
+        widths, heads = self.widths(width)
+        total = sum(widths) + _GAP * (len(widths) - 1)
+        lines = [_pad(line, total) for line in wrap(self.title, total)] if self.title else []
+        head = self._row(heads, widths, bottom=True)
+        lines += [f"\x1b[1m{line}\x1b[0m" for line in head] if bold else head
+        lines.append(_RULE * total)
+        for i, row in enumerate(self.rows):
+            lines += self._row(row, widths)
+            if i in self.section_ends and i < len(self.rows) - 1:
+                lines.append(" " * total)
+        return lines
 
-    return _Table
+    def _row(self, cells: list[str], widths: list[int], bottom: bool = False) -> list[str]:
+        """One row's lines: each cell wrapped to its column, aligned, the columns side by side
+        (`bottom`: shorter cells at the bottom of the row, as headers are)."""
+        cols = [[line.rstrip().rjust(w) if right else _pad(line, w) for line in (c.split("\n") if keep else wrap(c, w))]
+                for c, w, keep, right in zip(cells, widths, self.no_wrap, self.right)]
+        height = max(len(c) for c in cols)
+        cols = [[" " * w] * (height - len(c)) + c if bottom else c + [" " * w] * (height - len(c))
+                for c, w in zip(cols, widths)]
+        return [(" " * _GAP).join(parts) for parts in zip(*cols)]
+
+
+def _pad(line: str, width: int) -> str:
+    return line + " " * (width - len(line))
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` columns, broken at spaces (a word longer than a line is
+    broken where the line ends). A line keeps the spaces that end it where they fit."""
+    lines: list[str] = []
+    width = max(1, width)
+    for para in text.split("\n"):
+        line = ""
+        for m in _WORD.finditer(para) if para.strip() else [para]:
+            word = m.group() if not isinstance(m, str) else m
+            if len(line) + len(word.rstrip()) <= width:
+                line += word
+            elif len(word.rstrip()) > width:  # longer than a line: in pieces of a line each
+                pieces = [word[i:i + width] for i in range(0, len(word), width)]
+                lines += [line, *pieces[:-1]] if line else pieces[:-1]
+                line = pieces[-1]
+            else:
+                lines.append(line)
+                line = word
+        lines.append(line)
+    return [line[:max(width, len(line.rstrip()))] for line in lines]
+
+
+class Printer:
+    """Where the twin's commands print: plain text on stdout, tables laid out for its width.
+
+    The width is `width` when set (tests set 80), else $COLUMNS, else the terminal's (stdin, stdout or
+    stderr, the first that is one), else 80. Long lines of text wrap at spaces. On a terminal the
+    headers of tables are bold (not under NO_COLOR)."""
+
+    width: int | None = None
+
+    def console_width(self) -> int:
+        import os
+        if self.width is not None:
+            return self.width
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit():
+            return int(columns)
+        for fd in (0, 1, 2):
+            try:
+                return os.get_terminal_size(fd).columns or 80
+            except OSError:
+                pass
+        return 80
+
+    def print(self, *objects) -> None:
+        import sys
+        width = self.console_width()
+        out: list[str] = []
+        for obj in objects:
+            if isinstance(obj, Table):
+                bold = sys.stdout.isatty() and "NO_COLOR" not in __import__("os").environ
+                out += obj.render(width, bold=bold)
+            else:
+                out += wrap(str(obj), width)
+        sys.stdout.write("".join(line + "\n" for line in out))
+        sys.stdout.flush()
 
 
 def table(*columns: str, title: str | None = None, keep: tuple[str, ...] = (), right: tuple[str, ...] = ()) -> Table:
     """A table with these column headers; `keep`: columns that never wrap; `right`: right-aligned columns."""
-    from rich import box
-    t = _table_class()(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
-                       title_justify="left")
+    t = Table(title=title)
     for c in columns:
-        t.add_column(c, overflow="fold", no_wrap=c in keep, justify="right" if c in right else "left")
+        t.add_column(c, no_wrap=c in keep, right=c in right)
     return t
 
 
