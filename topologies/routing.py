@@ -124,12 +124,14 @@ def _valiant_draws(net: Network, s: np.ndarray, d: np.ndarray, seed: int) -> tup
 
 def _live_draws(net: Network, s: np.ndarray, d: np.ndarray, live: np.ndarray, seeds: list[int]) -> list:
     """[x[live] for x in _valiant_draws(net, s, d, seed)] for each seed, without the whole-length
-    arrays (the same generators, asked the same numbers in the same order)."""
+    arrays (the same generators, asked the same numbers in the same order), in the smallest integer
+    type that holds them (a byte for Frontier: an eighth of the memory a run touches for them)."""
     G, S = net.groups, net.S
     gs, gd = s // S, d // S
     via = (gs != gd) & (G > 2)
     inside = (gs == gd) & (s != d)
-    zero = np.zeros(len(live), dtype=np.int64)
+    small = np.min_scalar_type(max(G, S, net.L, 1))
+    zero = np.zeros(len(live), dtype=small)
 
     def reader(draws: np.ndarray):
         """(draws made, index of each live flow's draw among them, which live flows draw or None if all)."""
@@ -141,8 +143,8 @@ def _live_draws(net: Network, s: np.ndarray, d: np.ndarray, live: np.ndarray, se
         return k, rank, None if lm.all() else lm
 
     def pick(values: np.ndarray, rank: np.ndarray, lm: np.ndarray | None) -> np.ndarray:
-        values = values.take(rank)
-        return values if lm is None else np.where(lm, values, 0)
+        values = values.astype(small).take(rank)
+        return values if lm is None else np.where(lm, values, small.type(0))
 
     (kv, rv, lv), (ki, ri, li) = reader(via), reader(inside)
     out = []
@@ -270,6 +272,23 @@ def _uniform_capacity(net: Network) -> float | None:
     return None
 
 
+_ORDERS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _placement_order(n: int, seed: int) -> np.ndarray:
+    """The random order in which `adaptive` places n flows: default_rng(seed + 1).permutation(n), kept
+    (read-only) for the next call of the same size and seed: a run's axes often route as many flows
+    with the same seed, and a shuffle costs about 15 ns per flow."""
+    key = (n, seed)
+    order = _ORDERS.get(key)
+    if order is None:
+        if len(_ORDERS) >= 8:
+            _ORDERS.pop(next(iter(_ORDERS)))
+        order = _ORDERS[key] = np.random.default_rng(seed + 1).permutation(n)
+        order.flags.writeable = False
+    return order
+
+
 def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, detours: int = 4,
              hop_weight: float = 0.1, out: np.ndarray | None = None) -> np.ndarray:
     """(flows, 5) switch link matrix chosen UGAL-like among the L minimal paths and `detours` Valiant
@@ -290,7 +309,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     if n == 0:
         return out
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
-    order = np.random.default_rng(seed + 1).permutation(n)
+    order = _placement_order(n, seed)
     parts = max(1, -(-n // batch))                 # the batches of np.array_split(order, parts)
     size, extra = divmod(n, parts)
     bounds = np.concatenate([[0], np.cumsum(np.where(np.arange(parts) < extra, size + 1, size))])
@@ -299,14 +318,17 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     # in the batch it belongs to. The loop over batches is sequential (each batch reads the load the
     # earlier ones placed), so it costs a few small numpy calls per batch: everything else is laid
     # out beforehand, in placement order, chunk by chunk.
-    pos = np.flatnonzero(s[order] != d[order])
+    pos = np.flatnonzero((s != d).take(order))
     if len(pos) == 0:
         return out
     live = order[pos]
     nb = np.searchsorted(pos, bounds).tolist()     # batch k places live[nb[k]:nb[k+1]]
     draws = _live_draws(net, s, d, live, [seed + 7919 * k for k in range(detours)])
-    dem = np.ascontiguousarray(dem[live])
-    one = dem[0] if (dem == dem[0]).all() else None  # one demand for all: added as a scalar (the same sums)
+    # one demand for all (live) flows: added as a scalar (the same sums)
+    one = dem[live[0]] if (dem == dem[0]).all() else None
+    dem = np.ascontiguousarray(dem[live]) if one is None else None
+    if one is None and (dem == dem[0]).all():
+        one = dem[0]
     dem_hops = np.repeat(dem, _HOPS) if one is None else None
     L = max(net.L, 1)
     cap = _uniform_capacity(net)
@@ -334,7 +356,6 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
             cap_ext = np.append(net.capacity, np.inf)
         else:
             load[-1] = -np.inf
-    choice = np.empty((len(live), _HOPS), dtype=net.cable_tables[2].dtype)
     K = L + detours
     cost_of_hops = 1 + hop_weight * np.arange(_HOPS + 1)   # a path's factor by its hops (looked up: 7x faster)
     chunk = max(1, 8192 // max(size, 1))          # batches per chunk of laid-out candidates
@@ -374,8 +395,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
             else:  # flow by flow, so that each link's load sums its demands in the order it always did
                 placed = flat.take(pick, axis=1).T.ravel()
                 np.add.at(load, placed, dem_hops[(A + a) * _HOPS:(A + b) * _HOPS] if one is None else one)
-        choice[A:B] = flat.take(picked, axis=1).T
-    out[live] = choice
+        out[sel] = flat.take(picked, axis=1).T
     return out
 
 
