@@ -11,7 +11,7 @@ builder alone. Printed per grid, as medians of CPU seconds over --repeat pairs w
 this / baseline:
 - engine: `simulate_program` on the grid's program again (what a second run of a program costs);
 - engine, first run: the same with this checkout's kept per-program work dropped before each run
-  (twin.engine._PLANS: what the first run of a program costs);
+  (twin.engine_plan._PLANS: what the first run of a program costs);
 - build: `build_program` of the grid.
 Each pair's results are checked equal first (the iteration, breakdown and op count; the ops built).
 The machine may be shared: CPU seconds of one process, alternated, are steadier than wall seconds.
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--grids", default="2x32x64x8,2x16x32x32")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from twin import engine
+    from twin import engine, engine_plan
     from twin.grid import Grid
     from twin.program import build_program
     from twin.search import model_for, program_for
@@ -91,7 +91,7 @@ def main() -> None:
                 return base.engine.simulate_program(prog, compute, collective_timer(prog, cm), **kw)
 
             def cold_this():
-                getattr(engine, "_PLANS", {}).clear()
+                engine_plan._PLANS.clear()
                 return run_this()
 
             r, rb = run_this(), run_base()  # routes the collectives (memoised for both)

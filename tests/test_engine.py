@@ -277,17 +277,17 @@ def test_by_size_asks_each_distinct_collective_once():
 
 
 def test_plan_is_shared_by_programs_alike_and_only_by_them():
-    from twin import engine
+    from twin import engine_plan
     from twin.program import host_ordered, regrid
     a, b = Grid.parse("2x2x2x4"), Grid.parse("2x2x4x2")  # class-mates: the same streams and deps, other sizes
     pa = build_program(load_model("gpt-tiny"), a, Options(), batch=16)
     pb = regrid(pa, b)
-    engine._PLANS.clear()
+    engine_plan._PLANS.clear()
     _tiny_run(pa, a)
     shared = _tiny_run(pb, b)
-    assert len(engine._PLANS) == 1
+    assert len(engine_plan._PLANS) == 1
     ho = host_ordered(pb)  # other deps: a plan of its own
     got = _tiny_run(ho, b)
-    assert len(engine._PLANS) == 2
-    engine._PLANS.clear()
+    assert len(engine_plan._PLANS) == 2
+    engine_plan._PLANS.clear()
     assert _tiny_run(pb, b) == shared and _tiny_run(ho, b) == got
