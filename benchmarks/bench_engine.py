@@ -67,9 +67,9 @@ def main() -> None:
     from twin import engine, engine_plan
     from twin.grid import Grid
     from twin.program import build_program
-    from twin.search import model_for, program_for
     from twin.simulate import collective_timer
     from twin.study import prepare
+    from twin.study_cache import model_for, program_for
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     try:
         base = load_baseline(a.baseline.resolve(), tmp)

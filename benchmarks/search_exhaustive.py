@@ -6,8 +6,8 @@
 One JSON line per study: the grid auto chose and how many it simulated; the fastest of all grids, with
 its rank in the exact analytical ranking and in the routing-free estimate's (grid auto bounds the top
 simulate_top + SCAN of the latter: `best_estimate_rank` must stay below `pool`); whether the lower
-bound of twin.search.lower_bound stayed below the simulated time of every grid (`bound_ok`, with the
-smallest simulated / bound); whether the search's routing-free bound (twin.search.quick_bounds, one
+bound of twin.bounds.lower_bound stayed below the simulated time of every grid (`bound_ok`, with the
+smallest simulated / bound); whether the search's routing-free bound (twin.bounds.quick_bounds, one
 program per class of grids) stayed below that bound on every grid (`quick_ok`, with the smallest bound / quick bound); and
 `faster_alone`: how many collective times the simulations asked under contention of other axes came
 out below the same collective alone (the property the bound rests on; must be 0).
@@ -21,9 +21,11 @@ import re
 import sys
 import time
 
-from twin.search import estimate_grids, lower_bound, model_for, quick_bounds, rank_grids
+from twin.bounds import lower_bound, quick_bounds
+from twin.search import estimate_grids, rank_grids
 from twin.simulate import SCAN, choose_grid, simulate_grid
 from twin.study import prepare
+from twin.study_cache import model_for
 
 CASES = {
     "frontier-20b-512": ("frontier", "gpt-20b", 512, None),

@@ -51,7 +51,7 @@ def test_analytical_terms_follow_the_ring_volumes():
 
 def test_search_simulates_the_best_and_auto_picks_the_fastest():
     import twin.simulate as sim_mod
-    from twin.search import lower_bound
+    from twin.bounds import lower_bound
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     cands = search(study, top=3, simulate_top=3)
     assert len(cands) >= 3 and all(c.simulated_s is not None for c in cands)
@@ -74,7 +74,8 @@ def test_lower_bound_is_below_every_simulation(system, model, gpus, batch):
     crossing its 4-GPU nodes; Frontier: 8 GCDs per node), and contention sped no collective up by
     more than the search's slack."""
     from twin.simulate import BOUND_SLACK
-    from twin.search import lower_bound, model_for
+    from twin.bounds import lower_bound
+    from twin.study_cache import model_for
     from twin.simulate import simulate_grid
     study = prepare(system, model, gpus, batch=batch)
     grids = [c.grid for c in rank_grids(study)]
@@ -115,7 +116,7 @@ def test_branch_and_bound_keeps_the_best_and_bounds_the_rest():
 def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     """search, --grid auto, scaling and sensitivity share ranked probes, bounds and simulations: asking
     again for an equal study (a new Study object) simulates and bounds nothing again."""
-    import twin.search as search_mod
+    import twin.bounds as bounds_mod
     import twin.simulate as sim_mod
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     first, _ = choose_grid(study)
@@ -123,7 +124,7 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     assert min(c.simulated_s for c in cands if c.simulated_s) == first.simulated_s
     calls = []
     monkeypatch.setattr(sim_mod, "_simulate_grid", lambda *a, **k: calls.append("simulate"))
-    monkeypatch.setattr(search_mod, "_path_ns", lambda *a, **k: calls.append("bound"))
+    monkeypatch.setattr(bounds_mod, "_path_ns", lambda *a, **k: calls.append("bound"))
     again, how = choose_grid(prepare("perlmutter", "gpt-1b", 16, batch=16))
     assert calls == [] and str(again.grid) == str(first.grid) and again.simulated_s == first.simulated_s
     cands = search(study, top=3, simulate_top=2)
@@ -132,7 +133,7 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
 
 @pytest.mark.parametrize("system,model,gpus,batch", [("frontier", "gpt-1b", 32, 32), ("cpu", "gpt-tiny", 8, 8)])
 def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch):
-    """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.search.tail_ns)
+    """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.bounds.tail_ns)
     passes stop_s: the bound it keeps lies between stop_s and the simulated time; a run that ends
     before stop_s is the plain run."""
     import twin.simulate as sim_mod
@@ -161,7 +162,7 @@ def test_grid_auto_simulates_in_full_only_grids_that_could_win():
     """The analytical top is not simulated for its rank alone: on the default Frontier study every grid
     grid auto simulates in full could still beat the fastest by its lower bound, and the analytical
     top two (1x32x32x32, 1x32x16x64), which their bounds rule out, are not simulated."""
-    from twin.search import lower_bound
+    from twin.bounds import lower_bound
     from twin.simulate import BOUND_SLACK, _auto
     study = prepare("frontier")
     looked = _auto(study, 2, None)

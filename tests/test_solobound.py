@@ -2,10 +2,12 @@
 
 import pytest
 
+from twin.bounds import lower_bound, quick_bound
 from twin.grid import Grid
-from twin.search import lower_bound, model_for, program_for, quick_bound, rank_grids
+from twin.search import rank_grids
 from twin.solobound import SoloBound
 from twin.study import prepare
+from twin.study_cache import model_for, program_for
 
 STUDIES = [("alps", "gpt-1b", 32, 32, "contiguous"), ("frontier", "gpt-1b", 32, 32, "contiguous"),
            ("perlmutter", "gpt-1b", 32, 32, "scattered")]
@@ -44,22 +46,22 @@ def test_solo_bound_rate_is_the_routed_rate_inside_a_group():
 def test_quick_bound_is_below_the_bound_and_both_below_the_simulation():
     """quick_bound <= routed_bound <= lower_bound <= the simulated time; routed_bound routes nothing
     and reaches lower_bound once the grid's axes are routed."""
-    import twin.search as search_mod
+    import twin.bounds as bounds_mod
     from twin.simulate import simulate_grid
     study = prepare("alps", "gpt-1b", 32, batch=32)
     grids = [c.grid for c in rank_grids(study)[:6]]
     for g in grids:
-        search_mod._ROUTED.clear()
+        bounds_mod._ROUTED.clear()
         model = model_for(study, g)
         before = {a: model.routed(a) for a in "xyz"}
-        r = search_mod.routed_bound(study, g)
+        r = bounds_mod.routed_bound(study, g)
         assert {a: model.routed(a) for a in "xyz"} == before  # nothing routed for it
         q, b = quick_bound(study, g), lower_bound(study, g)
         assert 0.8 * b <= q <= r * (1 + 1e-12) and r <= b * (1 + 1e-12)
         assert b <= simulate_grid(study, g).iteration_time_s + 1e-6
-        search_mod._ROUTED.clear()
-        search_mod._BOUNDS.clear()
-        assert search_mod.routed_bound(study, g) == b  # all its axes are routed now
+        bounds_mod._ROUTED.clear()
+        bounds_mod._BOUNDS.clear()
+        assert bounds_mod.routed_bound(study, g) == b  # all its axes are routed now
 
 
 def test_the_ranking_bound_is_below_every_exact_estimate():
@@ -79,7 +81,8 @@ def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
     scales them); with a smaller G_z only the optimizer's ops are larger (_longest_path counts them
     as 0). Either way the longest path is at most the grid's own."""
     from twin.program import Options
-    from twin.search import candidate_grids, program_class
+    from twin.bounds import program_class
+    from twin.search import candidate_grids
     study = prepare("frontier", model, gpus, batch=64, options=Options(**options))
     km = study.kernels
     grids = [g for g in candidate_grids(gpus) if g.x * g.y <= 4]
@@ -106,7 +109,7 @@ def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
         def time(self, kind, axis, nbytes, concurrent=frozenset()):
             return 1e-5 + nbytes / 1e10
 
-    from twin.search import _longest_path
+    from twin.bounds import _longest_path
     for gs in classes.values():
         for g in gs:
             own = _longest_path(study, g, Flat())

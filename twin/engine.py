@@ -106,7 +106,7 @@ def simulate_program(program: Program, compute_s: list[float],
     lockstep: try twin.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
     stop_ns, tail_ns: branch and bound (symmetric mode): tail_ns[i] is at most the time (ns) from the
         start of op i to the end of the iteration, whatever the run (the longest path from op i on
-        with each op at its least time, twin.search.tail_ns); when a compute op starts at a time t
+        with each op at its least time, twin.bounds.tail_ns); when a compute op starts at a time t
         with t + tail_ns[i] > stop_ns, the run stops and raises Stopped(t + tail_ns[i]), a lower bound
         on its end (ns). 0: run to the end.
     by_size: collective_s(i, concurrent) depends on op i only through its (kind, axis, bytes), as

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from itertools import repeat
 
 from topologies.system import SystemSpec
+from twin.bounds import quick_bounds, routed_bound, tail_ns
 from twin.common import TwinError
 from twin.engine import NS, Stopped, simulate_program
 from twin.grid import AXES, Grid
@@ -28,9 +29,9 @@ from twin.memory import memory_per_gpu
 from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.search import (Candidate, estimate_grids, exact_estimate, model_for, program_for, quick_bounds,
-                         rank_grids, routed_bound, study_key, tail_ns)
+from twin.search import Candidate, estimate_grids, exact_estimate, rank_grids
 from twin.study import Study, check_grid, prepare
+from twin.study_cache import model_for, program_for, study_key
 from twin.trace import Span, op_args
 
 
@@ -70,7 +71,7 @@ def min_ops_per_rank(study: Study) -> int:
 # analytical model on routing-free probes (twin.search.estimate_grids: twin.solobound's bounds on each
 # probe, so no whole-machine probe is routed for ranking; the exact ranking of `twin search` routes
 # one per data-axis size, about 0.17 s each on Frontier). It bounds each from below
-# (twin.search.lower_bound: the grid's own collective model without the other axes' traffic, compute
+# (twin.bounds.lower_bound: the grid's own collective model without the other axes' traffic, compute
 # slowed by the overlap slowdown only where a collective is surely in flight, the longest path through
 # the program) and simulates them in the order of their bounds while BOUND_SLACK x a bound is below
 # the fastest simulated time (the first one in full). The bound would be exact if contention never
@@ -82,10 +83,10 @@ def min_ops_per_rank(study: Study) -> int:
 # the fastest of all in every study (6 studies, 106-412 grids each, the default Frontier study
 # included), the fastest at 0-based rank 0 to 12 of the estimate (and of the exact ranking). The slack
 # is 3.5x the worst shortfall measured; SCAN leaves room beyond rank 12. A grid's bound is first taken
-# without routing (twin.search.quick_bound, at most lower_bound: proved, and checked on every grid by
+# without routing (twin.bounds.quick_bound, at most lower_bound: proved, and checked on every grid by
 # the same benchmark), then with the exact times of the axes routed already in this process
-# (twin.search.routed_bound, between the two); nothing is routed for a bound. A grid that is simulated
-# in the bound search stops as soon as its clock plus the least time left (twin.search.tail_ns: the
+# (twin.bounds.routed_bound, between the two); nothing is routed for a bound. A grid that is simulated
+# in the bound search stops as soon as its clock plus the least time left (twin.bounds.tail_ns: the
 # same bound from the op running on, without the overlap slowdown) rules it out, and a run stopped
 # before the end of the step never routes the data axis, which only the gradient all-reduces at the
 # end use.
@@ -105,7 +106,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     sensitivity sweeps ask for the same grids.
     `program`: simulate this program (e.g. an edited program file) instead of the built one.
     stop_s > 0 (a plain symmetric run): give up, returning None, as soon as the iteration is sure to
-    take longer than stop_s seconds (the engine's branch and bound, twin.search.tail_ns); the lower
+    take longer than stop_s seconds (the engine's branch and bound, twin.bounds.tail_ns); the lower
     bound that showed it is kept for the process (`stopped_bound`)."""
     t0 = time.perf_counter()
     plain = not (full or slowdown or record) and collectives is None and program is None
@@ -287,7 +288,7 @@ def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
     is the smallest key; a grid is simulated once its routed_bound is the smallest key, while
     BOUND_SLACK x its key is below the fastest simulated time (no bound routes anything; the
     simulation routes what it asks). A simulation stops as soon as its clock plus the least time left
-    (twin.search.tail_ns) shows the same (simulate_grid's stop_s): that grid keeps the bound it
+    (twin.bounds.tail_ns) shows the same (simulate_grid's stop_s): that grid keeps the bound it
     reached, and no time (`simulated_s` stays None)."""
     queue = []
     for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):

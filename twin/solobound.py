@@ -3,7 +3,7 @@
 `CollectiveModel.time(kind, axis, nbytes)` (twin.collectives) routes every ring of the axis over the
 whole machine and solves max-min rates: most of what a grid search costs. `SoloBound(model).time`
 bounds it from below from what no routing choice changes, so the search can rule a grid out before
-routing its axes (twin.search.quick_bound):
+routing its axes (twin.bounds.quick_bound):
 
 - Rate. A ring's bus rate is the smallest, over its flows, of weight x flow rate (twin.collectives).
   A flow's rate is at most its cap (a channel's cross-node cap: the sum of its sub-flows' caps). And
