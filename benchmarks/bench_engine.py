@@ -74,7 +74,9 @@ def main() -> None:
     try:
         base = load_baseline(a.baseline.resolve(), tmp)
         study = prepare("frontier", None, None, None, None, None, "contiguous", None, True)
-        by_size = {"by_size": True} if "by_size" in inspect.signature(engine.simulate_program).parameters else {}
+        # by_size (ask each distinct collective once) on each side that has it, so that both run alike
+        by_size, base_by_size = ({"by_size": True} if "by_size" in inspect.signature(f).parameters else {}
+                                 for f in (engine.simulate_program, base.engine.simulate_program))
         base_model = base.model.load_model(study.model.name)
         base_options = base.program.Options(**study.options.__dict__)
         print(f"{'grid':12s} {'what':18s} {'this ms':>8s} {'base ms':>8s} {'ratio':>6s}")
@@ -88,7 +90,7 @@ def main() -> None:
                 return engine.simulate_program(prog, compute, collective_timer(prog, cm), **kw, **by_size)
 
             def run_base():
-                return base.engine.simulate_program(prog, compute, collective_timer(prog, cm), **kw)
+                return base.engine.simulate_program(prog, compute, collective_timer(prog, cm), **kw, **base_by_size)
 
             def cold_this():
                 engine_plan._PLANS.clear()
