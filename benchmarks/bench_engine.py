@@ -10,8 +10,9 @@ routed once beforehand (a warm run), so that what is timed is the engine (symmet
 builder alone. Printed per grid, as medians of CPU seconds over --repeat pairs with their ratio
 this / baseline:
 - engine: `simulate_program` on the grid's program again (what a second run of a program costs);
-- engine, first run: the same with this checkout's kept per-program work dropped before each run
-  (twin.engine_plan._PLANS: what the first run of a program costs);
+- engine, first run: the same with each side's kept per-program work dropped before each run
+  (twin.engine_plan._PLANS, or twin.engine._PLANS before the engine's split: what the first run of a
+  program costs; a baseline without it has nothing to drop);
 - build: `build_program` of the grid.
 Each pair's results are checked equal first (the iteration, breakdown and op count; the ops built).
 The machine may be shared: CPU seconds of one process, alternated, are steadier than wall seconds.
@@ -73,6 +74,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     try:
         base = load_baseline(a.baseline.resolve(), tmp)
+        base_plans = next((m._PLANS for m in (sys.modules.get("twin_base.engine_plan"), base.engine)
+                           if hasattr(m, "_PLANS")), {})
         study = prepare("frontier", None, None, None, None, None, "contiguous", None, True)
         # by_size (ask each distinct collective once) on each side that has it, so that both run alike
         by_size, base_by_size = ({"by_size": True} if "by_size" in inspect.signature(f).parameters else {}
@@ -96,6 +99,10 @@ def main() -> None:
                 engine_plan._PLANS.clear()
                 return run_this()
 
+            def cold_base():
+                base_plans.clear()
+                return run_base()
+
             r, rb = run_this(), run_base()  # routes the collectives (memoised for both)
             assert (r.iteration_s, r.compute_s, r.exposed_s, r.idle_s, r.simulated_ops) == \
                 (rb.iteration_s, rb.compute_s, rb.exposed_s, rb.idle_s, rb.simulated_ops), name
@@ -103,7 +110,7 @@ def main() -> None:
             args = (study.batch, study.seq_len)
             ops = build_program(study.model, grid, study.options, *args).ops
             assert repr(ops) == repr(base.program.build_program(base_model, grid_b, base_options, *args).ops), name
-            cases = [("engine", run_this, run_base), ("engine, first run", cold_this, run_base),
+            cases = [("engine", run_this, run_base), ("engine, first run", cold_this, cold_base),
                      ("build", lambda: build_program(study.model, grid, study.options, *args),
                       lambda: base.program.build_program(base_model, grid_b, base_options, *args))]
             for what, this, other in cases:
