@@ -303,6 +303,27 @@ def test_adaptive_routing_chooses_as_its_definition(name):
         assert np.array_equal(adaptive(net, s, d, demand, seed=n), _adaptive_by_definition(net, s, d, demand, n))
 
 
+def test_adaptive_routing_chooses_as_its_definition_where_a_link_holds_hundreds_of_flows():
+    """adaptive() looks a path's cost up by its busiest link's flow count in a table of a few hundred
+    counts that grows on demand: 12,000 flows from one switch to another of its group share the
+    direct link and 30 detours, several hundred on each, and choose as the definition does."""
+    from topologies.routing import adaptive
+    net = Network(load_system("frontier"), 2)
+    s, d = np.zeros(12000, dtype=np.int64), np.ones(12000, dtype=np.int64)
+    got = adaptive(net, s, d, 1.25e9, seed=3)
+    assert np.bincount(got[got >= 0]).max() > 300
+    assert np.array_equal(got, _adaptive_by_definition(net, s, d, 1.25e9, 3))
+
+
+def test_same_block_is_floor_division():
+    from topologies.network import same_block
+    rng = np.random.default_rng(8)
+    a = rng.integers(-3000, 3000, 20000)
+    b = a + rng.integers(-40, 40, 20000)
+    for k in (1, 2, 8, 64, 3, 12):
+        assert np.array_equal(same_block(a, b, k), a // k == b // k)
+
+
 def test_network_arrays_are_read_only_and_keys_follow_a_replaced_capacity():
     """Memos key a network by its system (no hashing of its link arrays): the arrays cannot change in
     place, and a copy given other capacities (as the adaptive-routing test does) gets another key."""

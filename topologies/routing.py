@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.memo import Memo, array_key, digest
-from topologies.network import Network, mod
+from topologies.network import Network, mod, same_block
 from twin.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
 _HOPS = 5  # switch-to-switch columns in a path matrix
+_CHUNK = 8192  # flows whose candidates adaptive lays out at once
 
 
 @dataclass
@@ -59,7 +60,8 @@ class Routes:
         # hops per row: a byte dot product is about 3x faster than count_nonzero(mask, axis=1)
         lens = mask.view(np.uint8) @ np.ones(m.shape[1], np.uint8) if m.shape[1] < 256 else mask.sum(1)
         np.cumsum(lens, out=ptr[1:])
-        return Routes(ptr, m[mask].astype(np.int64, copy=False))
+        # compress (the indices of the mask's ones, then a gather) is about 4x faster than m[mask] here
+        return Routes(ptr, np.compress(mask.ravel(), m.ravel()).astype(np.int64, copy=False))
 
     @staticmethod
     def concat(parts: list["Routes"]) -> "Routes":
@@ -289,6 +291,15 @@ def _placement_order(n: int, seed: int) -> np.ndarray:
     return order
 
 
+def _count_costs(one: float, cap: float, flows: int) -> np.ndarray:
+    """(flows + 1,) utilization (T[k] + one) / cap of a link that k flows of demand `one` cross, T[k]
+    being `one` added k times to 0 in turn (cumsum adds in turn: each entry is the same float
+    whatever the table's length)."""
+    held = np.zeros(flows + 1)
+    np.cumsum(np.full(flows, one), out=held[1:])
+    return (held + one) / cap
+
+
 def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, detours: int = 4,
              hop_weight: float = 0.1, out: np.ndarray | None = None) -> np.ndarray:
     """(flows, 5) switch link matrix chosen UGAL-like among the L minimal paths and `detours` Valiant
@@ -346,9 +357,9 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         wide = np.int32 if len(live) * _HOPS < 2**30 else np.int64   # (the sentinel stays below 0)
         count = np.zeros(net.n_links + 1, dtype=wide)
         count[-1] = np.iinfo(wide).min // 2       # the sentinel: never a path's busiest hop
-        held = np.zeros(len(live) + 1)   # T[k]; no path crosses a link twice, so k <= flows (else take raises)
-        np.cumsum(np.full(len(live), one), out=held[1:])   # (cumsum adds in turn, as add.at did)
-        cost_of_count = (held + one) / cap
+        # (T[k] + D) / C for k up to a few hundred flows on a link (the fixed grid's busiest holds 25),
+        # grown when a link holds more: at most every flow, as no path crosses a link twice
+        cost_of_count = _count_costs(one, cap, min(len(live), 255))
         unit = wide(1)
     else:
         load = np.zeros(net.n_links + 1)           # bytes/s placed per link (sentinel last)
@@ -358,7 +369,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
             load[-1] = -np.inf
     K = L + detours
     cost_of_hops = 1 + hop_weight * np.arange(_HOPS + 1)   # a path's factor by its hops (looked up: 7x faster)
-    chunk = max(1, 8192 // max(size, 1))          # batches per chunk of laid-out candidates
+    chunk = max(1, _CHUNK // max(size, 1))        # batches per chunk of laid-out candidates
     rows = np.arange(chunk * (size + 1)) * K      # where each flow's candidates start in a chunk's `flat`
     for k0 in range(0, parts, chunk):
         k1 = min(k0 + chunk, parts)
@@ -376,7 +387,12 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
                 continue
             c = cand[:, a:b]
             if counts:
-                cost = cost_of_count.take(count.take(c).max(0))   # take: a third of the time of x[c] here
+                busiest = count.take(c).max(0)            # take: a third of the time of x[c] here
+                try:
+                    cost = cost_of_count.take(busiest)
+                except IndexError:
+                    cost_of_count = _count_costs(one, cap, min(len(live), 2 * int(busiest.max())))
+                    cost = cost_of_count.take(busiest)
             elif cap is None:
                 util = load.take(c)
                 util += dem[A + a:A + b, None]
@@ -452,7 +468,7 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     flow uses are left out, and a matrix without holes is the CSR layout itself (no compaction)."""
     n = len(src)
     g = net.gpn
-    intra = (src // g) == (dst // g)
+    intra = same_block(src, dst, g)
     x = ~intra
     if not x.any():  # every flow stays in its node: one link each (none to itself)
         i = src != dst
