@@ -89,7 +89,7 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
         count = per_link[used]                         # flows per used link
     else:
         used, count = link_counts
-    rem = cap_link[used].copy()                        # remaining capacity of each used link
+    rem = cap_link[used]                               # remaining capacity of each used link (a copy)
     if not (rem >= 0).all():  # also refuses NaN: every round must freeze a flow
         raise ValueError("max_min_rates: link capacities must be non-negative numbers")
     tol = 1 + rtol
@@ -218,7 +218,7 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     finite = np.isfinite(fcap)
     if not finite.any():
         return None
-    top = fcap[finite].max()
+    top = fcap.max(where=finite, initial=-np.inf)
     narrow = share < top
     if narrow.any():  # the flows with an entry on a narrow link (N) are not easy
         E = _on(links, len(cap_link), used[narrow])
@@ -229,10 +229,9 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
         easy = finite
     if 2 * np.count_nonzero(easy) < len(fcap):
         return None
-    c = fcap[easy]
-    if not (c == c[0]).all():
+    c = fcap[np.argmax(easy)]                          # the first easy flow's cap
+    if not np.all(fcap == c, where=easy):
         return None
-    c = c[0]
     fmin, hit = fcap.copy(), easy.copy()
     hard = np.flatnonzero(~easy)
     if len(hard) == 0:
