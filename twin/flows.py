@@ -21,6 +21,20 @@ import numpy as np
 from topologies.memo import Memo, array_key, digest
 
 RATES = Memo(64 * 2**20, lambda r: r.nbytes)  # rates already computed in this process
+_PLACES: dict[int, np.ndarray] = {}  # link count -> a table kept for the process (see _places)
+
+
+def _places(used: np.ndarray, n_links: int) -> np.ndarray:
+    """A table over all n_links links that gives each of the `used` links its place in `used`
+    (0..len(used)-1); read it at used links only (elsewhere it holds what earlier calls left).
+    One table per network size, kept: a fresh one costs a page fault per page it touches."""
+    table = _PLACES.get(n_links)
+    if table is None:
+        if len(_PLACES) >= 4:
+            _PLACES.clear()
+        table = _PLACES[n_links] = np.empty(n_links, dtype=np.int64)
+    table[used] = np.arange(len(used))
+    return table
 
 
 def _csr(paths) -> tuple[np.ndarray, np.ndarray]:
@@ -116,9 +130,7 @@ def _max_min(ptr, links, cap_link, cap_flow, rtol, link_counts=None) -> np.ndarr
         flows, flen, fcap, starts = flows[keep], flen[keep], fcap[keep], None
     else:
         # renumber the links that carry flows 0..U-1 (no sort: a lookup table over all links)
-        local = np.empty(len(cap_link), dtype=np.int64)
-        local[used] = np.arange(len(used))
-        lk = local[links]                              # local link id of each entry
+        lk = _places(used, len(cap_link))[links]       # local link id of each entry
         cnt = count                                    # unfrozen flows per link
     # the unfrozen flows and their entries, compacted after every round (entries keep their order,
     # so every sum below adds the same numbers in the same order as over all entries)
@@ -236,8 +248,7 @@ def _first_round(links, cap_link, count, used, share, starts, flen, fcap, tol):
     hard = np.flatnonzero(~easy)
     if len(hard) == 0:
         return fmin, hit, None
-    uidx = np.empty(len(cap_link), dtype=np.int64)     # a used link's place in `used`
-    uidx[used] = np.arange(len(used))
+    uidx = _places(used, len(cap_link))                # a used link's place in `used`
     if narrow.any():
         isn = np.zeros(len(fcap), dtype=bool)
         isn[fE] = True
