@@ -28,7 +28,7 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
 
     Why it bounds the engine's symmetric run from below: the engine starts each op when its stream's
     previous op and its deps are done, and an op that runs at least its least time ends, by induction
-    over program order, no earlier than on the longest path (`critical_path_s`). That needs the
+    over program order, no earlier than on the longest path (`_path_ns`). That needs the
     collective model to never make a collective faster because other axes run. With one path per flow
     it does not (under max-min fairness, adding flows cannot raise the slowest rate of a set of flows:
     the link that froze the slowest one fills no later with more flows on it; an axis' routes do not
@@ -285,13 +285,3 @@ def _path_ns(shape, ns: list[int], overlap: float = 1.0) -> int:
         end[i] = last[s] = t
     return max(last, default=0)
 
-
-def critical_path_s(prog, durations: list[float]) -> float | None:
-    """End of the last op (seconds) when op i takes durations[i] whatever else runs: each op starts
-    when its stream's previous op and its deps are done, as in the engine's symmetric mode (times in
-    whole nanoseconds, each duration rounded as the engine rounds it). None if a dep is not an
-    earlier op (then program order is not an order the ops can run in)."""
-    shape = _shape(prog)
-    if shape is None:
-        return None
-    return _path_ns(shape, [int(d * NS + 0.5) for d in durations]) / NS
