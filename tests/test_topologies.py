@@ -313,6 +313,11 @@ def test_adaptive_routing_chooses_as_its_definition_where_a_link_holds_hundreds_
     got = adaptive(net, s, d, 1.25e9, seed=3)
     assert np.bincount(got[got >= 0]).max() > 300
     assert np.array_equal(got, _adaptive_by_definition(net, s, d, 1.25e9, 3))
+    # one demand on switch links of unequal capacity (the general path, demands read per flow)
+    uneven = copy.copy(net)
+    uneven.capacity = net.capacity * np.random.default_rng(2).choice([1.0, 0.5, 2.0], net.n_links)
+    s, d = np.random.default_rng(6).integers(0, net.n_switches, (2, 3000))
+    assert np.array_equal(adaptive(uneven, s, d, 1.25e9, seed=4), _adaptive_by_definition(uneven, s, d, 1.25e9, 4))
 
 
 def test_same_block_is_floor_division():

@@ -335,14 +335,15 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     live = order[pos]
     nb = np.searchsorted(pos, bounds).tolist()     # batch k places live[nb[k]:nb[k+1]]
     draws = _live_draws(net, s, d, live, [seed + 7919 * k for k in range(detours)])
-    # one demand for all (live) flows: added as a scalar (the same sums)
+    cap = _uniform_capacity(net)
+    # one demand for all (live) flows: added as a scalar (the same sums); per flow in placement order
+    # where demands differ or capacities do (the general path reads them per flow)
     one = dem[live[0]] if (dem == dem[0]).all() else None
-    dem = np.ascontiguousarray(dem[live]) if one is None else None
+    dem = np.ascontiguousarray(dem[live]) if one is None or cap is None else None
     if one is None and (dem == dem[0]).all():
         one = dem[0]
     dem_hops = np.repeat(dem, _HOPS) if one is None else None
     L = max(net.L, 1)
-    cap = _uniform_capacity(net)
     # Utilization of a hop = (load + demand) / capacity, -1 (no hop) reads a sentinel link. With one
     # capacity C for every switch link, max over hops of (load + dem) / C = (max load + dem) / C
     # exactly (rounding is monotone), so a batch reads the load alone; the sentinel's load is -inf
