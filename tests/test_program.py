@@ -204,3 +204,11 @@ def test_builder_ops_equal_dataclass_ops_and_refuse_unknown_fields():
         b.compute("x", "gemm", colour="red")
     with pytest.raises(TypeError, match="index"):
         b.collective("y", "all_reduce", "x", 4, index=3)
+    from dataclasses import replace
+
+    from twin.ops import changed
+    op = prog.ops[7]
+    new = changed(op, bytes=5, writes=("a",))
+    assert new == replace(op, bytes=5, writes=("a",)) and list(vars(new)) == names and op.bytes != 5
+    with pytest.raises(TypeError, match="colour"):
+        changed(op, colour="red")

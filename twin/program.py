@@ -49,7 +49,7 @@ from twin.grid import Grid
 from twin.model import ModelSpec
 from twin.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, COLLECTIVES,
                       COMPUTE_KINDS, EMBEDDING_AXES, GRAD_AR_BYTES, MAX_PROGRAM_OPS, NORM_AXIS, STAT_BYTES,
-                      STREAMS, Builder, Op, Options, Program, _local_params, check_program_size, embedding_dims,
+                      STREAMS, Builder, Op, Options, Program, _local_params, changed, check_program_size, embedding_dims,
                       grad_buffer, linear_dims, weight_buffer)
 
 __all__ = ["ACT_BYTES", "ADAMW_BYTES_PER_PARAM", "ADAMW_FLOPS_PER_PARAM", "COLLECTIVES", "COMPUTE_KINDS",
@@ -241,9 +241,9 @@ def regrid(program: Program, grid: Grid) -> Program:
     ops = list(program.ops)
     for i, op in enumerate(ops):
         if op.phase == "grad" and op.axis == "data" and op.weight != "norms":
-            ops[i] = replace(op, bytes=GRAD_AR_BYTES * params[op.weight] // P)
+            ops[i] = changed(op, bytes=GRAD_AR_BYTES * params[op.weight] // P)
         elif op.phase == "opt" and op.role in sizes:
-            ops[i] = replace(op, **sizes[op.role])
+            ops[i] = changed(op, **sizes[op.role])
     return Program(model, grid, program.options, program.batch, program.seq_len, program.vocab, ops)
 
 
@@ -252,7 +252,6 @@ def host_ordered(program: Program) -> Program:
     device): the host walks the ops in program order, so a collective is issued only after the
     compute op before it finished, and a compute op starts only after the host waited for what the
     collectives issued before it depend on. Returns a copy with those waits added to `deps`."""
-    from dataclasses import replace
     ops, last, waited = [], None, set()
     for op in program.ops:
         if op.is_collective:
@@ -261,5 +260,5 @@ def host_ordered(program: Program) -> Program:
         else:
             deps = op.deps + tuple(sorted(waited - set(op.deps)))
             waited, last = set(), op.index
-        ops.append(op if deps == op.deps else replace(op, deps=deps))
+        ops.append(op if deps == op.deps else changed(op, deps=deps))
     return replace(program, ops=ops)
