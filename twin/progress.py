@@ -7,13 +7,14 @@ and an estimate of the time left (from the stages' expected shares of the work a
         stage("simulating grid 8x8x4x128")   # matched to a planned stage by its first word(s)
 
 Quiet (`--quiet`, `--json`) or not on a terminal-like stderr: nothing is shown, and the calls cost nothing.
+A bar appears only once the command has run SHOW_AFTER_S (1 s): a quicker command never imports rich.
 `Steps` is the same bar over a count of like steps (`steps(what, done, total)`).
 """
 
 from __future__ import annotations
 
 import sys
-import time
+import threading
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -25,28 +26,84 @@ def Console(**kwargs):  # noqa: N802 - rich's Console, imported when a bar is sh
     return Console(**kwargs)
 
 
-class Stages:
-    """A context manager; calling it with a stage's name moves the bar to that stage."""
+SHOW_AFTER_S = 1.0  # a bar appears once a command has run this long (rich costs ~0.06 s to import)
 
-    def __init__(self, plan: list[tuple[str, float]], quiet: bool = False, console=None):
-        self.plan = plan
-        self.weights = dict(plan)
+
+class _Bar:
+    """A rich bar on stderr that appears SHOW_AFTER_S seconds after it is entered (from a timer
+    thread): a command done sooner neither shows it nor imports rich. Until then it keeps the task's
+    description, completed and total, which the bar starts from."""
+
+    def __init__(self, quiet: bool = False, console=None):
         self.quiet = quiet
         self.console = console
         self.progress: Progress | None = None
-        self.task = None
+        self.state = {"description": "starting", "completed": 0.0, "total": 1.0}
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    def columns(self) -> list:
+        raise NotImplementedError
+
+    def _show(self) -> None:
+        with self._lock:
+            if self._closed or self.progress is not None:
+                return
+            from rich.progress import Progress
+            self.progress = Progress(*self.columns(), console=self.console or Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(**self.state)
+
+    def _update(self, **state) -> None:
+        with self._lock:
+            self.state.update(state)
+            if self.progress is not None:
+                self.progress.update(self.task, **state)
+
+    def _enter(self) -> None:
+        if self.quiet:
+            return
+        if SHOW_AFTER_S <= 0:
+            self._show()
+        else:
+            self._timer = threading.Timer(SHOW_AFTER_S, self._show)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _exit(self, completed: float | None = None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            if self.progress is not None:
+                if completed is not None:
+                    self.progress.update(self.task, completed=completed)
+                self.progress.stop()
+
+
+def _columns(*middle) -> list:
+    from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    return [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+            *[TextColumn(m) for m in middle], TimeElapsedColumn(), TextColumn("left ~"), TimeRemainingColumn()]
+
+
+class Stages(_Bar):
+    """A context manager; calling it with a stage's name moves the bar to that stage."""
+
+    def __init__(self, plan: list[tuple[str, float]], quiet: bool = False, console=None):
+        super().__init__(quiet, console)
+        self.plan = plan
+        self.weights = dict(plan)
         self.current: str | None = None
         self.done = 0.0
-        self.t0 = time.perf_counter()
+        self.state["total"] = sum(self.weights.values()) or 1.0
+
+    def columns(self) -> list:
+        return _columns()
 
     def __enter__(self) -> Callable[[str], None]:
-        if not self.quiet:
-            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-                                     TimeElapsedColumn(), TextColumn("left ~"), TimeRemainingColumn(),
-                                     console=self.console or Console(stderr=True), transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task("starting", total=sum(self.weights.values()) or 1.0)
+        self._enter()
         return self
 
     def _weight(self, name: str) -> float:
@@ -59,42 +116,30 @@ class Stages:
         if self.current is not None:
             self.done += self._weight(self.current)
         self.current = name
-        if self.progress is not None:
-            self.progress.update(self.task, description=name, completed=self.done)
+        if not self.quiet:
+            self._update(description=name, completed=self.done)
 
     def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=sum(self.weights.values()))
-            self.progress.stop()
+        self._exit(completed=sum(self.weights.values()))
 
 
-class Steps:
+class Steps(_Bar):
     """A bar over a count of like steps (points of a scaling series, simulations of a sensitivity
     study): the library calls `steps(what, done, total)` before each; the estimate is the pace so far."""
 
-    def __init__(self, quiet: bool = False, console=None):
-        self.quiet = quiet
-        self.console = console
-        self.progress: Progress | None = None
+    def columns(self) -> list:
+        return _columns("{task.completed:.0f}/{task.total:.0f}")
 
     def __enter__(self) -> Callable[[str, int, int], None]:
-        if not self.quiet:
-            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-                                     TextColumn("{task.completed:.0f}/{task.total:.0f}"), TimeElapsedColumn(),
-                                     TextColumn("left ~"), TimeRemainingColumn(),
-                                     console=self.console or Console(stderr=True), transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task("starting", total=1)
+        self._enter()
         return self
 
     def __call__(self, what: str, done: int, total: int) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=what, completed=done, total=total)
+        if not self.quiet:
+            self._update(description=what, completed=done, total=total)
 
     def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+        self._exit()
 
 
 def quiet_default(json_out: bool, quiet: bool) -> bool:
