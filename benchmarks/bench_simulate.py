@@ -32,7 +32,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 # runs the CLI in a child and prints its peak resident memory (KiB) on the last line of stderr
-RUNNER = ("import resource, runpy, sys\n"
+# (twin.cli ends a process with os._exit, skipping the interpreter's teardown: the line is printed then)
+RUNNER = ("import os, resource, runpy, sys\n"
+          "def _exit(code, _real=os._exit):\n"
+          "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)\n"
+          "    _real(code)\n"
+          "os._exit = _exit\n"
           "sys.argv = ['twin'] + sys.argv[1:]\n"
           "try:\n    runpy.run_module('twin.cli', run_name='__main__')\n"
           "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"

@@ -137,12 +137,25 @@ def test_the_layout_is_rich_s_at_our_widths():
 
 def test_printing_a_result_does_not_import_rich():
     """rich (about 0.05 s to import) is for progress bars: a command's tables and lines are ours."""
-    code = ("import sys; from twin.cli import app\n"
+    code = ("import sys, twin.cli\n"
+            "twin.cli.leave = lambda code: None  # stay, to look at the modules\n"
             "sys.argv = ['twin', 'simulate', '--system', 'cpu', '--model', 'gpt-tiny', '--grid', '2x2x2x1']\n"
-            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "twin.cli.app()\n"
             "print('rich imported' if any(m.split('.')[0] == 'rich' for m in sys.modules) else 'no rich')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
     assert "iteration time" in out and out.splitlines()[-1] == "no rich", out
+
+
+def test_a_process_leaves_with_its_output_and_exit_code():
+    """`twin` ends without tearing the interpreter down (twin.cli.leave): all its output still comes out,
+    with the command's exit code."""
+    def twin(*args):
+        return subprocess.run([sys.executable, "-m", "twin.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+    r = twin("simulate", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["gpus"] == 8, r
+    r = twin("simulate", "--system", "nowhere")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r
 
 
 def test_units():
