@@ -3,7 +3,7 @@
     python benchmarks/bench_maxmin.py [--baseline DIR] [--grid 2x32x64x8] [--repeat N]
 
 Captures every max-min problem that `twin simulate --system frontier --grid GRID` solves (the
-inputs of twin.flows._max_min, in this checkout), then times this checkout's _max_min and the
+inputs of twin.flows._max_min, in this checkout; GRID may be auto), then times this checkout's _max_min and the
 baseline's (DIR/twin/flows.py, loaded as a module of its own) on each, alternately, `--repeat`
 times: the best CPU milliseconds of each, their ratio, and whether the rates are the same to the
 bit (they must be). CPU time of repeated calls in one process: warm caches and a warm heap, so it
@@ -37,7 +37,10 @@ def capture(grid: str) -> list[tuple]:
 
     flows._max_min = record
     try:
-        simulate.simulate_grid(prepare("frontier"), Grid.parse(grid))
+        if grid == "auto":
+            simulate.simulate("frontier")
+        else:
+            simulate.simulate_grid(prepare("frontier"), Grid.parse(grid))
     finally:
         flows._max_min = solve
     return seen
