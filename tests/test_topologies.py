@@ -320,6 +320,18 @@ def test_adaptive_routing_chooses_as_its_definition_where_a_link_holds_hundreds_
     assert np.array_equal(adaptive(uneven, s, d, 1.25e9, seed=4), _adaptive_by_definition(uneven, s, d, 1.25e9, 4))
 
 
+def test_routes_from_matrix_is_the_rows_without_holes():
+    """Routes.from_matrix compacts by blocks of rows: the same CSR as the plain definition."""
+    from topologies.routing import Routes
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 40000):
+        m = rng.integers(0, 10**6, (n, 7)).astype(np.int32)
+        m[rng.random((n, 7)) < 0.4] = -1
+        r = Routes.from_matrix(m)
+        assert r.links.dtype == np.int64 and np.array_equal(r.links, m[m >= 0])
+        assert np.array_equal(r.ptr, np.concatenate([[0], np.cumsum((m >= 0).sum(1))]))
+
+
 def test_same_block_is_floor_division():
     from topologies.network import same_block
     rng = np.random.default_rng(8)
