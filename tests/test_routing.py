@@ -1,9 +1,9 @@
 """Routes pinned to what routing computed at c4ff7fb (before this session's speed work): a checksum of
 `Routes.ptr` and `Routes.links` (values, dtypes, shapes) for cases that reach every branch of
-`topologies.routing` (minimal, Valiant, adaptive with one or many demands, flows inside a node, to
-themselves, through another GPU's NIC, inside one switch or group, two groups only) and for the rings
-of Frontier's data axis. Faster routing must never mean other routes: a change here is a model change
-and says so."""
+`topologies.routing` and `topologies.adaptive` (minimal, Valiant, adaptive with one or many demands,
+flows inside a node, to themselves, through another GPU's NIC, inside one switch or group, two groups
+only) and for the rings of Frontier's data axis. Faster routing must never mean other routes: a change
+here is a model change and says so."""
 
 import hashlib
 

@@ -253,7 +253,8 @@ def _adaptive_by_definition(net, s, d, demand, seed, batch=128, detours=4, hop_w
 def test_candidate_tables_give_the_paths_of_the_formulas(name):
     """adaptive()'s candidates, read from the cable tables, are minimal(j) for every cable j and the
     Valiant paths of its draws, as the link formulas give them."""
-    from topologies.routing import _candidates, _valiant_draws
+    from topologies.adaptive import _candidates
+    from topologies.routing import _valiant_draws
     system = load_system("frontier" if name == "two-groups" else name)
     net = Network(system, 2) if name == "two-groups" else build_network(system)
     rng = np.random.default_rng(3)
@@ -273,7 +274,8 @@ def test_candidate_tables_give_the_paths_of_the_formulas(name):
 
 
 def test_live_draws_are_the_valiant_draws_of_those_flows():
-    from topologies.routing import _live_draws, _valiant_draws
+    from topologies.adaptive import _live_draws
+    from topologies.routing import _valiant_draws
     system = load_system("frontier")
     rng = np.random.default_rng(5)
     for net in (build_network(system), Network(system, 2)):
@@ -288,7 +290,7 @@ def test_live_draws_are_the_valiant_draws_of_those_flows():
 
 @pytest.mark.parametrize("name", ["frontier", "alps", "perlmutter"])
 def test_adaptive_routing_chooses_as_its_definition(name):
-    from topologies.routing import adaptive
+    from topologies.adaptive import adaptive
     net = build_network(load_system(name))
     rng = np.random.default_rng(4)
     # 40000 flows take several chunks of laid-out candidates (one demand for all: added as a scalar);
@@ -307,7 +309,7 @@ def test_adaptive_routing_chooses_as_its_definition_where_a_link_holds_hundreds_
     """adaptive() looks a path's cost up by its busiest link's flow count in a table of a few hundred
     counts that grows on demand: 12,000 flows from one switch to another of its group share the
     direct link and 30 detours, several hundred on each, and choose as the definition does."""
-    from topologies.routing import adaptive
+    from topologies.adaptive import adaptive
     net = Network(load_system("frontier"), 2)
     s, d = np.zeros(12000, dtype=np.int64), np.ones(12000, dtype=np.int64)
     got = adaptive(net, s, d, 1.25e9, seed=3)
