@@ -172,8 +172,8 @@ def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
     import numpy as np
 
     from topologies.routing import Routes
-    from twin import collectives
     from twin.flows import _max_min
+    from twin.flowsets import _sharing_links
 
     cm = CollectiveModel(load_system(name), grid)
     axes = frozenset(a for a in ("x", "y", "z", "data") if grid.axis_size(a) > 1)
@@ -183,7 +183,7 @@ def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
             sets = {a: cm._phases(a, cm._algorithm(a, algorithm))[0] for a in sorted(sub)}
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
-                split += len(collectives._sharing_links(allf, cm.net.n_links)) > 1
+                split += len(_sharing_links(allf, cm.net.n_links)) > 1
                 routes = Routes.concat([f.routes for f in allf])
                 rates = _max_min(routes.ptr, routes.links, cm.capacity, np.concatenate([f.caps for f in allf]), 1e-9)
                 off = 0
