@@ -112,7 +112,7 @@ def main(config: dict) -> None:
     min_time_s, batch, out."""
     from backend.comm import Comm
     from backend.dist import ParallelContext, destroy
-    from backend.launch import env_rank
+    from backend.launch_env import env_rank
     rank, local_rank, world = env_rank()
     grid = Grid.parse(config["grid"])
     device = torch.device("cpu")

@@ -30,7 +30,7 @@ def handles_errors(fn):
 
 def check_launcher_world(grid: Grid) -> None:
     """Under torchrun or srun: the launcher's world size must be the grid's rank count (TwinError if not)."""
-    from backend.launch import check_world_size
+    from backend.launch_env import check_world_size
     check_world_size(grid.size, str(grid))
 
 

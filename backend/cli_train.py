@@ -106,7 +106,7 @@ def run_cmd(
     if not 0 <= progress_timeout < 1e9:
         raise TwinError(f"--progress-timeout must be a number of seconds >= 0, got {progress_timeout}")
     code = launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)
-    from backend.launch import env_rank, under_launcher
+    from backend.launch_env import env_rank, under_launcher
     line = None if code or (under_launcher() and env_rank()[0] != 0) else summary_line(out)
     if line:
         typer.echo(line)
@@ -163,7 +163,7 @@ def finetune_cmd(
         from twin.common import check_output
         check_output(export, "--export", folder=True)
     code = launch("run", asdict(cfg), g.size)
-    from backend.launch import env_rank, under_launcher
+    from backend.launch_env import env_rank, under_launcher
     if code or (under_launcher() and env_rank()[0] != 0):
         return code
     line = summary_line(out)

@@ -67,14 +67,14 @@ def validate(cfg: ReplayConfig) -> None:
     check_run_flags(cfg.steps, cfg.batch, cfg.device, program.grid.size)
     if cfg.dtype not in ("auto", *DTYPES):
         raise TwinError(f"--dtype must be auto, fp32 or bf16, got {cfg.dtype!r}")
-    from backend.launch import check_memory
+    from backend.launch_env import check_memory
     check_memory(program, cfg.device, cfg.torch_dtype().itemsize)
 
 
 def main(config: dict) -> None:
     """The `replay` job of one rank (see backend.launch)."""
     from backend.dist import ParallelContext, destroy
-    from backend.launch import check_world_size
+    from backend.launch_env import check_world_size
     from backend.model import make_model
     from backend.optim import make_optimizer, micro_batches, train_step
     from backend.recorder import NULL_RECORDER, Recorder

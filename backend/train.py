@@ -120,7 +120,7 @@ def check_run_flags(steps: int, batch: int | None, device: str, ranks: int = 1) 
         import torch
         if not torch.cuda.is_available():
             raise TwinError("--device cuda but no CUDA device is visible to PyTorch (use --device cpu)")
-        from backend.launch import under_launcher
+        from backend.launch_env import under_launcher
         gpus = torch.cuda.device_count()
         if not under_launcher() and ranks > gpus:
             raise TwinError(f"the grid has {ranks} ranks but this machine has {gpus} GPU(s) and NCCL needs "
@@ -163,7 +163,7 @@ def validate(cfg: TrainConfig) -> None:
         check(cfg.goldfish_k, cfg.goldfish_h)
     program = cfg.program()  # grid x model x batch checks
     spec, grid = program.model, program.grid
-    from backend.launch import check_memory
+    from backend.launch_env import check_memory
     check_memory(program, cfg.device, 2 if cfg.device == "cuda" else 4)  # bf16 compute on GPU, fp32 on CPU
     if cfg.eval_every < 0 or cfg.eval_batches < 1:
         raise TwinError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {cfg.eval_every} and {cfg.eval_batches}")
@@ -294,7 +294,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     import torch.distributed as dist
 
     from backend.dist import ParallelContext, destroy
-    from backend.launch import check_world_size, env_rank, fabric_warning, heartbeat
+    from backend.launch_env import check_world_size, env_rank, fabric_warning
+    from backend.launch_rank import heartbeat
     from backend.model import make_model
     from backend.optim import make_optimizer, train_step
     from backend.recorder import NULL_RECORDER, Recorder

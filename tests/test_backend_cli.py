@@ -100,7 +100,7 @@ def test_bench_writes_a_table(tmp_path):
 
 
 def test_fabric_plugin_warning(monkeypatch, tmp_path):
-    from backend.launch import fabric_warning
+    from backend.launch_env import fabric_warning
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("NCCL_NET_PLUGIN", raising=False)
@@ -146,8 +146,9 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
     from typer.testing import CliRunner
 
     import backend.launch
+    import backend.launch_env
     from backend.cli import app
-    from backend.launch import RANK_OVERHEAD_BYTES, check_memory
+    from backend.launch_env import RANK_OVERHEAD_BYTES, check_memory
     from twin.program import build_program
 
     big = tmp_path / "big.toml"
@@ -165,9 +166,9 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
     from twin.memory import memory_per_gpu
     need = 8 * (memory_per_gpu(program.model, program.grid, program.options, activation_bytes=4).total
                 + RANK_OVERHEAD_BYTES)
-    monkeypatch.setattr(backend.launch, "available_memory", lambda: need + 2**30)
+    monkeypatch.setattr(backend.launch_env, "available_memory", lambda: need + 2**30)
     check_memory(program, "cpu", 4)
-    monkeypatch.setattr(backend.launch, "available_memory", lambda: need - 2**30)
+    monkeypatch.setattr(backend.launch_env, "available_memory", lambda: need - 2**30)
     with pytest.raises(Exception, match="x 8 rank"):
         check_memory(program, "cpu", 4)
 

@@ -63,7 +63,7 @@ def test_fresh_interpreter_ranks(tmp_path):
     """The launch path that GPUs take (each rank a new `python -m backend.launch`), here on CPU."""
     from dataclasses import asdict
 
-    from backend.launch import spawn
+    from backend.launch_spawn import spawn
     from backend.train import TrainConfig
 
     cfg = TrainConfig(model="gpt-tiny", grid="1x1x1x2", steps=2, warmup=1, out=str(tmp_path / "run"))

@@ -371,10 +371,10 @@ def test_ranks_are_pinned_round_robin_when_asked():
     import os
     import subprocess
     import sys
-    from backend.launch import bind_cores
+    from backend.launch_rank import bind_cores
     assert [bind_cores(r, [0, 1]) for r in range(4)] == [{0}, {1}, {0}, {1}]
     cores = sorted(os.sched_getaffinity(0))
-    code = "import sys; from backend.launch import bind_rank; print(sorted(bind_rank(int(sys.argv[1]))))"
+    code = "import sys; from backend.launch_rank import bind_rank; print(sorted(bind_rank(int(sys.argv[1]))))"
     for bind, want in (("cores", [cores[1 % len(cores)]]), ("none", cores)):
         env = {**os.environ, "BACKEND_CPU_BIND": bind, "BACKEND_CPU_BIND_CORES": ",".join(map(str, cores))}
         out = subprocess.run([sys.executable, "-c", code, "1"], env=env, cwd=LOOPS.parent.parent,
