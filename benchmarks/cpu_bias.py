@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from calibration.validate import pool_repeats, spearman, validate_run  # noqa: E402
+from calibration.validate import validate_run  # noqa: E402
+from calibration.validate_summary import pool_repeats, spearman  # noqa: E402
 
 MEAS = ROOT / "calibration" / "measurements"
 LOOPS = [f"01b=/work/bv-work/runs:{MEAS}/cpu-2026-12-01b",

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration.validate import COLLECTIVES, _group  # noqa: E402
+from calibration.validate_measured import COLLECTIVES, _group  # noqa: E402
 from twin.grid import Grid  # noqa: E402
 from twin.trace import read_trace  # noqa: E402
 

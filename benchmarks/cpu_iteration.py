@@ -36,7 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration.validate import read_run, spearman, validate_run  # noqa: E402
+from calibration.validate import validate_run  # noqa: E402
+from calibration.validate_measured import read_run  # noqa: E402
+from calibration.validate_summary import spearman  # noqa: E402
 
 
 def _order(g: str) -> tuple:

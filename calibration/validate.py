@@ -47,6 +47,8 @@ program's layout as the backend runs them) on a system with a kernel profile, an
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
 iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
+What the run measured is read in calibration.validate_measured; the summaries (per kind, repeats
+pooled, Spearman) are made in calibration.validate_summary.
 """
 
 from __future__ import annotations
@@ -55,150 +57,13 @@ import json
 import statistics
 from pathlib import Path
 
+from calibration.validate_measured import COLLECTIVES, measured_ops, read_run
+from calibration.validate_summary import _by_kind, pool_repeats, spearman
 from twin.common import TwinError
 from twin.grid import Grid
 from twin.program import Options
 
 SKIP_STEPS = 2  # warm-up steps left out of the measured iteration time
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    i = q * (len(v) - 1)
-    lo = int(i)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (i - lo)
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation of two equally long lists (average ranks for ties)."""
-    if len(a) != len(b) or len(a) < 2:
-        return float("nan")
-
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2.0
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else float("nan")
-
-
-def read_run(run_dir: str | Path) -> dict:
-    """What a run wrote: metadata, step times, memory peaks, spans. Raises TwinError, one line."""
-    from twin.trace import read_metadata, read_trace, trace_files
-    d = Path(run_dir)
-    trace, log = d / "trace", d / "log.jsonl"
-    if not trace.exists() and (d / "trace.json").exists():
-        trace = d / "trace.json"  # a run written before traces became one file per rank
-    for f in (trace, log):
-        if not f.exists():
-            raise TwinError(f"{d} is not a run directory of `backend run`: {f.name} is missing")
-    if not trace_files(trace):
-        raise TwinError(f"{trace} holds no trace files (rank0.json, ...): rerun `backend run --out {d}`")
-    try:
-        meta = read_metadata(trace)
-        steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TwinError(f"{d}: a file of the run is not valid JSON ({e})") from None
-    missing = [k for k in ("model", "grid", "options") if k not in meta]
-    if missing:
-        raise TwinError(f"{trace}: trace metadata lacks {', '.join(missing)} (write it with `backend run`)")
-    if not steps:
-        raise TwinError(f"{log}: no step times (each line needs step_time_s)")
-    from twin.schema import RUN_LOG_RECORD, RUN_SUMMARY, check
-    for i, record in enumerate(steps, 1):
-        check(record, RUN_LOG_RECORD, f"{log} line {i}", "run log")
-    check(summary, RUN_SUMMARY, d / "summary.json", "run summary")
-    return {"dir": str(d), "meta": meta, "steps": steps, "summary": summary, "spans": read_trace(trace)}
-
-
-def measured_ops(spans: list, grid: Grid, time_sliced: bool = True, host_s: float = 0.0) -> dict:
-    """Per op name, what was measured (seconds, one value per rank): `wall` spans, `cpu` on-CPU times
-    and the `fluid` spans compared with the twin (see the module docstring); plus `stretch` (rank ->
-    wall over on-CPU time of its compute ops), `cpu_source` and, per collective, `wait` (time its
-    rank waited for the group's last member to issue it) and `wake` (from its completion to the start
-    of the compute op that waited for it, where it completed last in the gap before that op; else 0).
-    time_sliced: the ranks ran on CPU cores (False on GPUs, whose kernels are not descheduled: the
-    fluid span is the wall span, and no wake-up is added). A collective's fluid figure is its span plus
-    its wake-up beyond `host_s` (the host time the twin charges the op that waited), as the twin's
-    line inside training holds it (calibration/fit.py fits bench's `wake_s` so)."""
-    wall: dict[str, list[float]] = {}
-    for s in spans:
-        wall.setdefault(s.name, []).append(s.duration_s)
-    recorded = any("cpu_us" in s.args for s in spans if s.kind not in COLLECTIVES)
-    fastest = {name: min(times) for name, times in wall.items()}
-
-    def cpu_of(s) -> float:
-        if not time_sliced:
-            return s.duration_s
-        if recorded:
-            return min(s.args.get("cpu_us", s.duration_s * 1e6) / 1e6, s.duration_s)
-        return fastest[s.name]
-
-    stretch: dict[int, float] = {}
-    for rank in {s.rank for s in spans}:
-        comp = [s for s in spans if s.rank == rank and s.kind not in COLLECTIVES]
-        on_cpu = sum(cpu_of(s) for s in comp)
-        stretch[rank] = max(sum(s.duration_s for s in comp) / on_cpu, 1.0) if on_cpu > 0 else 1.0
-    cpu: dict[str, list[float]] = {}
-    fluid: dict[str, list[float]] = {}
-    wait: dict[str, list[float]] = {}
-    woke = _wake_ups(spans) if time_sliced else {}
-    starts = {(s.name, s.rank): s.start_s for s in spans if s.kind in COLLECTIVES}
-    for s in spans:
-        if s.kind not in COLLECTIVES:
-            c = cpu_of(s)
-            cpu.setdefault(s.name, []).append(c)
-            fluid.setdefault(s.name, []).append(c * stretch[s.rank])
-            continue
-        fluid.setdefault(s.name, []).append(s.duration_s + max(0.0, woke.get((s.name, s.rank), 0.0) - host_s))
-        axis = s.args.get("axis")
-        if axis in ("x", "y", "z", "data") and s.rank < grid.size:
-            last = max(starts.get((s.name, r), s.start_s) for r in _group(grid, s.rank, axis))
-            wait.setdefault(s.name, []).append(min(max(last - s.start_s, 0.0), s.duration_s))
-    source = ("recorded (cpu_us)" if recorded else "fastest rank's wall span") if time_sliced else "wall span (GPU)"
-    wake: dict[str, list[float]] = {}
-    for s in spans:
-        if s.kind in COLLECTIVES:
-            wake.setdefault(s.name, []).append(woke.get((s.name, s.rank), 0.0))
-    return {"wall": wall, "cpu": cpu, "fluid": fluid, "wait": wait, "wake": wake, "stretch": stretch,
-            "cpu_source": source}
-
-
-def _wake_ups(spans: list) -> dict[tuple[str, int], float]:
-    """(collective name, rank) -> seconds from its completion to the start of the compute op that waited
-    for it: the collective that completed last in the gap between two compute ops of its rank (as
-    `backend bench` measures `wake_s`); absent where none waited."""
-    out = {}
-    for rank in {s.rank for s in spans}:
-        comp = sorted((s for s in spans if s.rank == rank and s.kind not in COLLECTIVES), key=lambda s: s.start_s)
-        colls = sorted(((s.start_s + s.duration_s, s.name) for s in spans if s.rank == rank and s.kind in COLLECTIVES))
-        j = 0
-        for a, b in zip(comp, comp[1:]):
-            end, last = a.start_s + a.duration_s, None
-            while j < len(colls) and colls[j][0] <= b.start_s:
-                if colls[j][0] > end:
-                    last = colls[j]
-                j += 1
-            if last is not None:
-                out[(last[1], rank)] = b.start_s - last[0]
-    return out
 
 
 def _excess_of(study, grid: Grid) -> dict[str, float]:
@@ -238,46 +103,6 @@ def _predicted_stretch(study, grid: Grid) -> float | None:
     if study.profile.host_ordered:
         prog = host_ordered(prog)
     return shared_core_stretch(study, grid, prog, model_for(study, grid))
-
-
-def _group(grid: Grid, rank: int, axis: str) -> list[int]:
-    """The ranks of `rank`'s group along `axis`."""
-    c = list(grid.coords(rank))
-    i = ("x", "y", "z", "data").index(axis)
-    out = []
-    for v in range((grid.x, grid.y, grid.z, grid.data)[i]):
-        c[i] = v
-        out.append(c[0] + grid.x * (c[1] + grid.y * (c[2] + grid.z * c[3])))
-    return out
-
-
-def _by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
-    """Per kind of op: count, median and 90th percentile of |error|, summed seconds; for collectives the
-    peer-wait and predicted-excess shares, the error from the last arrival and, from `zero` (kind ->
-    [spans, spans of 0 s]), the share completed with the one before."""
-    per_kind = {}
-    for kind in sorted({o["kind"] for o in ops}):
-        sel = [o for o in ops if o["kind"] == kind]
-        errs = [abs(o["error"]) for o in sel]
-        per_kind[kind] = {"ops": len(errs), "median_abs_error": statistics.median(errs),
-                          "p90_abs_error": _percentile(errs, 0.9),
-                          "median_error": statistics.median(o["error"] for o in sel),
-                          "measured_s": sum(o["measured_s"] for o in sel),
-                          "predicted_s": sum(o["predicted_s"] for o in sel),
-                          "wall_s": sum(o["wall_s"] for o in sel)}
-        if kind in COLLECTIVES:
-            per_kind[kind]["peer_wait_share"] = (sum(o.get("peer_wait_s", 0.0) for o in sel)
-                                                 / max(per_kind[kind]["wall_s"], 1e-12))
-            per_kind[kind]["predicted_excess_share"] = (sum(o.get("predicted_excess_s", 0.0) for o in sel)
-                                                        / max(per_kind[kind]["predicted_s"], 1e-12))
-            after = [abs(o["error_from_last_arrival"]) for o in sel if "error_from_last_arrival" in o]
-            if after:
-                per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
-            if kind in zero:
-                per_kind[kind]["completed_with_previous_share"] = zero[kind][1] / zero[kind][0]
-        else:
-            per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
-    return per_kind
 
 
 def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None = None) -> dict:
@@ -373,64 +198,6 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                    "error": mem_pred.total / mem_meas - 1 if mem_meas else None},
         "per_op": ops,
     }
-
-
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def pool_repeats(runs: list[dict]) -> dict:
-    """One report entry for repeated runs of the same job (validate_run's results: same model, grid,
-    batch, switches; so the same prediction). Measured figures are medians over the repeats: the
-    iteration (with each run's and their spread, max/min - 1, beside it), each op's measured, wall,
-    on-CPU, peer-wait and wake-up figures (per op name; its error taken again against the median), the
-    stretch, the time outside ops and the memory peak. `repeats` counts the runs, `runs` names them."""
-    first = runs[0]
-    its = [r["iteration"]["measured_s"] for r in runs]
-    measured = statistics.median(its)
-    predicted = first["iteration"]["predicted_s"]
-    iteration = {**first["iteration"], "measured_s": measured, "error": predicted / measured - 1,
-                 "steps_used": sum(r["iteration"]["steps_used"] for r in runs),
-                 "outside_ops_measured_s": _median([r["iteration"]["outside_ops_measured_s"] for r in runs]),
-                 "measured_each_s": its, "spread": max(its) / min(its) - 1}
-    if len(runs) == 1:
-        return {**first, "runs": [first["run"]], "repeats": 1, "iteration": iteration}
-    by_name: dict[str, list[dict]] = {}
-    for r in runs:
-        for o in r["per_op"]:
-            by_name.setdefault(o["name"], []).append(o)
-    ops = []
-    for name, same in by_name.items():
-        o = dict(same[0])
-        for key in ("measured_s", "wall_s", "cpu_s", "peer_wait_s", "wake_s"):
-            if key in o:
-                o[key] = statistics.median(x[key] for x in same if key in x)
-        o["error"] = o["predicted_s"] / o["measured_s"] - 1
-        o.pop("error_from_last_arrival", None)
-        after = o["measured_s"] - o.get("peer_wait_s", 0.0)
-        if "predicted_excess_s" in o and after > 0:
-            o["error_from_last_arrival"] = (o["predicted_s"] - o["predicted_excess_s"]) / after - 1
-        ops.append(o)
-    zero: dict[str, list[int]] = {}
-    for r in runs:
-        for kind, (n, n0) in r["ops"].get("collective_spans", {}).items():
-            z = zero.setdefault(kind, [0, 0])
-            z[0] += n
-            z[1] += n0
-    compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
-    ops_summary = {**first["ops"], "matched": len(ops),
-                   "unmatched": sorted({u for r in runs for u in r["ops"]["unmatched"]}),
-                   "stretch": _median([r["ops"]["stretch"] for r in runs]),
-                   "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
-                   "compute_median_abs_error": statistics.median(compute) if compute else None,
-                   "by_kind": _by_kind(ops, zero), "collective_spans": zero}
-    mem = first["memory"]
-    mem_meas = _median([r["memory"]["measured_bytes"] for r in runs])
-    memory = {**mem, "measured_bytes": mem_meas,
-              "error": mem["predicted_bytes"] / mem_meas - 1 if mem_meas else None}
-    return {**first, "runs": [r["run"] for r in runs], "repeats": len(runs), "iteration": iteration,
-            "ops": ops_summary, "memory": memory, "per_op": ops}
 
 
 def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str | None = None,

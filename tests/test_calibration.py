@@ -10,7 +10,7 @@ import pytest
 
 from calibration.fit import fit_line, fit_profile
 from calibration.measurements import load_measurement
-from calibration.validate import spearman
+from calibration.validate_summary import spearman
 from twin.common import TwinError
 from twin.profile import load_profile
 

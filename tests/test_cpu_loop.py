@@ -12,7 +12,7 @@ import pytest
 
 from calibration.fit import fit_profile
 from calibration.lines import collective_line, excess_line
-from calibration.validate import spearman
+from calibration.validate_summary import spearman
 from twin.profile import CollectivePoint, CollectiveTable
 
 LOOPS = Path(__file__).resolve().parent.parent / "calibration" / "measurements"
@@ -331,7 +331,7 @@ def test_repeated_runs_of_a_grid_are_compared_at_their_median():
     """A single CPU run per grid carries +-15 % per-process noise (the same grid minutes apart), as
     large as the loop's target: the loop repeats each grid and `twin validate` compares the prediction
     with the median of the repeats, per op too, and reports their spread beside the error."""
-    from calibration.validate import pool_repeats
+    from calibration.validate_summary import pool_repeats
     runs = [_validated("a", 0.125, 0.0125, 1.5), _validated("b", 0.100, 0.010), _validated("c", 0.080, 0.008, 0.5)]
     p = pool_repeats(runs)
     assert p["repeats"] == 3 and p["runs"] == ["a", "b", "c"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from calibration.validate import measured_ops
+from calibration.validate_measured import measured_ops
 from twin.grid import Grid
 from twin.trace import Span
 
