@@ -70,7 +70,7 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
     """Per collective of the study's program (name -> seconds): what the profile's line inside training
     gives beyond its line measured alone (the per-op excess of calibration/fit.py's `_excess_line`),
     at the op's bytes; {} where the profile has no measured collectives."""
-    from twin.profile import CollectiveTable
+    from twin.profile_types import CollectiveTable
     from twin.simulate import program_for
     table = study.profile.collectives()
     if table is None:

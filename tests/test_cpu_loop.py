@@ -13,7 +13,7 @@ import pytest
 from calibration.fit import fit_profile
 from calibration.lines import collective_line, excess_line
 from calibration.validate_summary import spearman
-from twin.profile import CollectivePoint, CollectiveTable
+from twin.profile_types import CollectivePoint, CollectiveTable
 
 LOOPS = Path(__file__).resolve().parent.parent / "calibration" / "measurements"
 

@@ -92,7 +92,7 @@ def test_the_twins_excess_over_a_collective_alone_is_known_per_op():
     (the wait for the last member among it): validate takes that excess off the predicted span to
     compare from the last member's arrival. The committed CPU profile, 8 ranks, grid 2x2x2x1."""
     from calibration.validate import _excess_of
-    from twin.profile import CollectiveTable
+    from twin.profile_types import CollectiveTable
     from twin.study import prepare
     grid = Grid(2, 2, 2, 1)
     study = prepare("cpu", "gpt-small", 8, 16, None, profile="cpu", gemm_tuning=False)

@@ -123,7 +123,7 @@ class CollectiveModel:
     routing: "minimal", "nonminimal" or "adaptive" (Slingshot's default); algorithm: "ring" (library
     behaviour) or "hierarchical"; spread: sub-flows per node-crossing flow when routing is not minimal.
     Results are cached: build one model per simulation and call `time` as often as needed.
-    measured: a table of measured collective times (twin.profile.CollectiveTable, from `twin
+    measured: a table of measured collective times (twin.profile_types.CollectiveTable, from `twin
     calibrate`); where it has the kind and group size, its time replaces the flow model's.
     """
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from twin.profile import LAYOUTS, Profile
+from twin.profile_types import LAYOUTS, Profile
 from twin.program import Op
 
 
@@ -85,7 +85,7 @@ class KernelModel:
 
     def _measured_point(self, m: int, n: int, k: int, layout: str):
         """The nearest measured point within a factor 2 in every dimension, if any; one measured inside
-        training steps first (twin.profile.GemmPoint.training), else a microbenchmark's."""
+        training steps first (twin.profile_types.GemmPoint.training), else a microbenchmark's."""
         for training in (True, False):
             best, best_d = None, math.inf
             for pt in self.profile.gemm_table:

@@ -14,7 +14,8 @@ from twin.grid import Grid
 from twin.kernels import KernelModel
 from twin.memory import check_fits, memory_per_gpu
 from twin.model import ModelSpec, load_model
-from twin.profile import Profile, load_profile, profile_for_gpu
+from twin.profile import load_profile, profile_for_gpu
+from twin.profile_types import Profile
 from twin.program import Options
 
 
