@@ -150,7 +150,7 @@ def core_load(points: list[tuple[str, int, int, float, tuple]], src: str) -> lis
     load = best[1]
     res = sorted((g, core_stretch(r, c, load, *sh) / s - 1.0) for g, r, c, s, sh in points)
     worst = max(res, key=lambda t: abs(t[1]))
-    return [f"node_cores = " + entry_text(cores.pop(), f"measured: os.cpu_count() of the bench machine, {src}"),
+    return ["node_cores = " + entry_text(cores.pop(), f"measured: os.cpu_count() of the bench machine, {src}"),
             "collective_core_load = " + entry_text(load, (
                 f"fitted: the share of a core a collective in flight keeps busy (twin.cores) that reproduces the "
                 f"stretch (summed span over summed on-CPU time of the compute ops) of the recorded training steps "

@@ -143,7 +143,7 @@ def _backend_peak(model: ModelSpec, grid: Grid, options: Options, m: int, n_loca
     (benchmarks/llama_memory.py, within 1.7 %): the peak is at a GELU (SwiGLU) backward of the first
     layer (gradients dominate) or the last (saved inputs dominate), or, with G_x = 1 and G_y = 8, at
     the last layer's second layer-norm backward."""
-    h, gx, gy, layers = model.hidden, grid.x, grid.y, model.layers
+    h, gy, layers = model.hidden, grid.y, model.layers
     # the MLP's stash (GELU's input and output; SwiGLU's gate|up and output) and its working set at the
     # GELU (SwiGLU) backward: the output gradient and the input gradient (GELU: one kernel; SwiGLU's
     # autograd: d(gate|up) and two temporaries of width ffn)
