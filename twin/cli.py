@@ -18,6 +18,7 @@ from twin.cli_inspect import models_cmd, program_cmd, systems_cmd, topology_cmd
 from twin.cli_predict import report_cmd, scaling_cmd, search_cmd, sensitivity_cmd, simulate_cmd
 from twin.flags import OneLineErrors
 
+
 class _Twin(typer.Typer):
     """The app, built for the command it runs: typer reads every command's signature (their
     annotations, evaluated) to build it, about 2 ms a command, so a process that runs one command

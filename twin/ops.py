@@ -195,8 +195,8 @@ class Builder:
         """Append Op(index, prefix + name, kind, stream, deps (sorted, each once, no None), phase,
         micro_batch, **kw), made without the frozen dataclass's __init__ (one object.__setattr__ per
         field: about a third of a program's build time): its __dict__ is a copy of the defaults with
-        the fields set. An unknown field in `kw` raises TypeError as __init__ would (the positional
-        fields come from the builder), and the op is equal to the one __init__ makes."""
+        the fields set. A field in `kw` that is unknown or positional (set by the builder) raises
+        TypeError, and the op is equal to the one __init__ makes."""
         idx = len(self.ops)
         if None in deps:
             deps = [d for d in deps if d is not None]
@@ -204,9 +204,9 @@ class Builder:
         d = _OP_DEFAULTS.copy()
         d["index"], d["name"], d["kind"], d["stream"], d["deps"] = idx, self.prefix + name, kind, stream, deps
         d["phase"], d["micro_batch"] = self.phase, self.mb
-        d.update(kw)
-        if len(d) != _N_FIELDS or d["index"] is not idx:
+        if not kw.keys() <= _KEYWORDS:
             raise TypeError(f"Op got unexpected keyword arguments {sorted(set(kw) - _KEYWORDS)}")
+        d.update(kw)
         op = _object_new(Op)
         _object_setattr(op, "__dict__", d)
         self.ops.append(op)
@@ -214,6 +214,9 @@ class Builder:
 
     def compute(self, name: str, kind: str, deps=(), **kw) -> int:
         """A compute-stream op; it also waits for the current activation and blocking collectives."""
+        return self._compute(name, kind, deps, kw)
+
+    def _compute(self, name: str, kind: str, deps, kw: dict) -> int:
         idx = self._add(name, kind, "compute", [self.ready, *self.blocking, *deps], kw)
         self.blocking = []
         self.ready = idx
@@ -228,20 +231,14 @@ class Builder:
     def gemm(self, name: str, m: int, n: int, k: int, layout: str, a: str, b: str, out: str, deps=(),
              weight: str = "") -> int:
         """C[m,n] = op(A) op(B) (layout: which operand is transposed); reads buffers a, b, writes out."""
-        idx = self._add(name, "gemm", "compute", [self.ready, *self.blocking, *deps],
-                        {"flops": 2.0 * m * n * k, "bytes": ACT_BYTES * (m * k + k * n + m * n), "m": m, "n": n,
-                         "k": k, "layout": layout, "weight": weight, "reads": (a, b), "writes": (out,)})
-        self.blocking = []
-        self.ready = idx
-        return idx
+        return self._compute(name, "gemm", deps,
+                             {"flops": 2.0 * m * n * k, "bytes": ACT_BYTES * (m * k + k * n + m * n), "m": m,
+                              "n": n, "k": k, "layout": layout, "weight": weight, "reads": (a, b), "writes": (out,)})
 
     def elementwise(self, name: str, elements: int, flops_per_element: float, tensors: int,
                     replicas: int = 1, kind: str = "elementwise", **kw) -> int:
         kw["flops"], kw["bytes"], kw["replicas"] = flops_per_element * elements, ACT_BYTES * tensors * elements, replicas
-        idx = self._add(name, kind, "compute", [self.ready, *self.blocking], kw)
-        self.blocking = []
-        self.ready = idx
-        return idx
+        return self._compute(name, kind, (), kw)
 
     def allreduce_ready(self, name: str, axis: str, nbytes: int, buf: str, out: str | None = None,
                         add: str = "", role: str = "") -> None:

@@ -14,7 +14,9 @@ word per line does not fit the console, the table grows wider than the console (
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import textwrap
 
 _RULE = "─"
@@ -134,7 +136,6 @@ class Printer:
     width: int | None = None
 
     def console_width(self) -> int:
-        import os
         if self.width is not None:
             return self.width
         columns = os.environ.get("COLUMNS", "")
@@ -148,12 +149,11 @@ class Printer:
         return 80
 
     def print(self, *objects) -> None:
-        import sys
         width = self.console_width()
         out: list[str] = []
         for obj in objects:
             if isinstance(obj, Table):
-                bold = sys.stdout.isatty() and "NO_COLOR" not in __import__("os").environ
+                bold = sys.stdout.isatty() and "NO_COLOR" not in os.environ
                 out += obj.render(width, bold=bold)
             else:
                 out += wrap(str(obj), width)
