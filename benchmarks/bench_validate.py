@@ -7,21 +7,24 @@
     the 35 runs about 6-7 minutes)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
-        --profile calibration/profiles/cpu.toml   # step 4 only, on runs already made (offline, seconds)
+        --profile calibration/profiles/cpu.toml   # step 3 only, on runs already made (offline, seconds)
 
-1. `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM shapes of every
-   valid grid with that many ranks, small ops, each collective over group sizes 2, 4 and 8, and a
-   few recorded training steps of the model on each of those grids (every op's cost inside training);
-   one measurement file per grid under OUT/ (each stamped with machine, date, versions, commit,
-   load average);
-2. `twin calibrate OUT/*.json --out PROFILE`, printing the fit's residuals;
-3. `backend run` of every valid grid of the model with those rank counts (STEPS steps each), REPEATS
-   times each, into WORK/runs/<grid>/r<pass>/. The repeats run in interleaved passes (every grid once
-   per pass), each pass in another order (rotated, every other one reversed), so that a drift of the
-   machine spreads over the grids instead of falling on one: a single run per grid carries +-15 %
-   per-process noise on this machine (the same grid minutes apart; steps within a run agree within a
-   few %), as large as the 15 % target;
-4. `twin validate` of all runs against PROFILE, the repeats of a grid pooled (calibration.validate.
+1. bench and run passes, interleaved (loop_plan: R1 B1 R2 R3 with the defaults, R1 B1 R2 R3 B2 R4
+   with --repeats 4 --bench-passes 2):
+   - a bench pass: `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM
+     shapes of every valid grid with that many ranks, small ops, each collective over group sizes 2,
+     4 and 8, and a few recorded training steps of the model on each of those grids (every op's cost
+     inside training); one measurement file per grid and pass under OUT/ (bench-<grid>.json, then
+     bench-<grid>-p<k>.json; each stamped with machine, date, versions, commit, load average);
+   - a run pass: `backend run` of every valid grid of the model with those rank counts (STEPS steps
+     each) into WORK/runs/<grid>/r<pass>/, each pass in another order (rotated, every other one
+     reversed), so that a drift of the machine spreads over the grids instead of falling on one: a
+     single run per grid carries +-15 % per-process noise on this machine (the same grid minutes
+     apart; steps within a run agree within a few %), as large as the 15 % target. The bench passes
+     sit among the run passes for the same reason: the profile then comes from the same stretch of
+     the machine's time as the runs;
+2. `twin calibrate OUT/bench-*.json --out PROFILE`, every pass pooled, printing the fit's residuals;
+3. `twin validate` of all runs against PROFILE, the repeats of a grid pooled (calibration.validate.
    pool_repeats: the median over them): per grid, predicted vs measured iteration time beside the
    spread of its repeats (max/min - 1: noise and error side by side), per-op median error, memory
    peak; the grid ranking (Spearman). The table goes to stdout, the
@@ -122,21 +125,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first two are left out)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per grid, in interleaved passes (their median counts)")
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
+    ap.add_argument("--bench-passes", type=int, default=1,
+                    help="bench passes, spread among the run passes; the fit pools them (medians, joint lines)")
     ap.add_argument("--train-steps", type=int, default=4, help="recorded training steps per bench grid")
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
     ap.add_argument("--skip-bench", action="store_true", help="reuse the measurement files already in OUT")
     ap.add_argument("--calibrate-only", action="store_true", help="stop after step 2 (bench and calibrate)")
     ap.add_argument("--quick", action="store_true", help="gpt-tiny on 1 and 2 ranks, 4 steps")
     ap.add_argument("--ci", action="store_true", help="gpt-tiny, two grids of 2 ranks, 4 steps (the test's size)")
-    ap.add_argument("--runs", help="validate the run directories in this folder (step 4 only; needs --profile)")
+    ap.add_argument("--runs", help="validate the run directories in this folder (step 3 only; needs --profile)")
     a = ap.parse_args()
     if a.quick:
         a.model, a.ranks, a.steps, a.min_time, a.repeats = "gpt-tiny", "1,2", 4, 0.02, 2
     if a.ci:
         a.model, a.ranks, a.steps, a.min_time, a.grids = "gpt-tiny", "2", 4, 0.01, a.grids or "2x1x1x1,1x1x1x2"
         a.train_steps, a.repeats = 2, 2
-    if a.repeats < 1:
-        sys.exit(f"--repeats must be at least 1, got {a.repeats}")
+    if a.repeats < 1 or a.bench_passes < 1:
+        sys.exit(f"--repeats and --bench-passes must be at least 1, got {a.repeats} and {a.bench_passes}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     profile = Path(a.profile).resolve() if a.profile else out / "cpu.toml"
@@ -153,42 +158,57 @@ def main() -> int:
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
     from backend.bench_micro import grids_of
-    print("1. backend bench", flush=True)
-    files = []
-    for r in ranks:
-        for grid, first in BENCH_GRIDS[r]:
-            if a.ci and grid not in a.grids.split(","):
-                continue  # the test's size: bench only the grids it validates
-            f = out / f"bench-{grid}.json"
-            files.append(f)
-            if a.skip_bench and f.exists():
-                continue
-            cmd = [py, "-m", "backend.cli", "bench", "--model", a.model, "--grid", grid, "--layouts", "program",
-                   "--all-grids", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
-                   "--train-steps", str(a.train_steps),
-                   "--out", str(f)]
-            cmd += ["--squares", "256"] if first else ["--no-gemm", "--no-ops"]
-            sh(cmd, 600)
-    t_bench = time.perf_counter() - t_start
-
-    print("2. twin calibrate", flush=True)
-    print(sh([py, "-m", "twin.cli", "calibrate", *map(str, files), "--out", str(profile)], 300), flush=True)
-
-    if a.calibrate_only:
-        return 0
-    print("3. backend run, every grid", flush=True)
     grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
     if a.grids:
         grids = [g for g in grids if g in a.grids.split(",")]
-    runs = []
-    for k, order in enumerate(pass_orders(grids, a.repeats)):
-        print(f"  pass {k + 1} of {a.repeats}", flush=True)
-        for g in order:
-            d = work / "runs" / g / f"r{k + 1}"
-            sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
-                "--warmup", "1", "--out", str(d)], 600)
-            runs.append(d)
+    bench_grids = [(g, first) for r in ranks for g, first in BENCH_GRIDS[r]
+                   if not a.ci or g in a.grids.split(",")]  # the test's size: bench only the grids it validates
+    plan = loop_plan(0 if a.calibrate_only else a.repeats, a.bench_passes)
+    files, runs, orders, t_bench = [], [], pass_orders(grids, a.repeats), 0.0
+    print(f"1. backend bench ({a.bench_passes} pass(es)) and backend run, every grid "
+          f"({0 if a.calibrate_only else a.repeats} pass(es)): {' '.join(plan)}", flush=True)
+    for step in plan:
+        k = int(step[1:])
+        if step[0] == "B":
+            print(f"  bench pass {k}", flush=True)
+            t0 = time.perf_counter()
+            for grid, first in bench_grids:
+                f = out / (f"bench-{grid}.json" if k == 1 else f"bench-{grid}-p{k}.json")
+                files.append(f)
+                if a.skip_bench and f.exists():
+                    continue
+                cmd = [py, "-m", "backend.cli", "bench", "--model", a.model, "--grid", grid, "--layouts", "program",
+                       "--all-grids", "--sizes-mib", SIZES_MIB, "--min-time", str(a.min_time),
+                       "--train-steps", str(a.train_steps), "--out", str(f)]
+                cmd += ["--squares", "256"] if first else ["--no-gemm", "--no-ops"]
+                sh(cmd, 600)
+            t_bench += time.perf_counter() - t0
+        else:
+            print(f"  run pass {k} of {a.repeats}", flush=True)
+            for g in orders[k - 1]:
+                d = work / "runs" / g / f"r{k}"
+                sh([py, "-m", "backend.cli", "run", "--model", a.model, "--grid", g, "--steps", str(a.steps),
+                    "--warmup", "1", "--out", str(d)], 600)
+                runs.append(d)
+
+    print("2. twin calibrate", flush=True)
+    print(sh([py, "-m", "twin.cli", "calibrate", *map(str, files), "--out", str(profile)], 300), flush=True)
+    if a.calibrate_only:
+        return 0
     return validate(runs, profile, out, work, a, t_start, t_bench, ranks)
+
+
+def loop_plan(repeats: int, bench_passes: int) -> list[str]:
+    """The order of the loop's passes: bench passes "B1".."Bn" spread evenly among the run passes
+    "R1".."Rm", each bench pass at the middle of its share of them (R1 B1 R2 R3 B2 R4 for 4 and 2;
+    R1 B1 R2 R3 for 3 and 1), so that the profile is fitted from the same stretch of the machine's time
+    as the runs it is validated against: this VM's speed drifts by 10-30 % over tens of minutes, and a
+    profile benched before the runs carried that drift into every grid's error (loops 01g-01i: mean
+    error -1 %, -2 %, -7 %)."""
+    plan = [f"R{k + 1}" for k in range(repeats)]
+    for j in reversed(range(bench_passes)):
+        plan.insert(min(repeats, int((j + 0.5) * repeats / bench_passes)), f"B{j + 1}")
+    return plan
 
 
 def pass_orders(grids: list[str], repeats: int) -> list[list[str]]:
@@ -205,9 +225,9 @@ def pass_orders(grids: list[str], repeats: int) -> list[list[str]]:
 
 def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start: float, t_bench: float,
              ranks: list[int]) -> int:
-    """Step 4: `twin validate` of the runs; the report and the summary lines."""
+    """Step 3: `twin validate` of the runs; the report and the summary lines."""
     py = sys.executable
-    print("4. twin validate", flush=True)
+    print("3. twin validate", flush=True)
     report, html = work / "report.json", work / "report.html"
     print(sh([py, "-m", "twin.cli", "validate", *map(str, runs), "--profile", str(profile),
               "--json", str(report), "--html", str(html)], 900), flush=True)

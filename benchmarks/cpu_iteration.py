@@ -95,7 +95,7 @@ def add_bench_and_run(bench: dict, run_dir: Path, key, agg: dict[str, list[float
 
 def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, float]]) -> None:
     pred = {g: (m, p) for g, m, p in rows}
-    files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: _order(p.stem[6:]))
+    files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: (_order(p.stem[6:].split("-")[0]), p.name))  # bench-<grid>[-p<k>]
     print("\nbenched grids: recorded steps replayed (s), the twin and the run against them")
     print(f"{'grid':9s}{'replayed':>9s}{'twin':>8s}{'run':>8s}")
     for f in files:

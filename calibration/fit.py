@@ -2,7 +2,8 @@
 
 What is fitted, per count of ranks sharing a node (one measurement file per count, or several):
 - GEMMs: each measured shape and layout becomes a `[[gemm_table]]` point (flop/s per rank, with the
-  rank count); the kernel model uses the nearest point within a factor 2 in m, n and k.
+  rank count; the median time where several files timed it: bench passes of one loop); the kernel
+  model uses the nearest point within a factor 2 in m, n and k.
 - `[[node_share]]`: per-op overhead `launch_s` = eager forward+backward cost per op of a tiny autograd
   op; per-rank memory bandwidth from the elementwise-add sizes (seconds = dispatch + bytes / bandwidth,
   least squares on relative error); `overlap_slowdown` = median GEMM slowdown while an all-reduce runs
@@ -169,13 +170,18 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                 + ([host_line(hosts, src)] if hosts and devices == {"cpu"} else [])
                 + attention_lines(group, ranks, base_data["peak_flops"]["value"], scale_value(square, ranks, most), src)
                 + [""]))
+        timed: dict[tuple, list[tuple[dict, float]]] = {}  # a shape timed by several files (bench passes)
         for r in group:
             for row in r["gemm"]:
-                flops = 2.0 * row["m"] * row["n"] * row["k"] / row["seconds"]
-                gemms.append("\n".join([
-                    "[[gemm_table]]", f"m = {row['m']}", f"n = {row['n']}", f"k = {row['k']}",
-                    f'layout = "{row["layout"]}"', f"ranks = {ranks}",
-                    "flops = " + entry_text(flops, f"measured: {row['seconds'] * 1e6:.1f} us, {describe(r)}"), ""]))
+                timed.setdefault((row["m"], row["n"], row["k"], row["layout"]), []).append((r, row["seconds"]))
+        for (m, n, k, layout), pts in timed.items():
+            secs = statistics.median(t for _, t in pts)
+            how = (f"measured: {secs * 1e6:.1f} us, {describe(pts[0][0])}" if len(pts) == 1 else
+                   f"measured: median of {len(pts)} files, {', '.join(f'{t * 1e6:.1f}' for _, t in pts)} us, "
+                   + "; ".join(describe(r) for r, _ in pts))
+            gemms.append("\n".join([
+                "[[gemm_table]]", f"m = {m}", f"n = {n}", f"k = {k}", f'layout = "{layout}"', f"ranks = {ranks}",
+                "flops = " + entry_text(2.0 * m * n * k / secs, how), ""]))
         keyed: dict[tuple, list[tuple[dict, dict]]] = {}
         for r in group:
             for row in r["collectives"]:

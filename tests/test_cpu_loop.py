@@ -365,6 +365,50 @@ def test_the_loops_passes_vary_the_order_of_the_grids():
     assert bv.pass_orders(grids, 1) == [grids]
 
 
+def test_bench_passes_sit_among_the_run_passes():
+    """The loop's bench passes are spread among its run passes (so the profile and the runs sample the
+    same stretch of a drifting machine); calibrate-only benches alone."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_validate", LOOPS.parent.parent / "benchmarks" / "bench_validate.py")
+    bv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bv)
+    assert bv.loop_plan(3, 1) == ["R1", "B1", "R2", "R3"]
+    assert bv.loop_plan(4, 2) == ["R1", "B1", "R2", "R3", "B2", "R4"]
+    assert bv.loop_plan(0, 2) == ["B1", "B2"]
+    for repeats, passes in ((1, 1), (2, 1), (5, 2), (3, 3), (7, 3)):
+        plan = bv.loop_plan(repeats, passes)
+        assert sorted(plan) == sorted([f"R{k + 1}" for k in range(repeats)] + [f"B{j + 1}" for j in range(passes)])
+        assert [p for p in plan if p[0] == "R"] == [f"R{k + 1}" for k in range(repeats)]
+
+
+def test_a_gemm_timed_by_several_bench_passes_takes_their_median(tmp_path):
+    """Bench passes of one loop time the same GEMM shapes: the profile holds one point per shape, at
+    the median time of the files, and names them all."""
+    import copy
+    from test_calibration import MEASUREMENT, write
+    files = []
+    for i, scale in enumerate((1.0, 1.3, 0.9)):
+        data = copy.deepcopy(MEASUREMENT)
+        for row in data["gemm"]:
+            row["seconds"] *= scale
+        files.append(write(tmp_path, data, f"bench-{i}.json"))
+    one = load_profile_text(tmp_path, fit_profile(files[:1], "one").toml)
+    three = load_profile_text(tmp_path, fit_profile(files, "three").toml)
+    micro = [pt for pt in three.gemm_table if not pt.training]
+    assert len(micro) == len([pt for pt in one.gemm_table if not pt.training]) == len(MEASUREMENT["gemm"])
+    for a, b in zip(micro, (pt for pt in one.gemm_table if not pt.training)):
+        assert (a.m, a.n, a.k, a.layout) == (b.m, b.n, b.k, b.layout)
+        assert a.flops == pytest.approx(b.flops, rel=1e-3)  # the median of 1.0, 1.3 and 0.9 is 1.0
+    assert "median of 3 files" in fit_profile(files, "three").toml
+
+
+def load_profile_text(tmp_path, text: str):
+    from twin.profile import load_profile
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return load_profile(str(path))
+
+
 def test_ranks_are_pinned_round_robin_when_asked():
     """BACKEND_CPU_BIND=cores pins rank i to core i mod cores (as srun --cpu-bind=cores); unset, a
     rank keeps every core it was given."""
