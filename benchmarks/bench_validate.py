@@ -2,15 +2,15 @@
 
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01g \\
         --work /tmp/bv7/work --profile calibration/profiles/cpu.toml
-                        # the whole loop: gpt-small, 1-8 ranks, 35 grids x 3 repeats
-    (measured: 1,488 s on the quiet 2-core VM for cpu-2026-12-01g, of which bench 216 s; a pass of
-    the 35 runs about 6-7 minutes)
+                        # the whole loop: gpt-small, 1-8 ranks, 35 grids x 4 repeats, 2 bench passes
+    (measured: 2,227 s on the quiet 2-core VM for cpu-2026-12-01j, of which bench 435 s; a pass of
+    the 35 runs about 6-7 minutes; 1,488 s for cpu-2026-12-01g with 3 repeats and one bench pass)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
         --profile calibration/profiles/cpu.toml   # step 3 only, on runs already made (offline, seconds)
 
-1. bench and run passes, interleaved (loop_plan: R1 B1 R2 R3 with the defaults, R1 B1 R2 R3 B2 R4
-   with --repeats 4 --bench-passes 2):
+1. bench and run passes, interleaved (loop_plan: R1 B1 R2 R3 B2 R4 with the defaults, --repeats 4
+   --bench-passes 2; R1 B1 R2 R3 with 3 and 1, the loops before cpu-2026-12-01j):
    - a bench pass: `backend bench` on a few grids per rank count (1, 2, 4, 8): the model's GEMM
      shapes of every valid grid with that many ranks, small ops, each collective over group sizes 2,
      4 and 8, and a few recorded training steps of the model on each of those grids (every op's cost
@@ -123,9 +123,9 @@ def main() -> int:
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma-separated")
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (the first two are left out)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per grid, in interleaved passes (their median counts)")
+    ap.add_argument("--repeats", type=int, default=4, help="runs per grid, in interleaved passes (their median counts)")
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per benchmark entry")
-    ap.add_argument("--bench-passes", type=int, default=1,
+    ap.add_argument("--bench-passes", type=int, default=2,
                     help="bench passes, spread among the run passes; the fit pools them (medians, joint lines)")
     ap.add_argument("--train-steps", type=int, default=4, help="recorded training steps per bench grid")
     ap.add_argument("--grids", help="validate only these grids (comma-separated; default: every valid grid)")
@@ -136,10 +136,10 @@ def main() -> int:
     ap.add_argument("--runs", help="validate the run directories in this folder (step 3 only; needs --profile)")
     a = ap.parse_args()
     if a.quick:
-        a.model, a.ranks, a.steps, a.min_time, a.repeats = "gpt-tiny", "1,2", 4, 0.02, 2
+        a.model, a.ranks, a.steps, a.min_time, a.repeats, a.bench_passes = "gpt-tiny", "1,2", 4, 0.02, 2, 1
     if a.ci:
         a.model, a.ranks, a.steps, a.min_time, a.grids = "gpt-tiny", "2", 4, 0.01, a.grids or "2x1x1x1,1x1x1x2"
-        a.train_steps, a.repeats = 2, 2
+        a.train_steps, a.repeats, a.bench_passes = 2, 2, 1
     if a.repeats < 1 or a.bench_passes < 1:
         sys.exit(f"--repeats and --bench-passes must be at least 1, got {a.repeats} and {a.bench_passes}")
     out = Path(a.out).resolve()
