@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -31,7 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_run_spread import one_run  # noqa: E402  (one `backend run`, its iteration: steps 3-6's median)
+
 KINDS = ("gemm", "elementwise", "python")
 
 PROBE = r'''
@@ -66,22 +68,6 @@ def probe() -> dict[str, float]:
     return {k: statistics.fmean(o[k] for o in outs) for k in KINDS}
 
 
-def iteration(grid: str, out: Path) -> float:
-    """Median step time of steps 3-6 of one `backend run` (seconds)."""
-    r = subprocess.run([sys.executable, "-m", "backend.cli", "run", "--model", "gpt-small", "--grid", grid,
-                        "--steps", "6", "--warmup", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"backend run failed on {grid}: {(r.stdout + r.stderr)[-1000:]}")
-    steps = [json.loads(line)["step_time_s"] for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
-    return statistics.median(steps[2:])
-
-
-def correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    den = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / den if den > 0 else math.nan
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grids", default="1x1x1x1,2x1x1x1", help="grids, comma-separated (alternated)")
@@ -94,7 +80,7 @@ def main() -> int:
         for k in range(a.runs):
             for g in grids:
                 before = probe()
-                it = iteration(g, Path(tmp) / g / str(k))
+                it = one_run("gpt-small", g, 6, "none", Path(tmp) / g / str(k))["iteration_s"]
                 after = probe()
                 p = {kind: (before[kind] + after[kind]) / 2 for kind in KINDS}
                 rows[g].append((it, p))
@@ -107,7 +93,7 @@ def main() -> int:
         parts = []
         for kind in KINDS:
             vals = [p[kind] for _, p in r]
-            parts.append(f"{kind} {statistics.stdev(vals) / statistics.fmean(vals):.1%}, r = {correlation(its, vals):+.2f}")
+            parts.append(f"{kind} {statistics.stdev(vals) / statistics.fmean(vals):.1%}, r = {statistics.correlation(its, vals):+.2f}")
         print(f"{g}: iteration {statistics.fmean(its):.3f} s, spread {statistics.stdev(its) / statistics.fmean(its):.1%}; "
               + "; ".join(parts))
     return 0
