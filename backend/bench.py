@@ -12,10 +12,12 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   shapes (m = sequences x local heads, n = tokens, k = head size), forward and backward;
 - `ops` rows {op, numel, bytes, seconds}: a small elementwise op at several sizes (per-op overhead
   plus memory bandwidth), one forward+backward of a tiny autograd op (eager per-op overhead), and
-  `host` {op: "host", model, ops, mean_s, seconds, free_mean_s}: the executor's host time per compute
-  op, the median (and mean: free_mean_s) gap between consecutive compute ops with no collective in
-  flight, in a few training steps of the model on the grid (what the rank's Python spends between
-  kernels: dispatch, buffer bookkeeping, issuing collectives);
+  `host` {op: "host", model, ops, mean_s, seconds, free_mean_s, step_s}: the executor's host time per
+  compute op, the median (and mean: free_mean_s) gap between consecutive compute ops with no
+  collective in flight, in a few training steps of the model on the grid (what the rank's Python
+  spends between kernels: dispatch, buffer bookkeeping, issuing collectives), and step_s, the mean
+  wall time of those steps (what the ops' replay through the twin's engine is checked against:
+  benchmarks/cpu_iteration.py --bench);
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
   through backend.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;

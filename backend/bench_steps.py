@@ -3,6 +3,8 @@ overlap, wake-up after a collective) and the executor's host time between comput
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -33,13 +35,15 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     `backend run`): what the microbenchmarks cannot see, measured where it happens.
 
     Returns (host row, step rows):
-    - host {op: "host", model, ops, seconds, mean_s, all_gaps_s, free_mean_s}: the executor's host
+    - host {op: "host", model, ops, seconds, mean_s, all_gaps_s, free_mean_s, step_s}: the executor's host
       time per compute op, the median gap between consecutive compute ops of each step's compute
       stream during which no collective of the rank was in flight (a gap that holds a collective,
       often a wait for it, is communication, which the twin charges apart; on a tensor-parallel grid
       most gaps hold one), median over steps, mean over ranks. free_mean_s: the mean of those gaps
       (what they sum to per op: a few are long, when more ranks than cores time-slice);
-      all_gaps_s: the median of every gap; mean_s: the mean gap;
+      all_gaps_s: the median of every gap; mean_s: the mean gap; step_s: the wall time of a recorded
+      step (train_step's call to its return: the program's ops, the gaps between them, and what runs
+      outside the program), mean over steps (`per_step`) and over ranks;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
       covered, cpu_s (compute ops on CPU), wake_s (collectives)}: its span, mean over steps
       (`per_step`) and over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
@@ -72,12 +76,17 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     per_cpu: dict[str, list[float]] = {}  # compute op -> on-CPU seconds (CPU only)
     cover: dict[str, list[float]] = {}
     wake: dict[str, list[float]] = {}  # collective -> delay from its completion to the compute op that waited on it
+    walls: list[float] = []  # each recorded step's wall time (s)
     for step in range(warmup + steps):
         tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
         rec = Recorder(device=ctx.device) if step >= warmup else NULL_RECORDER
+        t0 = time.perf_counter()
         train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
         if step < warmup:
             continue
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
         spans = rec.spans(ctx.rank)
         comp = sorted((sp for sp in spans if sp.stream == "compute"), key=lambda sp: sp.start_s)
         colls = [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
@@ -134,5 +143,6 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     free_mean = sum(free) / len(free) if len(free) >= 5 else mean
     host = {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(free) if len(free) >= 5 else len(gaps),
             "seconds": mean_over_ranks(host_s), "mean_s": mean_over_ranks(mean),
-            "all_gaps_s": mean_over_ranks(median), "free_mean_s": mean_over_ranks(free_mean)}
+            "all_gaps_s": mean_over_ranks(median), "free_mean_s": mean_over_ranks(free_mean),
+            "step_s": mean_over_ranks(per_step(walls))}
     return host, rows

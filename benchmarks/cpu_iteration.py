@@ -11,7 +11,9 @@ With --bench (the measurement folder of the same loop), it also prints for each 
   with every op at its measured span (compute ops plus the mean host gap; collectives plus the wake-up
   of the op that waited), the iteration those steps imply; against it, the twin's prediction (model
   error: how well the fitted profile reproduces what it was fitted to) and the run's measured time
-  (measurement noise: the same grid measured twice, minutes apart);
+  (measurement noise: the same grid measured twice, minutes apart); where bench also timed its steps
+  whole (step_s, files from cpu-2026-12-01l on), the twin and the run against that time, which the
+  replay of the mean ops falls short of by up to 20 % where ranks time-slice;
 - how its ops summed inside the recorded steps compare with the same ops in its run.
 Both bound what any model fitted to the bench can reach per grid.
 
@@ -46,11 +48,22 @@ def _order(g: str) -> tuple:
     return (a[0] * a[1] * a[2] * a[3], g)
 
 
-def table(runs: list[Path], profile: str) -> list[tuple[str, float, float]]:
+def grid_runs(root: Path) -> dict[str, list[Path]]:
+    """grid -> its run folders under root: root/<grid>/, or root/<grid>/r<k>/ where the loop ran each
+    grid several times (benchmarks/bench_validate.py --repeats)."""
+    out: dict[str, list[Path]] = {}
+    for f in sorted(root.rglob("log.jsonl")):
+        d = f.parent
+        out.setdefault(d.parent.name if d.name[:1] == "r" and d.name[1:].isdigit() else d.name, []).append(d)
+    return dict(sorted(out.items(), key=lambda kv: _order(kv[0])))
+
+
+def table(runs: dict[str, list[Path]], profile: str) -> list[tuple[str, float, float]]:
+    """(grid, measured s, predicted s) per grid: the median of its runs' iterations, the twin's."""
     out = []
-    for d in runs:
-        r = validate_run(d, profile=profile)
-        out.append((r["grid"], r["iteration"]["measured_s"], r["iteration"]["predicted_s"]))
+    for g, dirs in runs.items():
+        rs = [validate_run(d, profile=profile) for d in dirs]
+        out.append((g, statistics.median(r["iteration"]["measured_s"] for r in rs), rs[0]["iteration"]["predicted_s"]))
     return out
 
 
@@ -80,12 +93,13 @@ def replayed_steps(bench: dict) -> float | None:
     return res.iteration_s
 
 
-def add_bench_and_run(bench: dict, run_dir: Path, key, agg: dict[str, list[float]]) -> None:
-    """Add each op of bench's recorded steps that the run also traced to agg[key(row)]: [bench
-    seconds, the run's mean span in seconds], summed over the ops of that key."""
+def add_bench_and_run(bench: dict, run_dirs: list[Path], key, agg: dict[str, list[float]]) -> None:
+    """Add each op of bench's recorded steps that the runs also traced to agg[key(row)]: [bench
+    seconds, the runs' mean span in seconds], summed over the ops of that key."""
     spans: dict[str, list[float]] = {}
-    for s in read_run(run_dir)["spans"]:
-        spans.setdefault(s.name, []).append(s.duration_s)
+    for d in run_dirs:
+        for s in read_run(d)["spans"]:
+            spans.setdefault(s.name, []).append(s.duration_s)
     for row in bench["steps"]:
         if row["name"] in spans:
             a = agg.setdefault(key(row), [0.0, 0.0])
@@ -93,32 +107,36 @@ def add_bench_and_run(bench: dict, run_dir: Path, key, agg: dict[str, list[float
             a[1] += statistics.fmean(spans[row["name"]])
 
 
-def bench_vs_run(bench_dir: Path, runs_dir: Path, rows: list[tuple[str, float, float]]) -> None:
+def bench_vs_run(bench_dir: Path, runs: dict[str, list[Path]], rows: list[tuple[str, float, float]]) -> None:
     pred = {g: (m, p) for g, m, p in rows}
     files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: (_order(p.stem[6:].split("-")[0]), p.name))  # bench-<grid>[-p<k>]
-    print("\nbenched grids: recorded steps replayed (s), the twin and the run against them")
-    print(f"{'grid':9s}{'replayed':>9s}{'twin':>8s}{'run':>8s}")
+    print("\nbenched grids: recorded steps replayed (s), the twin and the run against them; where bench timed\n"
+          "its steps whole (step_s), that time (s) and the twin and the run against it")
+    print(f"{'grid':9s}{'replayed':>9s}{'twin':>8s}{'run':>8s}{'step':>8s}{'twin':>8s}{'run':>8s}")
     for f in files:
         b = json.loads(f.read_text())
         t = replayed_steps(b)
         if t and b["grid"] in pred:
             m, p = pred[b["grid"]]
-            print(f"{b['grid']:9s}{t:9.3f}{p / t:8.2f}{m / t:8.2f}")
+            step = next((r.get("step_s") for r in b["ops"] if r["op"] == "host"), None)
+            whole = f"{step:8.3f}{p / step:8.2f}{m / step:8.2f}" if step else ""
+            print(f"{b['grid']:9s}{t:9.3f}{p / t:8.2f}{m / t:8.2f}{whole}")
     print("\nsame grid, two measurements: ops summed in bench's recorded steps vs in the run (run/bench)")
     for f in files:
         b = json.loads(f.read_text())
-        d = runs_dir / b["grid"]
-        if not d.exists() or not b.get("steps"):
+        if b["grid"] not in runs or not b.get("steps"):
             continue
         agg: dict[str, list[float]] = {}
-        add_bench_and_run(b, d, lambda row: row["kind"] + (f"/{row['axis']}" if row["axis"] else ""), agg)
+        add_bench_and_run(b, runs[b["grid"]], lambda row: row["kind"] + (f"/{row['axis']}" if row["axis"] else ""), agg)
         print(f"{b['grid']:9s}" + "  ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())
                                            if k in ("gemm", "attention", "elementwise") or "/" in k))
 
 
 def _loop_steps(runs: Path) -> dict[str, list[float]]:
-    return {d.name: [json.loads(line)["step_time_s"] for line in (d / "log.jsonl").read_text().splitlines() if line.strip()]
-            for d in runs.iterdir() if (d / "log.jsonl").exists()}
+    """grid -> the step times of its runs (steps 3 on of each run, as validation takes them)."""
+    return {g: [json.loads(line)["step_time_s"] for d in dirs
+                for line in (d / "log.jsonl").read_text().splitlines()[2:] if line.strip()]
+            for g, dirs in grid_runs(runs).items()}
 
 
 def loops_report(loops: list[tuple[Path, Path]]) -> None:
@@ -133,7 +151,7 @@ def loops_report(loops: list[tuple[Path, Path]]) -> None:
             b = json.loads(f.read_text())
             t = replayed_steps(b)
             if t and b["grid"] in steps:
-                ratio.setdefault(b["grid"], {})[name] = statistics.median(steps[b["grid"]][2:]) / t
+                ratio.setdefault(b["grid"], {})[name] = statistics.median(steps[b["grid"]]) / t
     grids = sorted((g for g, v in ratio.items() if len(v) == len(loops)), key=_order)
     print("benched grids: the run's iteration over its recorded steps replayed, per loop")
     print(f"{'grid':9s}" + "".join(f"{n[-3:]:>7s}" for n in names))
@@ -155,12 +173,12 @@ def loops_report(loops: list[tuple[Path, Path]]) -> None:
             print(f"  correlation over the grids, {names[i]} vs {names[j]}: {c:+.2f}")
     steps = [_loop_steps(r) for r, _ in loops]
     common = sorted(set.intersection(*(set(s) for s in steps)), key=_order)
-    it = [{g: math.log(statistics.median(s[g][2:])) for g in common} for s in steps]
+    it = [{g: math.log(statistics.median(s[g])) for g in common} for s in steps]
     mu = [statistics.fmean(v.values()) for v in it]
     sd_runs = statistics.fmean(statistics.variance([it[i][g] - mu[i] for i in range(k)]) for g in common) ** .5
-    dev = [math.log(t / statistics.fmean(s[g][2:])) for s in steps for g in common for t in s[g][2:]]
+    dev = [math.log(t / statistics.fmean(s[g])) for s in steps for g in common for t in s[g]]
     print(f"\nthe same grid's measured iteration ({len(common)} grids): sd of its log across loops (each loop's mean out) "
-          f"{sd_runs:.3f}; of a step within a run {statistics.stdev(dev):.3f}")
+          f"{sd_runs:.3f}; of a step within its grid's runs {statistics.stdev(dev):.3f}")
     for i in range(k):
         for j in range(i + 1, k):
             r = [math.exp((it[j][g] - mu[j]) - (it[i][g] - mu[i])) for g in common]
@@ -174,10 +192,9 @@ def loops_report(loops: list[tuple[Path, Path]]) -> None:
         agg: dict[str, list[float]] = {}
         for f in bench.glob("bench-*.json"):
             b = json.loads(f.read_text())
-            d = runs / b["grid"]
-            if not d.exists() or not b.get("steps"):
+            if b["grid"] not in grid_runs(runs) or not b.get("steps"):
                 continue
-            add_bench_and_run(b, d, lambda row: f"{row['kind']}/{row['axis']}" if row["axis"] else "compute", agg)
+            add_bench_and_run(b, grid_runs(runs)[b["grid"]], lambda row: f"{row['kind']}/{row['axis']}" if row["axis"] else "compute", agg)
         print(f"  {name}: " + ", ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())))
 
 
@@ -191,7 +208,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a second profile to compare (e.g. the previous fit)")
     ap.add_argument("--bench", type=Path, default=None, help="the loop's measurement folder (bench-*.json)")
     args = ap.parse_args()
-    runs = sorted((d for d in args.runs.iterdir() if (d / "log.jsonl").exists()), key=lambda d: _order(d.name))
+    runs = grid_runs(args.runs)
     new = table(runs, args.profile)
     old = table(runs, args.baseline) if args.baseline else None
     head = f"{'grid':9s}{'measured':>9s}{'predicted':>10s}{'error':>8s}"
@@ -205,7 +222,7 @@ def main() -> None:
     if old:
         print(f"{args.baseline}: {summary(old)}")
     if args.bench:
-        bench_vs_run(args.bench, args.runs, new)
+        bench_vs_run(args.bench, runs, new)
 
 
 if __name__ == "__main__":

@@ -315,7 +315,7 @@ MEASUREMENT = Table(
         "gemm": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "layout": Text(("NN", "NT", "TN")),
                                        "seconds": SECONDS}, extra=True)),
         "ops": ListOf(Table(required={"op": Text(nonempty=True), "numel": BYTES, "bytes": BYTES, "seconds": SECONDS},
-                            optional={"free_mean_s": SECONDS}, extra=True)),
+                            optional={"free_mean_s": SECONDS, "step_s": SECONDS}, extra=True)),
         "collectives": ListOf(Table(required={"axis": Text(AXES), "kind": Text(COLLECTIVE_KINDS),
                                               "group_size": Int(2, 1 << 24), "bytes": Int(1, 1 << 50),
                                               "seconds": SECONDS},
