@@ -200,7 +200,7 @@ def memorization_study_cmd(
     from pathlib import Path
 
     from backend.launch import launch
-    from backend.study import StudyConfig, chart, check
+    from backend.study import NoBrowser, StudyConfig, chart, check
 
     cfg = StudyConfig(epochs=epochs, eval_every=eval_every, canaries=canaries, texts=texts, seq_len=seq_len,
                       prefix=prefix, suffix=suffix, goldfish_k=goldfish_k, goldfish_h=goldfish_h, lr=lr,
@@ -219,6 +219,10 @@ def memorization_study_cmd(
         files = chart(json.loads(result_file.read_text()), Path(out) / "memorization.html", png)
     except ImportError as e:  # plotly or playwright missing: the figures are in study.json
         typer.echo(f"no chart ({e}); the figures are in {result_file}", err=True)
+        return 0
+    except NoBrowser as e:  # the HTML chart is written; only the PNG is missing
+        typer.echo(f"no PNG ({e}); the chart is in {Path(out) / 'memorization.html'}, the figures in {result_file}",
+                   err=True)
         return 0
     typer.echo("wrote " + ", ".join(map(str, files)))
     return 0

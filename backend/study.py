@@ -322,11 +322,17 @@ def chart(result: dict, path: str | Path, png: str | Path | None = None) -> list
     return files
 
 
+class NoBrowser(Exception):
+    """No Chromium to render a PNG with (the HTML chart is written all the same)."""
+
+
 def render_png(fig, png: Path) -> Path:
-    """Screenshot a plotly figure with headless Chromium (playwright; CHROMIUM or /usr/bin/chromium)."""
+    """Screenshot a plotly figure with headless Chromium (playwright; CHROMIUM or /usr/bin/chromium,
+    else playwright's own download). Raises NoBrowser, with what to install, where there is none."""
     import os
     import tempfile
 
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -334,7 +340,11 @@ def render_png(fig, png: Path) -> Path:
         fig.write_html(page_file, include_plotlyjs=True, full_html=True)  # offline: plotly.js inline
         exe = os.environ.get("CHROMIUM", "/usr/bin/chromium")
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=exe if Path(exe).exists() else None)
+            try:
+                browser = p.chromium.launch(executable_path=exe if Path(exe).exists() else None)
+            except PlaywrightError:
+                raise NoBrowser(f"no Chromium at {exe} nor playwright's own: apt-get install chromium, or set "
+                                f"CHROMIUM=/path/to/chrome") from None
             page = browser.new_page(viewport={"width": fig.layout.width, "height": fig.layout.height})
             page.goto(page_file.as_uri())
             page.wait_for_selector(".main-svg")

@@ -151,3 +151,35 @@ def test_sequence_files(tmp_path):
     for path, match in (("big.npy", "token ids"), ("nope.npy", "does not exist")):
         with pytest.raises(TwinError, match=match):
             load_sequences(tmp_path / path, 8, 256)
+
+
+def test_a_png_without_a_browser_is_one_line_and_the_html_chart_stays(tmp_path, monkeypatch):
+    """`--png` on a machine with no Chromium (none at CHROMIUM, none of playwright's own): render_png
+    says what to install instead of playwright's traceback, and the study's chart is still written."""
+    pytest.importorskip("playwright")
+    pytest.importorskip("plotly")
+    import playwright.sync_api as api
+    from backend.study import NoBrowser, chart
+
+    class Chromium:
+        def launch(self, **_):
+            raise api.Error("BrowserType.launch: Executable doesn't exist")
+
+    class Session:
+        chromium = Chromium()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+    monkeypatch.setattr(api, "sync_playwright", lambda: Session())
+    monkeypatch.setenv("CHROMIUM", str(tmp_path / "no-chromium"))
+    result = {"config": {"canaries": 1, "texts": 1, "seq_len": 8, "prefix": 4, "suffix": 4, "goldfish_k": 4,
+                         "goldfish_h": 13, "losses": ["standard"]},
+              "records": [{"loss": "standard", "epoch": 1, "exact_match": 0.0, "rouge_l": 0.5, "held_out_loss": 3.0}],
+              "wall_s": 1.0, "cores": 2}
+    with pytest.raises(NoBrowser, match="apt-get install chromium"):
+        chart(result, tmp_path / "chart.html", tmp_path / "chart.png")
+    assert (tmp_path / "chart.html").stat().st_size > 1000 and not (tmp_path / "chart.png").exists()
