@@ -110,11 +110,11 @@ def add_bench_and_run(bench: dict, run_dirs: list[Path], key, agg: dict[str, lis
 def bench_vs_run(bench_dir: Path, runs: dict[str, list[Path]], rows: list[tuple[str, float, float]]) -> None:
     pred = {g: (m, p) for g, m, p in rows}
     files = sorted(bench_dir.glob("bench-*.json"), key=lambda p: (_order(p.stem[6:].split("-")[0]), p.name))  # bench-<grid>[-p<k>]
+    benches = [json.loads(f.read_text()) for f in files]
     print("\nbenched grids: recorded steps replayed (s), the twin and the run against them; where bench timed\n"
           "its steps whole (step_s), that time (s) and the twin and the run against it")
     print(f"{'grid':9s}{'replayed':>9s}{'twin':>8s}{'run':>8s}{'step':>8s}{'twin':>8s}{'run':>8s}")
-    for f in files:
-        b = json.loads(f.read_text())
+    for b in benches:
         t = replayed_steps(b)
         if t and b["grid"] in pred:
             m, p = pred[b["grid"]]
@@ -122,8 +122,7 @@ def bench_vs_run(bench_dir: Path, runs: dict[str, list[Path]], rows: list[tuple[
             whole = f"{step:8.3f}{p / step:8.2f}{m / step:8.2f}" if step else ""
             print(f"{b['grid']:9s}{t:9.3f}{p / t:8.2f}{m / t:8.2f}{whole}")
     print("\nsame grid, two measurements: ops summed in bench's recorded steps vs in the run (run/bench)")
-    for f in files:
-        b = json.loads(f.read_text())
+    for b in benches:
         if b["grid"] not in runs or not b.get("steps"):
             continue
         agg: dict[str, list[float]] = {}
@@ -190,11 +189,12 @@ def loops_report(loops: list[tuple[Path, Path]]) -> None:
     print("\nop kinds, the runs' spans summed over bench's recorded ones (same grids, same op names):")
     for (runs, bench), name in zip(loops, names):
         agg: dict[str, list[float]] = {}
+        dirs = grid_runs(runs)
         for f in bench.glob("bench-*.json"):
             b = json.loads(f.read_text())
-            if b["grid"] not in grid_runs(runs) or not b.get("steps"):
+            if b["grid"] not in dirs or not b.get("steps"):
                 continue
-            add_bench_and_run(b, grid_runs(runs)[b["grid"]], lambda row: f"{row['kind']}/{row['axis']}" if row["axis"] else "compute", agg)
+            add_bench_and_run(b, dirs[b["grid"]], lambda row: f"{row['kind']}/{row['axis']}" if row["axis"] else "compute", agg)
         print(f"  {name}: " + ", ".join(f"{k} {v[1] / v[0]:.2f}" for k, v in sorted(agg.items())))
 
 
