@@ -395,3 +395,12 @@ def test_the_loop_end_to_end(tmp_path):
     assert host["free_mean_s"] > 0
     assert host["step_s"] >= sum(r["seconds"] for r in compute)  # a whole step holds its compute ops
     assert load_profile(str(out / "cpu.toml")).collective_table
+    # the stretch diagnosis reads the same runs: each grid's measured stretch and the model's on its shares
+    r = subprocess.run([sys.executable, "benchmarks/cpu_stretch.py", str(tmp_path / "work" / "runs"),
+                        "--profile", str(out / "cpu.toml")], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {ln.split()[0]: [float(v) for v in ln.split()[1:]] for ln in r.stdout.splitlines() if ln[:1].isdigit()}
+    assert set(rows) == {"2x1x1x1", "1x1x1x2"}
+    for runs, measured, real, replay, twin, step, short in rows.values():
+        assert runs == 2 and measured >= 1 and real >= 1 and replay >= 1 and step > 0 and short > 0
