@@ -400,7 +400,9 @@ def test_the_loop_end_to_end(tmp_path):
                         "--profile", str(out / "cpu.toml")], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = {ln.split()[0]: [float(v) for v in ln.split()[1:]] for ln in r.stdout.splitlines() if ln[:1].isdigit()}
+    rows = {ln.split()[0]: [float(v) for v in ln.split()[1:]] for ln in r.stdout.splitlines()
+            if ln.split() and ln.split()[0].count("x") == 3}
+    assert "2 ranks, over measured: real within 10 % on" in r.stdout, r.stdout  # the summary per rank count
     assert set(rows) == {"2x1x1x1", "1x1x1x2"}
     for runs, measured, real, replay, twin, step, short in rows.values():
         assert runs == 2 and measured >= 1 and real >= 1 and replay >= 1 and step > 0 and short > 0
