@@ -27,11 +27,10 @@ Measured on the loops cpu-2026-12-01l and -01m (the committed runs, each against
 over the 20 grids of 8 ranks: `real` within 10 % of `measured` on 20 and 20 (worst -8.9 %, -9.4 %);
 `replay` on 17 and 16 (worst +22.7 %, +18.5 %); `twin` on 14 and 15 (worst +32.4 %, +24.8 %), the
 highest on the grids with z = 4 (1x1x4x2, 1x2x4x1, 2x1x4x1: +11 to +32 %, the per-op misses of
-issue 10). The
-lockstep timeline overlaps compute with collectives more than the ranks do: each op at its mean over
-the ranks spreads the time-slicing evenly, where a rank whose op ran undisturbed waits for its
-collective and one descheduled arrives late (1x1x4x2 in 01m: compute share 0.55, collectives in
-flight 0.77 in the replay, 0.46 and 0.65 in the traces).
+issue 10). The lockstep timeline overlaps compute with collectives more than the ranks do: each op at
+its mean over the ranks spreads the time-slicing evenly, where a rank whose op ran undisturbed waits
+for its collective and one descheduled arrives late (1x1x4x2 in 01m: compute share 0.55, collectives
+in flight 0.77 in the replay, 0.46 and 0.65 in the traces).
 """
 
 from __future__ import annotations
@@ -44,43 +43,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calibration.validate import SKIP_STEPS, validate_run  # noqa: E402
-from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
+from calibration.sharing import replay  # noqa: E402
+from calibration.validate_measured import COLLECTIVES, measured_ops, read_run  # noqa: E402
 from twin.cores import busy_shares, core_stretch, stretch_floor  # noqa: E402
-from twin.engine import simulate_program  # noqa: E402
 from twin.grid import Grid  # noqa: E402
-from twin.kernels import host_times  # noqa: E402
-from twin.model import load_model  # noqa: E402
 from twin.profile import load_profile  # noqa: E402
-from twin.program import Options, build_program, host_ordered  # noqa: E402
+from twin.program import Options  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_iteration import grid_runs  # noqa: E402
 
 
-def measured_stretch(spans) -> float:
-    """Median over ranks of summed wall span over summed on-CPU time of the compute ops."""
-    per: dict[int, list[float]] = {}
-    for s in spans:
-        if s.kind not in COLLECTIVES and "cpu_us" in s.args:
-            w = per.setdefault(s.rank, [0.0, 0.0])
-            w[0] += s.duration_s
-            w[1] += s.args["cpu_us"] * 1e-6
-    return statistics.median(w / c for w, c in per.values() if c > 0)
-
-
 def lockstep_replay(run: dict, host_s: float, issue_s: float):
-    """(program, engine result) of the run's ops at their mean span over the ranks, in lockstep."""
-    meta = run["meta"]
-    known = Options.__dataclass_fields__
-    options = Options(**{k: v for k, v in meta["options"].items() if k in known})
-    prog = host_ordered(build_program(load_model(meta["model"]), Grid.parse(meta["grid"]), options))
+    """(program, engine result) of the run's ops at their mean span over the ranks, in lockstep:
+    calibration.sharing.replay, as the load is fitted on bench's recorded steps."""
     spans: dict[str, list[float]] = {}
     for s in run["spans"]:
         spans.setdefault(s.name, []).append(s.duration_s)
-    mean = {name: statistics.fmean(v) for name, v in spans.items()}
-    hosts = host_times(prog.ops, host_s, issue_s)
-    compute = [0.0 if op.is_collective else mean.get(op.name, 0.0) + h for op, h in zip(prog.ops, hosts)]
-    return prog, simulate_program(prog, compute, lambda i, _: mean.get(prog.ops[i].name, 0.0), record=True)
+    meta = run["meta"]
+    known = Options.__dataclass_fields__
+    options = Options(**{k: v for k, v in meta["options"].items() if k in known})
+    steps = [{"name": name, "seconds": statistics.fmean(v)} for name, v in spans.items()]
+    return replay({"model": meta["model"], "grid": meta["grid"], "steps": steps}, host_s, issue_s, options=options)
 
 
 def one_run(d: Path, profile: str, twin: bool = True) -> dict:
@@ -101,7 +85,8 @@ def one_run(d: Path, profile: str, twin: bool = True) -> dict:
                                - min(s.start_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
     steps = [s["step_time_s"] for s in run["steps"] if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in run["steps"]]
     predicted = validate_run(d, profile=profile)["ops"]["stretch_predicted"] if twin else None
-    return {"measured": measured_stretch(spans),
+    measured = statistics.median(measured_ops(spans, grid, time_sliced=True)["stretch"].values())
+    return {"measured": measured,
             "real": core_stretch(grid.size, cores, load, *real, floor),
             "replay": core_stretch(grid.size, cores, load, *replay, floor),
             "twin": predicted or float("nan"),

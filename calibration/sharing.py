@@ -16,13 +16,14 @@ LOAD_STEP = 0.01  # the grid of collective_core_load values tried
 LOAD_MAX = 3.0
 
 
-def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False):
+def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, engine result with spans) of a measurement file's recorded steps replayed by the
     twin's engine with every op at its measured median span (compute ops plus the host time between
     them: host_s, and issue_s per collective issued before the op, as twin.kernels.host_times
     charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
     collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
-    as the twin's in-training lines do."""
+    as the twin's in-training lines do. options: the program's switches (twin.program.Options; None:
+    the defaults, which bench records its steps with)."""
     from twin.engine import simulate_program
     from twin.grid import Grid
     from twin.kernels import host_times
@@ -30,7 +31,7 @@ def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False):
     from twin.program import Options, build_program, host_ordered
     if not run.get("steps") or not run.get("model"):
         return None
-    prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options()))
+    prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), options or Options()))
     secs = {row["name"]: row["seconds"] for row in run["steps"]}
     if woken:
         secs.update({row["name"]: row["seconds"] + max(0.0, row.get("wake_s", 0.0) - host_s)
