@@ -20,6 +20,7 @@ rank's own shard. The program's phases split the step into segments that `forwar
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -167,16 +168,17 @@ class Executor:
         self._drop(op.index)
 
     def _issue(self, op):
-        dtype = self.ctx.compute_dtype
+        """Issue collective `op` (its record's issue_us counts from here: preparing its buffers too)."""
+        dtype, started = self.ctx.compute_dtype, time.perf_counter()
         if op.kind == "all_gather":
-            return self.comm.issue(op, self.model.flat_shard(op.weight, dtype))
+            return self.comm.issue(op, self.model.flat_shard(op.weight, dtype), started)
         if op.kind == "reduce_scatter":
-            return self.comm.issue(op, self.read(op.reads[0]).reshape(-1))
+            return self.comm.issue(op, self.read(op.reads[0]).reshape(-1), started)
         if op.role == "grad":
-            return self.comm.issue(op, self.model.flat_grads(op.weight))
+            return self.comm.issue(op, self.model.flat_grads(op.weight), started)
         if op.role in PAYLOADS:  # computed here, before the issue (not part of the collective's time)
             return self.comm.issue(op, PAYLOADS[op.role](self.run, op, *[self.read(n) for n in op.reads]))
-        return self.comm.issue(op, self.read(op.reads[0]))
+        return self.comm.issue(op, self.read(op.reads[0]), started)
 
     @torch.no_grad()  # kernels that need a local graph enable it themselves
     def run_segment(self, key: tuple[str, int]) -> None:

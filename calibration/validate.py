@@ -40,6 +40,9 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     compared from its last member's arrival: predicted span less the excess against measured span
     less the peer wait (`error_from_last_arrival`, per kind `median_abs_error_from_last_arrival`),
     beside the whole span's error, which stays the headline (the iteration pays the wait).
+    Where the trace recorded it (`issue_us`, backend/comm.py), each collective's `issue_s` is the
+    host's wall time issuing it (mean over ranks; per kind, the mean over its collectives), beside
+    `host_issue_predicted_s`, what the twin charges the compute op after an issue.
     `completed_with_previous_share`: the share of a kind's spans (all ranks) that completed no later
     than the collective issued before them on their stream (a span of 0: the recorder starts a span
     at the previous one's end), so that two collectives of one axis progressed at once (gloo runs two
@@ -150,6 +153,8 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 op["peer_wait_s"] = statistics.fmean(got["wait"][name])
             if coll and name in got["wake"]:
                 op["wake_s"] = statistics.fmean(got["wake"][name])
+            if coll and got["issue"].get(name):
+                op["issue_s"] = statistics.fmean(got["issue"][name])
             if coll and name in excess:
                 op["predicted_excess_s"] = min(excess[name], p)
                 after = m - op.get("peer_wait_s", 0.0)
@@ -178,7 +183,9 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                       # median over ranks, and the twin's idle time
                       "outside_ops_measured_s": statistics.median(idle) if idle else None,
                       "idle_predicted_s": res.breakdown_s["idle"],
-                      "host_per_op_predicted_s": host},
+                      "host_per_op_predicted_s": host,
+                      # the host time the twin charges per collective issued (to the compute op after it)
+                      "host_issue_predicted_s": study.kernels.profile.host_issue_s},
         "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
                 "cpu_source": got["cpu_source"],
                 # wall over on-CPU time of each rank's compute ops (1: a core to itself), median over ranks

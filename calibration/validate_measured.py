@@ -51,7 +51,8 @@ def measured_ops(spans: list, grid: Grid, time_sliced: bool = True, host_s: floa
     and the `fluid` spans compared with the twin (see calibration.validate's docstring); plus `stretch` (rank ->
     wall over on-CPU time of its compute ops), `cpu_source` and, per collective, `wait` (time its
     rank waited for the group's last member to issue it) and `wake` (from its completion to the start
-    of the compute op that waited for it, where it completed last in the gap before that op; else 0).
+    of the compute op that waited for it, where it completed last in the gap before that op; else 0)
+    and `issue` (the host's wall time issuing it, the trace's issue_us, where recorded).
     time_sliced: the ranks ran on CPU cores (False on GPUs, whose kernels are not descheduled: the
     fluid span is the wall span, and no wake-up is added). A collective's fluid figure is its span plus
     its wake-up beyond `host_s` (the host time the twin charges the op that waited), as the twin's
@@ -92,11 +93,14 @@ def measured_ops(spans: list, grid: Grid, time_sliced: bool = True, host_s: floa
             wait.setdefault(s.name, []).append(min(max(last - s.start_s, 0.0), s.duration_s))
     source = ("recorded (cpu_us)" if recorded else "fastest rank's wall span") if time_sliced else "wall span (GPU)"
     wake: dict[str, list[float]] = {}
+    issue: dict[str, list[float]] = {}
     for s in spans:
         if s.kind in COLLECTIVES:
             wake.setdefault(s.name, []).append(woke.get((s.name, s.rank), 0.0))
-    return {"wall": wall, "cpu": cpu, "fluid": fluid, "wait": wait, "wake": wake, "stretch": stretch,
-            "cpu_source": source}
+            if "issue_us" in s.args:
+                issue.setdefault(s.name, []).append(s.args["issue_us"] / 1e6)
+    return {"wall": wall, "cpu": cpu, "fluid": fluid, "wait": wait, "wake": wake, "issue": issue,
+            "stretch": stretch, "cpu_source": source}
 
 
 def _wake_ups(spans: list) -> dict[tuple[str, int], float]:

@@ -49,8 +49,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def _by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
     """Per kind of op: count, median and 90th percentile of |error|, summed seconds; for collectives the
-    peer-wait and predicted-excess shares, the error from the last arrival and, from `zero` (kind ->
-    [spans, spans of 0 s]), the share completed with the one before."""
+    peer-wait and predicted-excess shares, the error from the last arrival, from `zero` (kind ->
+    [spans, spans of 0 s]) the share completed with the one before, and the host's mean wall time
+    per issue where the trace recorded it (`issue_s`)."""
     per_kind = {}
     for kind in sorted({o["kind"] for o in ops}):
         sel = [o for o in ops if o["kind"] == kind]
@@ -71,6 +72,9 @@ def _by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
                 per_kind[kind]["median_abs_error_from_last_arrival"] = statistics.median(after)
             if kind in zero:
                 per_kind[kind]["completed_with_previous_share"] = zero[kind][1] / zero[kind][0]
+            issued = [o["issue_s"] for o in sel if "issue_s" in o]
+            if issued:  # the host's wall time per issue, mean over the kind's collectives (trace's issue_us)
+                per_kind[kind]["issue_s"] = statistics.fmean(issued)
         else:
             per_kind[kind]["cpu_s"] = sum(o.get("cpu_s", 0.0) for o in sel)
     return per_kind
@@ -85,7 +89,7 @@ def pool_repeats(runs: list[dict]) -> dict:
     """One report entry for repeated runs of the same job (validate_run's results: same model, grid,
     batch, switches; so the same prediction). Measured figures are medians over the repeats: the
     iteration (with each run's and their spread, max/min - 1, beside it), each op's measured, wall,
-    on-CPU, peer-wait and wake-up figures (per op name; its error taken again against the median), the
+    on-CPU, peer-wait, wake-up and issue figures (per op name; its error taken again against the median), the
     stretch, the time outside ops and the memory peak. `repeats` counts the runs, `runs` names them."""
     first = runs[0]
     its = [r["iteration"]["measured_s"] for r in runs]
@@ -104,7 +108,7 @@ def pool_repeats(runs: list[dict]) -> dict:
     ops = []
     for name, same in by_name.items():
         o = dict(same[0])
-        for key in ("measured_s", "wall_s", "cpu_s", "peer_wait_s", "wake_s"):
+        for key in ("measured_s", "wall_s", "cpu_s", "peer_wait_s", "wake_s", "issue_s"):
             if key in o:
                 o[key] = statistics.median(x[key] for x in same if key in x)
         o["error"] = o["predicted_s"] / o["measured_s"] - 1

@@ -57,6 +57,8 @@ def test_run_trains_logs_and_traces(tmp_path):
         assert sorted(got) == sorted(want)
         index = {op.name: op.index for op in program.ops}
         assert all(s.args["index"] == index[s.name] for s in mine)  # the program's op index, as in a twin trace
+        # each collective carries the host's wall time issuing it (its buffers and the asynchronous call)
+        assert all(0 < s.args["issue_us"] < 1e6 for s in mine if s.stream != "compute")
 
 
 def test_fresh_interpreter_ranks(tmp_path):

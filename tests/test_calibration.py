@@ -386,6 +386,10 @@ def test_the_loop_end_to_end(tmp_path):
         assert abs(run["memory"]["error"]) < 0.03, (run["grid"], run["memory"])
         assert run["ops"]["cpu_source"] == "recorded (cpu_us)" and run["ops"]["stretch"] >= 1
         assert run["ops"]["stretch_profile"] >= 1  # bench recorded on-CPU times: the profile holds its stretch
+    # the host's wall time per collective issue, measured from the traces, beside what the twin charges
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("host time per collective issue"))
+    assert "2 ranks" in line and " ms (" in line, line
+    assert all(run["ops"]["by_kind"]["all_reduce"]["issue_s"] > 0 for run in rep["runs"])
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")
