@@ -51,14 +51,16 @@ sys.path.insert(0, str(ROOT))
 # that many ranks) and small ops; the others add collectives over the remaining group sizes and
 # strides. Every one records a few training steps (what ops and collectives cost inside training):
 # the data-parallel grid holds the largest per-rank ops, the others each collective kind over each
-# group size (all-gathers and reduce-scatters run on z only: z = 2 and 4 with 4 ranks, 2, 4 and 8 with
-# 8, each inside training too, where the ranks' time-slicing sets what they cost)
+# group size alone (all-gathers and reduce-scatters run on z only). Inside training, z is recorded at
+# group size 4 with 4 ranks and 2 and 8 with 8; the others take the nearest line. Recording the rest
+# too (1x1x2x2 and 1x1x4x2 added, loop cpu-2026-12-02a, 15 grids benched) changed nothing measurable:
+# against the same runs, a profile from the 13 grids' files gave iteration 25 within 15 %, per-op 28
+# within 20 % (worst 55 %), Spearman 0.94; from all 15, 26, 28 (worst 52 %), 0.92.
 BENCH_GRIDS = {
     1: [("1x1x1x1", True)],
     2: [("2x1x1x1", True), ("1x1x1x2", False), ("1x1x2x1", False)],
-    4: [("2x2x1x1", True), ("4x1x1x1", False), ("1x1x1x4", False), ("1x1x4x1", False), ("1x1x2x2", False)],
-    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False), ("1x1x1x8", False), ("1x1x8x1", False),
-        ("1x1x4x2", False)],
+    4: [("2x2x1x1", True), ("4x1x1x1", False), ("1x1x1x4", False), ("1x1x4x1", False)],
+    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False), ("1x1x1x8", False), ("1x1x8x1", False)],
 }
 SIZES_MIB = "0.004,0.03,0.25,1,4"
 

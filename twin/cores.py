@@ -70,6 +70,17 @@ each loop's bench, validated offline; none kept, each traded the iteration targe
   to 01m's files in turn: the grid's own z collectives came right (1x2x4x1 all-gather -22 -> +1 %,
   reduce-scatter -27 -> -7 %), its predicted stretch stayed as high (3.68, 3.42 and 3.73 against
   2.99, 2.79 and 3.06), per-op 28-29 grids within 20 % (from 28), iteration 35 within 15 % as before.
+  In loop cpu-2026-12-02a, which benched 1x1x4x2 itself, its stretch came out 3.55 against 2.58.
+Why lockstep misses, and what did not replace it (prototypes on 01m's runs, 2026-12-02, not kept):
+- each rank replayed with its own measured spans (the engine in full mode, collectives from their last
+  member's arrival) takes 0.87-0.96 of the traced step on 10 grids of 8 ranks, every rank at the ops'
+  means 0.72-0.87: the ranks drift apart and wait for each other, which a lockstep timeline cannot
+  show. Independent noise drawn from those spans overshoots (0.93-1.14): time-slicing is zero-sum,
+  what a descheduled rank loses the others gain;
+- a time-sliced scheduler in place of the fluid (each rank's thread and a gloo thread per rank in
+  round-robin slices of 3 ms on 2 cores, fed the runs' own on-CPU times and collective spans) missed
+  the measured stretch by a median of 17 % (worst 72 %) and the step by 10 % (worst 36 %) over the 30
+  grids of 4 and 8 ranks: the fluid formula on lockstep shares does better.
 """
 
 from __future__ import annotations
