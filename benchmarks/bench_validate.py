@@ -229,8 +229,9 @@ def pass_orders(grids: list[str], repeats: int) -> list[list[str]]:
 
 def issue_line(runs: list[dict]) -> str:
     """The host's wall time per collective issue (the trace's issue_us: preparing the buffers and the
-    asynchronous call), per rank count: the median over the runs of their mean over collectives,
-    beside what the twin charges (the profile's host_issue_s, to the compute op after the issue)."""
+    asynchronous call), per rank count: the median over the grids of each grid's mean over its
+    collectives (repeats pooled), beside what the twin charges (the profile's host_issue_s, to the
+    compute op after the issue)."""
     import statistics
     by: dict[int, tuple[list[float], list[float]]] = {}
     for r in runs:
