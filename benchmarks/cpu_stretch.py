@@ -69,7 +69,7 @@ def lockstep_replay(run: dict, host_s: float, issue_s: float):
 
 def one_run(d: Path, profile: str, twin: bool = True) -> dict:
     """The figures of the module docstring for one run folder (without `twin`: the twin's own stretch
-    left out, which takes a simulation to the fixed point)."""
+    left out, which takes a simulation to the fixed point and is the same for every run of a grid)."""
     run = read_run(d)
     grid = Grid.parse(run["meta"]["grid"])
     prof = load_profile(profile).for_ranks(grid.size)
@@ -80,7 +80,7 @@ def one_run(d: Path, profile: str, twin: bool = True) -> dict:
     real = busy_shares([(s.rank, s.name, s.start_s, s.duration_s) for s in spans],
                        lambda name: kinds[name] in COLLECTIVES, 0.0)
     prog, res = lockstep_replay(run, prof.host_op_s, prof.host_issue_s)
-    replay = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, prof.host_op_s)
+    lockstep = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, prof.host_op_s)
     traced = statistics.median(max(s.start_s + s.duration_s for s in spans if s.rank == r)
                                - min(s.start_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
     steps = [s["step_time_s"] for s in run["steps"] if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in run["steps"]]
@@ -88,7 +88,7 @@ def one_run(d: Path, profile: str, twin: bool = True) -> dict:
     measured = statistics.median(measured_ops(spans, grid, time_sliced=True)["stretch"].values())
     return {"measured": measured,
             "real": core_stretch(grid.size, cores, load, *real, floor),
-            "replay": core_stretch(grid.size, cores, load, *replay, floor),
+            "replay": core_stretch(grid.size, cores, load, *lockstep, floor),
             "twin": predicted or float("nan"),
             "step": statistics.median(steps), "short": res.iteration_s / traced}
 
@@ -109,7 +109,9 @@ def main() -> int:
     print("grid      runs  measured   real  replay   twin   step (s)  replay/traced step")
     off: dict[int, dict[str, list[float]]] = {}  # ranks -> stretch -> its error per grid
     for grid, dirs in grids.items():
-        rows = [one_run(d, a.profile) for d in dirs]
+        rows = [one_run(d, a.profile, twin=k == 0) for k, d in enumerate(dirs)]  # the twin's: once per grid
+        for r in rows[1:]:
+            r["twin"] = rows[0]["twin"]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         for k in ("real", "replay", "twin"):
             if med[k] == med[k]:  # not nan
