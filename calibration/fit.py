@@ -26,9 +26,10 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     training, median over the recorded ops (replace the microbenchmark's);
   - node_share `compute_contention`: GEMM time inside training over the time the
     microbenchmark-fitted profile gives them, summed over the ops no collective overlapped;
-    `overlap_slowdown` = the same ratio over the ops a collective overlapped (most of their span),
-    relative to compute_contention (replaces the microbenchmark's, which a short all-reduce beside
-    one GEMM barely moves);
+    `overlap_slowdown`: where bench recorded on-CPU times, a GEMM a collective overlapped (most of
+    its span) over one of the same shape none did (training.same_shape_slowdown); else the same ratio
+    as compute_contention over the ops a collective overlapped, relative to compute_contention
+    (either replaces the microbenchmark's, which a short all-reduce beside one GEMM barely moves);
   - `[[collective_training]]`: per kind, axis, group size and stride, seconds = latency + bytes /
     bandwidth over the recorded collectives' spans (issue, or the end of the previous one of the
     axis, to completion; plus, where bench measured it, `wake_s` less host_op_s: the time the compute op
