@@ -25,10 +25,11 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   a GEMM alone and while an all-reduce runs on the axis, and the all-reduce alone and beside the GEMM
   (issue to completion): what each costs the other when they share the rank's cores;
 - `steps` rows {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds, covered,
-  cpu_s, wake_s}: every op of the model's program as a few recorded training steps on the grid ran it
+  cpu_s, wake_s, issue_s}: every op of the model's program as a few recorded training steps on the grid ran it
   (mean span over the steps; on CPU, a compute op's on-CPU time too), with the share of a compute op's span that
   a collective overlapped, and for a
-  collective the time the compute op that waited for it took to start after its completion: what ops
+  collective the time the compute op that waited for it took to start after its completion and the
+  host's time issuing it: what ops
   cost inside training, where the ranks share the cores with each other and with gloo's threads (see
   backend.bench_steps).
 Bandwidths follow nccl-tests: algbw = payload / time; busbw = algbw * 2(p-1)/p for all-reduce and

@@ -45,7 +45,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
       outside the program), mean over steps (`per_step`) and over ranks;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
-      covered, cpu_s (compute ops on CPU), wake_s (collectives)}: its span, mean over steps
+      covered, cpu_s (compute ops on CPU), wake_s and issue_s (collectives)}: its span, mean over steps
       (`per_step`) and over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
       than cores time-slice, a rank descheduled inside an op leaves that op's span long and its
       on-CPU time as it was; the fit spreads the ranks' summed waits over their ops, as validation
@@ -56,6 +56,8 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       its completion to the start of the compute op that waited for it (the next compute op, where
       this collective completed last in the gap before it; 0 where no compute op waited): the rank's
       thread wakes up after gloo's, which takes a time slice when more ranks than cores share the node.
+      `issue_s` (collectives): the host's wall time issuing it, from preparing its buffers to the
+      return of the asynchronous call (the recorder's issue_us, backend/comm.py).
     (None, []) when the backend has no program executor."""
     try:
         import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
@@ -76,6 +78,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     per_cpu: dict[str, list[float]] = {}  # compute op -> on-CPU seconds (CPU only)
     cover: dict[str, list[float]] = {}
     wake: dict[str, list[float]] = {}  # collective -> delay from its completion to the compute op that waited on it
+    issue: dict[str, list[float]] = {}  # collective -> the host's wall time issuing it (the recorder's issue_us)
     walls: list[float] = []  # each recorded step's wall time (s)
     for step in range(warmup + steps):
         tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
@@ -108,6 +111,8 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             cover.setdefault(sp.name, []).append(0.0 if sp.kind in COLLECTIVE_KINDS else covered_share(sp, colls))
             if sp.kind in COLLECTIVE_KINDS:
                 wake.setdefault(sp.name, []).append(waited.get(sp.name, 0.0))
+                if "issue_us" in sp.args:
+                    issue.setdefault(sp.name, []).append(sp.args["issue_us"] / 1e6)
     net.recorder = NULL_RECORDER
     rows = []
     for op in program.ops:  # the same ops on every rank (one program): agree op by op, in program order
@@ -116,18 +121,22 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
                      "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
                      "k": op.k, "layout": op.layout or "", "seconds": per_step(per_op.get(op.name, [0.0])),
                      "covered": cov[len(cov) // 2], "wake_s": per_step(wake.get(op.name, [0.0])),
+                     "issue_s": per_step(issue.get(op.name, [0.0])),
                      # -1: not recorded (a collective, a GPU)
                      "cpu_s": per_step(per_cpu.get(op.name, [-1.0]))})
+    keys = ("seconds", "covered", "wake_s", "issue_s", "cpu_s")
     group = world_group()
     if group is not None:
-        t = torch.tensor([[r["seconds"], r["covered"], r["wake_s"], r["cpu_s"]] for r in rows], dtype=torch.float64)
+        t = torch.tensor([[r[k] for k in keys] for r in rows], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         t /= dist.get_world_size()
-        for r, (sec, cov, woke, on_cpu) in zip(rows, t.tolist()):
-            r["seconds"], r["covered"], r["wake_s"], r["cpu_s"] = sec, cov, woke, on_cpu
+        for r, values in zip(rows, t.tolist()):
+            r.update(zip(keys, values))
     for r in rows:
         if r["kind"] not in COLLECTIVE_KINDS:
             del r["wake_s"]
+        if r["kind"] not in COLLECTIVE_KINDS or r["issue_s"] <= 0:
+            del r["issue_s"]
         if r["kind"] in COLLECTIVE_KINDS or r["cpu_s"] < 0:
             del r["cpu_s"]
         else:

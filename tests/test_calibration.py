@@ -393,6 +393,8 @@ def test_the_loop_end_to_end(tmp_path):
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")
+    assert all(0 < r["issue_s"] < 1 for r in bench["steps"] if r["kind"] == "all_reduce")  # measured, not used yet
+    assert not any("issue_s" in r for r in bench["steps"] if r["stream"] == "compute")
     compute = [r for r in bench["steps"] if r["stream"] == "compute"]
     assert compute and all(0 <= r["cpu_s"] <= r["seconds"] for r in compute)  # on-CPU times recorded
     host = next(r for r in bench["ops"] if r["op"] == "host")

@@ -81,6 +81,24 @@ Why lockstep misses, and what did not replace it (prototypes on 01m's runs, 2026
   round-robin slices of 3 ms on 2 cores, fed the runs' own on-CPU times and collective spans) missed
   the measured stretch by a median of 17 % (worst 72 %) and the step by 10 % (worst 36 %) over the 30
   grids of 4 and 8 ranks: the fluid formula on lockstep shares does better.
+What the lockstep timeline lacks (benchmarks/cpu_lockstep_gap.py, on 02a's runs, whose traces carry
+each collective's issue time): the host's time issuing a collective (0.24-1.42 ms per collective
+with 4 and 8 ranks), which delays the compute op after it, and the spread of the spans under
+time-slicing (coefficient of variation 0.2-0.3 with 4 ranks, 0.5-0.7 with 8), which exposes more of
+a collective overlapped with compute than its mean span does. The lockstep replay of the runs' own
+mean spans with both takes 0.92-1.02 of the traced step on the 30 grids of 4 and 8 ranks (0.83-0.99
+without), and its shares on the z = 4 grids come within 0.04 of the traced ones. Built into the
+twin and validated offline (2026-12-02; not kept):
+- the issue time as bench would measure it (each benched grid's collectives given the mean issue_us
+  of its runs, 02a), charged per collective the next compute op does not wait for and left out of
+  the compute share: per-op 28 -> 29 grids within 20 %, iteration 26 -> 27 within 15 %, but the
+  median iteration error 7.5 -> 9.4 % (8-rank grids with y split over by 17-21 %);
+- with the spans drawn too (8 seeded draws; the runs' spread per rank count), on 01l, 01m and 02a
+  (02a's issue times for all three): per-op within 20 % 32 -> 33, 31 -> 32, 28 -> 29, worst 33 ->
+  27, 30 -> 24, 47 -> 40 %; iteration within 15 % 35 -> 34, 35 -> 34, 26 -> 29. The grids with
+  z = 4 keep a predicted stretch 11-33 % over the measured one: their GEMMs' on-CPU times, from
+  bench, come out 2-19 % over the runs' (median over a grid's GEMMs; bench and runs minutes apart),
+  and the fixed point amplifies that.
 """
 
 from __future__ import annotations

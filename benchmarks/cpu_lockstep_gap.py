@@ -1,0 +1,161 @@
+"""Why the twin's lockstep timeline overlaps compute with collectives more than CPU ranks do, offline.
+
+    python benchmarks/cpu_lockstep_gap.py RUNS_DIR --profile P [--draws 8] [GRID ...]
+
+RUNS_DIR holds one folder per grid with its runs (bench_validate's --work/runs; the runs of loop
+cpu-2026-12-02a, the first whose traces carry each collective's issue_us, are committed:
+`tar -xJf calibration/measurements/cpu-2026-12-02a/runs.tar.xz -C /tmp/02a`), P the profile fitted
+from the same loop's bench (its host_op_s and collective_core_load). Per grid, the median over its
+runs of the traced step (a rank's first start to last end, median over the ranks) replayed through
+the twin's engine in lockstep, every op at its mean span over the ranks (as benchmarks/cpu_stretch.py):
+- `plain`: as the twin times it, host_op_s before each compute op;
+- `issue`: plus the run's own mean issue time (the trace's issue_us) for each collective issued
+  since the compute op before that this op does not wait for (the host is the device: the compute
+  op after an issue starts that much later);
+- `noisy`: `issue` with each op's span drawn, per draw, from a log-normal of mean 1 and the run's own
+  spread (the coefficient of variation of an op's span over the ranks, median over the compute ops
+  and over the collectives; 0.6 for compute with 8 ranks on 2 cores, 0.3 with 4), mean over seeded
+  draws: time-slicing makes spans vary, and the exposed part of a collective overlapped with compute
+  grows with the variation (E[max(0, X - w)] > max(0, E[X] - w)).
+Printed: each replay's step over the traced one, the busy shares (twin.cores.busy_shares: the compute
+share less the host time charged, and the collective share) of the trace and of each replay, and the
+stretch twin.cores gives each at the profile's load.
+
+Measured on cpu-2026-12-02a (2026-12-02, its profile, 8 draws, the 30 grids of 4 and 8 ranks): the
+step over the traced one 0.83-0.99 plain, 0.86-0.99 with the issue times, 0.92-1.02 noisy. On the
+grids with z = 4 (1x1x4x2, 1x2x4x1, 2x1x4x1) the shares (compute/collectives) go from 0.44/0.90,
+0.43/0.85, 0.43/0.85 plain to 0.40/0.79, 0.38/0.78, 0.38/0.80 noisy, against 0.36/0.74, 0.37/0.77,
+0.37/0.76 traced; the grids without z split move little (8x1x1x1: 0.97, 0.97, 0.98 of the step).
+So the lockstep timeline's excess overlap is the issue time and the convexity of exposure, not a
+wrong stretch formula. Taken into the twin it did not meet the per-op target (twin.cores: tried).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
+from cpu_iteration import grid_runs  # noqa: E402
+from twin.cores import busy_shares, core_stretch  # noqa: E402
+from twin.engine import simulate_program  # noqa: E402
+from twin.grid import Grid  # noqa: E402
+from twin.model import load_model  # noqa: E402
+from twin.profile import load_profile  # noqa: E402
+from twin.program import Options, build_program, host_ordered  # noqa: E402
+
+
+def issue_hosts(ops, host_s: float, issue_s: float) -> list[float]:
+    """Host seconds before each op: host_s per compute op plus issue_s per collective issued since the
+    compute op before that this one does not wait for (0 for a collective)."""
+    out, issued = [], []
+    for op in ops:
+        if op.is_collective:
+            out.append(0.0)
+            issued.append(op.index)
+        else:
+            out.append(host_s + issue_s * sum(1 for i in issued if i not in op.deps))
+            issued = []
+    return out
+
+
+def spread(values: list[float]) -> float:
+    """Coefficient of variation of an op's spans (0 for fewer than 2)."""
+    m = statistics.fmean(values)
+    return statistics.pstdev(values) / m if len(values) > 1 and m > 0 else 0.0
+
+
+def factors(prog, cv_compute: float, cv_collective: float, rng: random.Random) -> list[float]:
+    """One draw: a log-normal factor of mean 1 per op, of the spread of its class."""
+    out = []
+    for op in prog.ops:
+        cv = cv_collective if op.is_collective else cv_compute
+        s2 = math.log(1.0 + cv * cv)
+        out.append(math.exp(rng.gauss(-s2 / 2, math.sqrt(s2))) if cv > 0 else 1.0)
+    return out
+
+
+def replay(prog, secs: dict[str, float], hosts: list[float], scale: list[float] | None = None):
+    """(iteration s, busy shares) of the program in lockstep, op i taking secs[name] x scale[i] (plus
+    hosts[i] for a compute op); the compute share leaves each op's host time out."""
+    f = scale or [1.0] * len(prog.ops)
+    comp = [0.0 if op.is_collective else secs.get(op.name, 0.0) * f[i] + hosts[i] for i, op in enumerate(prog.ops)]
+    res = simulate_program(prog, comp, lambda i, _: secs.get(prog.ops[i].name, 0.0) * f[i], record=True)
+    spans = [(r, i, s + (0.0 if prog.ops[i].is_collective else hosts[i]),
+              d - (0.0 if prog.ops[i].is_collective else hosts[i])) for r, i, s, d in res.spans]
+    begin = min(s for _, _, s, _ in res.spans)
+    spans.append((0, -1, begin, 0.0))  # the iteration starts where the first op's host time does
+    return res.iteration_s, busy_shares(spans, lambda i: i >= 0 and prog.ops[i].is_collective)
+
+
+def one_run(d: Path, host_s: float, draws: int) -> dict:
+    """The replays of one run folder (module docstring)."""
+    run = read_run(d)
+    meta, spans = run["meta"], run["spans"]
+    grid = Grid.parse(meta["grid"])
+    options = Options(**{k: v for k, v in meta["options"].items() if k in Options.__dataclass_fields__})
+    prog = host_ordered(build_program(load_model(meta["model"]), grid, options))
+    by_name: dict[str, list[float]] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s.duration_s)
+    secs = {n: statistics.fmean(v) for n, v in by_name.items()}
+    kinds = {s.name: s.kind for s in spans}
+    cv_compute = statistics.median([spread(v) for n, v in by_name.items() if kinds[n] not in COLLECTIVES])
+    cv_collective = statistics.median([spread(v) for n, v in by_name.items() if kinds[n] in COLLECTIVES] or [0.0])
+    issues = [s.args["issue_us"] / 1e6 for s in spans if s.kind in COLLECTIVES and "issue_us" in s.args]
+    issue_s = statistics.fmean(issues) if issues else 0.0
+    ranks = {s.rank for s in spans}
+    traced = statistics.median(max(s.start_s + s.duration_s for s in spans if s.rank == r)
+                               - min(s.start_s for s in spans if s.rank == r) for r in ranks)
+    trace_shares = busy_shares([(s.rank, s.name, s.start_s, s.duration_s) for s in spans],
+                               lambda n: kinds[n] in COLLECTIVES)
+    plain = replay(prog, secs, issue_hosts(prog.ops, host_s, 0.0))
+    hosts = issue_hosts(prog.ops, host_s, issue_s)
+    issued = replay(prog, secs, hosts)
+    rng = random.Random(1)
+    noisy = [replay(prog, secs, hosts, factors(prog, cv_compute, cv_collective, rng)) for _ in range(draws)]
+    noisy_it = statistics.fmean(it for it, _ in noisy)
+    noisy_sh = tuple(statistics.fmean(sh[k] for _, sh in noisy) for k in (0, 1))
+    return {"ranks": grid.size, "issue_ms": issue_s * 1e3, "cv": (cv_compute, cv_collective),
+            "step": (plain[0] / traced, issued[0] / traced, noisy_it / traced),
+            "shares": (trace_shares, plain[1], issued[1], noisy_sh)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", help="folder of run folders, one per grid (bench_validate's --work/runs)")
+    ap.add_argument("grids", nargs="*", help="grids to replay (default: every grid of 4 or more ranks)")
+    ap.add_argument("--profile", required=True, help="the loop's fitted profile (its host_op_s and load)")
+    ap.add_argument("--draws", type=int, default=8, help="seeded draws of the noisy replay (default 8)")
+    a = ap.parse_args()
+    runs = grid_runs(Path(a.runs))
+    grids = a.grids or [g for g in runs if Grid.parse(g).size >= 4]
+    missing = [g for g in grids if g not in runs]
+    if missing or not grids:
+        print(f"{a.runs} holds no runs of {', '.join(missing) or 'a grid of 4 or more ranks'}")
+        return 1
+    print("grid      issue ms  cv comp/coll | step over traced: plain issue noisy | shares c/comm: "
+          "traced  plain  issue  noisy | stretch: traced noisy")
+    for g in grids:
+        prof = load_profile(a.profile).for_ranks(Grid.parse(g).size)
+        rows = [one_run(d, prof.host_op_s, a.draws) for d in runs[g]]
+
+        def med(f):
+            return statistics.median(f(r) for r in rows)
+        sh = [(med(lambda r, k=k: r["shares"][k][0]), med(lambda r, k=k: r["shares"][k][1])) for k in range(4)]
+        stretch = [core_stretch(rows[0]["ranks"], prof.node_cores, prof.collective_core_load, *s) for s in (sh[0], sh[3])]
+        print(f"{g:9} {med(lambda r: r['issue_ms']):7.2f}  {med(lambda r: r['cv'][0]):4.2f}/{med(lambda r: r['cv'][1]):4.2f}  | "
+              + " ".join(f"{med(lambda r, k=k: r['step'][k]):5.2f}" for k in range(3)) + "       | "
+              + " ".join(f"{c:.2f}/{m:.2f}" for c, m in sh) + f" | {stretch[0]:5.2f} {stretch[1]:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
