@@ -26,6 +26,7 @@ step over the traced one 0.83-0.99 plain, 0.86-0.99 with the issue times, 0.92-1
 grids with z = 4 (1x1x4x2, 1x2x4x1, 2x1x4x1) the shares (compute/collectives) go from 0.44/0.90,
 0.43/0.85, 0.43/0.85 plain to 0.40/0.79, 0.38/0.78, 0.38/0.80 noisy, against 0.36/0.74, 0.37/0.77,
 0.37/0.76 traced; the grids without z split move little (8x1x1x1: 0.97, 0.97, 0.98 of the step).
+The next loop, cpu-2026-12-02b (its own profile), the same: 0.84-0.99, 0.87-0.99, 0.94-1.02.
 So the lockstep timeline's excess overlap is the issue time and the convexity of exposure, not a
 wrong stretch formula. Taken into the twin it did not meet the per-op target (twin.cores: tried).
 """
