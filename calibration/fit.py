@@ -51,11 +51,13 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     and group sizes no recorded step ran: the axis' own factor where its collectives were recorded
     (an axis' part in the schedule sets it: 1.6-1.9 for the x all-reduces that block the next op,
     4-5 for the z all-gathers that overlap compute, about 0.8 for the data burst), else the median.
-  - node_share `host_issue_s`, where the ranks do not outnumber the bench machine's cores: the host
-    time per collective issued (twin.kernels.host_times charges it to the compute op after the issue):
-    the one that makes the recorded steps, replayed through the twin's engine at their measured spans,
-    spend the time between compute ops that bench measured (calibration.sharing.issue_cost). With more
-    ranks than cores the collectives' work on the cores is in each grid's stretch (twin.cores);
+  - node_share `host_issue_s`: the host time per collective issued (twin.kernels.host_times charges
+    it to the compute op after the issue, where that op does not wait for the collective): where bench
+    recorded it (`issue_s`, since 2026-12-02), the mean over the collectives no compute op waits for
+    right after them (calibration.sharing.issue_measured); in older files, where the ranks do not
+    outnumber the bench machine's cores, the one that makes the recorded steps, replayed through the
+    twin's engine at their measured spans, spend the time between compute ops that bench measured
+    (calibration.sharing.issue_cost);
   - node_share `comm_share`: the share of its rate a collective keeps while its rank computes (gloo's
     threads and the ranks' compute share the cores; the twin slows a collective by it while a member's
     compute stream runs an op). Measured where bench timed an all-reduce alone and beside a GEMM

@@ -98,6 +98,34 @@ def issue_cost(runs: list[dict], host_s: float) -> tuple[float, str] | None:
                f"summed over {len(use)} file(s) with {n} collectives per step; {at0 * 1e3:.1f} ms without it")
 
 
+def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
+    """(seconds, how): the host time per collective issued (Profile.host_issue_s) as bench measured it:
+    the mean `issue_s` (the host's wall time from preparing a collective's buffers to the return of
+    its asynchronous call) over the collectives of the files' recorded steps that the compute op
+    after them does not wait for, the ones twin.kernels.host_times charges it for. None where no
+    file recorded it (bench before 2026-12-02)."""
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options, build_program, host_ordered
+    times: list[float] = []
+    for r in runs:
+        issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
+        if not issue or not r.get("model"):
+            continue
+        issued: list = []
+        for op in host_ordered(build_program(load_model(r["model"]), Grid.parse(r["grid"]), Options())).ops:
+            if op.is_collective:
+                issued.append(op)
+            else:
+                times += [issue[c.name] for c in issued if c.index not in op.deps and c.name in issue]
+                issued = []
+    if not times:
+        return None
+    return statistics.fmean(times), (f"measured: mean host time of issuing a collective (its buffers and the "
+                                     f"asynchronous call) over the {len(times)} collectives of recorded training "
+                                     f"steps that the compute op after them does not wait for")
+
+
 def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
     """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
     an op during its span, in the replay of the steps (replay). {} without steps."""
@@ -113,21 +141,25 @@ def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
     return out
 
 
-def sharing_point(run: dict, host_s: float):
+def sharing_point(run: dict, host_s: float, issue_s: float = 0.0):
     """(grid, ranks, cores, stretch, busy shares) of one file's recorded steps for core_load: the
     stretch of its compute ops (summed span over summed on-CPU time) and twin.cores.busy_shares of
-    their replay; None where a compute op lacks its on-CPU time or the machine its core count."""
+    their replay (host_s per compute op and issue_s per collective issued, as the twin charges them,
+    left out of the compute share); None where a compute op lacks its on-CPU time or the machine its
+    core count."""
     from twin.cores import busy_shares
+    from twin.kernels import host_times
     comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     cores = run["machine"].get("cores")
     if not comp or not cores or not all("cpu_s" in row for row in comp):
         return None
     cpu = sum(row["cpu_s"] for row in comp)
-    replayed = replay(run, host_s)
+    replayed = replay(run, host_s, issue_s)
     if cpu <= 0 or replayed is None:
         return None
     prog, res = replayed
-    shares = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, host_s)
+    shares = busy_shares(res.spans, lambda i: prog.ops[i].is_collective,
+                         host_times(prog.ops, host_s, issue_s).__getitem__)
     return run["grid"], run["ranks_per_node"], int(cores), sum(row["seconds"] for row in comp) / cpu, shares
 
 

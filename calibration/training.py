@@ -12,7 +12,7 @@ from pathlib import Path
 from calibration.lines import Residual, alone_point, collective_line, cost_line, excess_line, residual
 from calibration.measurements import COLLECTIVES, COVERED, MODELED, describe
 from calibration.profile_text import entry_text, number_text, quoted
-from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, issue_cost, measured_share,
+from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, issue_cost, issue_measured, measured_share,
                                  replayed_overlap, sharing_point)
 from twin.profile import load_profile
 
@@ -46,8 +46,16 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         rows = [(r, row) for r in runs for row in r["steps"]]
         span, how_timed, stretch = fluid_spans(rows, ranks)
         src_t = f"{src}; {how_timed}"
+        # the host time per collective issued: measured where bench recorded it (issue_s); in older
+        # files fitted to bench's gaps, where the ranks do not outnumber the cores
+        cores = {r["machine"].get("cores") for r in runs}
+        fits_cores = len(cores) == 1 and None not in cores and ranks <= int(cores.pop())
+        issued = None
+        if micro.host_ordered:
+            issued = issue_measured(runs) or (issue_cost(runs, prof.host_op_s) if fits_cores else None)
         if stretch is not None and ranks > 1:
-            sharing += [p for p in (sharing_point(r, prof.host_op_s) for r in runs) if p is not None]
+            sharing += [p for p in (sharing_point(r, prof.host_op_s, issued[0] if issued else 0.0) for r in runs)
+                        if p is not None]
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
         roles = {id(r): cost_roles(r) for r in runs}
@@ -193,11 +201,6 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
                 f"training steps' collectives less (1 - share) x the time their rank's compute ran beside them "
                 f"(replayed from the steps' median spans) fit the per-axis lines best at this share (relative "
                 f"least squares, steps of {COMM_SHARE_STEP}), {src}")))
-        # where the ranks do not outnumber the cores (twin.cores: there the fluid share says 1): with
-        # more ranks, the collectives' work on the cores is in the stretch of every rank's compute
-        cores = {r["machine"].get("cores") for r in runs}
-        fits_cores = len(cores) == 1 and None not in cores and ranks <= int(cores.pop())
-        issued = issue_cost(runs, prof.host_op_s) if micro.host_ordered and fits_cores else None
         if issued is not None:
             lines.append("host_issue_s = " + entry_text(max(issued[0], 1e-9), f"{issued[1]}, {src}"))
         if ratios:

@@ -18,8 +18,9 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     rank's stretch, wall over on-CPU time summed over the rank's compute ops: the rank's total is
     kept, spread over its ops as a fluid share would. The wall and on-CPU medians are reported too.
     The twin's predicted span holds the host time before the op (the profile's host_op_s, and its
-    host_issue_s per collective issued just before the op: twin.kernels.host_times), the measured
-    span only the kernel: the host time is taken off before comparing;
+    host_issue_s per collective issued just before the op that it does not wait for:
+    twin.kernels.host_times), the measured span only the kernel: the host time is taken off before
+    comparing;
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
     member to issue it (on aligned clocks: the latest start among the group's ranks), reported per
@@ -91,7 +92,8 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
 
 def _host_of(study, grid: Grid) -> dict[str, float]:
     """Per op name of the study's program, the host time the twin charges before it (seconds;
-    twin.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it)."""
+    twin.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it that
+    it does not wait for)."""
     from twin.kernels import host_times
     from twin.simulate import program_for
     prog = program_for(study, grid)

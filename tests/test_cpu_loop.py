@@ -69,10 +69,10 @@ def _fitted(loop: str) -> str:
 # (loop, median |error| under, at least this many of 35 within 15 %, worst under, Spearman at least)
 BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 24, 0.36, 0.94),
           ("cpu-2026-12-01d", 0.075, 29, 0.40, 0.95), ("cpu-2026-12-01e", 0.07, 28, 0.24, 0.94),
-          ("cpu-2026-12-01g", 0.07, 35, 0.15, 0.96), ("cpu-2026-12-01j", 0.11, 31, 0.24, 0.96),
+          ("cpu-2026-12-01g", 0.07, 35, 0.15, 0.96), ("cpu-2026-12-01j", 0.115, 31, 0.24, 0.96),
           ("cpu-2026-12-01k", 0.095, 31, 0.19, 0.96), ("cpu-2026-12-01l", 0.065, 35, 0.15, 0.96),
           ("cpu-2026-12-01m", 0.045, 35, 0.14, 0.96), ("cpu-2026-12-02a", 0.085, 25, 0.24, 0.91),
-          ("cpu-2026-12-02b", 0.08, 31, 0.18, 0.95)]
+          ("cpu-2026-12-02b", 0.065, 32, 0.18, 0.94)]
 
 
 @pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
@@ -137,8 +137,10 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     the profile fitted from both; quiet, load 0.7 at the start, 2,227 s): measured 10.2 %, 32 within
     15 %, worst 22 % (2x1x4x1), Spearman 0.98; every grid but 1x1x1x2 predicted short (mean -9.4 %):
     the runs took 1.10x (median over the 13 benched grids, 0.95-1.23x) the iteration their grid's
-    recorded bench steps imply, while the twin reproduced those steps at 0.90-1.08x; asserted: median
-    under 11 %, at least 31 within 15 %, worst under 24 %, Spearman at least 0.96.
+    recorded bench steps imply, while the twin reproduced those steps at 0.90-1.08x. With the issue
+    time charged only where the next compute op does not wait (twin.kernels.host_times, 2026-12-02;
+    these files fit it at 2 ranks): 10.98 %, 32, 22 %, 0.978; asserted: median under 11.5 %, at least
+    31 within 15 %, worst under 24 %, Spearman at least 0.96.
 
     cpu-2026-12-01k (six run passes, two bench passes, R1 B1 R2 R3 R4 B2 R5 R6; quiet, load 0.6 at the
     start, 3,056 s): measured 8.6 %, 32 within 15 % (1x1x4x1 -16.7 %, 1x1x2x4 -16.9 %, 2x1x4x1
@@ -169,8 +171,10 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     cpu-2026-12-02b (as 01l, at commit 65e9614: overlap_slowdown measured shape against shape, and
     the first bench that records each collective's issue time; quiet, load 0.5 at the start, 1,828 s):
     measured 7.1 %, 32 within 15 %, worst 16.6 % (1x1x4x2 -17 %; 2x1x4x1 and 4x1x1x2 -16 %),
-    Spearman 0.96; asserted: median under 8 %, at least 31 within 15 %, worst under 18 %, Spearman
-    at least 0.95."""
+    Spearman 0.96. With the issue time its bench measured (host_issue_s, calibration.sharing.
+    issue_measured; charged to the compute op after an issue it does not wait for): 5.7 %, 33 within
+    15 %, worst 17.0 % (1x4x2x1 +17 %, 4x1x1x2 -16 %; 1x1x4x2 from -17 to -3 %), Spearman 0.953;
+    asserted: median under 6.5 %, at least 32 within 15 %, worst under 18 %, Spearman at least 0.94."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
@@ -295,31 +299,56 @@ def test_wake_up_and_mean_host_gap_are_fitted(tmp_path):
 def test_a_collective_issued_costs_the_host_of_the_compute_op_after_it():
     """On a CPU the host that issues a collective is the device that computes (it fills the buffers,
     gloo's thread takes its core as it wakes): each compute op pays host_op_s plus host_issue_s per
-    collective issued since the compute op before it."""
+    collective issued since the compute op before it that it does not wait for (the wait holds the
+    issue of one it waits for)."""
     from twin.kernels import host_times
     from twin.program import Op
     ops = [Op(0, "ag0", "all_gather", "z", axis="z"), Op(1, "ag1", "all_gather", "z", axis="z"),
            Op(2, "gemm0", "gemm", "compute"), Op(3, "gemm1", "gemm", "compute"),
            Op(4, "rs", "reduce_scatter", "z", axis="z"), Op(5, "norm", "elementwise", "compute")]
     assert host_times(ops, 2e-4, 5e-4) == pytest.approx([0, 0, 2e-4 + 1e-3, 2e-4, 0, 2e-4 + 5e-4])
+    ops[2] = Op(2, "gemm0", "gemm", "compute", deps=(0,))  # waits for ag0: only ag1's issue is charged
+    assert host_times(ops, 2e-4, 5e-4) == pytest.approx([0, 0, 2e-4 + 5e-4, 2e-4, 0, 2e-4 + 5e-4])
     assert host_times(ops, 0.0, 0.0) == [0.0] * 6  # a GPU profile: the op times unchanged
 
 
 def test_the_issue_cost_is_fitted_where_the_ranks_do_not_outnumber_the_cores():
-    """cpu-2026-12-01g's bench files: with 2 ranks on 2 cores the recorded steps replayed at their
-    measured spans spend 345 ms between compute ops per step where bench measured 417 ms (1x1x2x1:
-    35 against 80; a gap in which its runs issued a z collective took 0.70 ms, one with none 0.18);
-    0.66 ms per collective issued closes it. With 4 and 8 ranks on 2 cores the collectives' work on
-    the cores is in each grid's stretch (twin.cores): no issue cost there."""
+    """cpu-2026-12-01g's bench files (before bench recorded issue times): with 2 ranks on 2 cores the
+    recorded steps replayed at their measured spans spend 345 ms between compute ops per step where
+    bench measured 417 ms (1x1x2x1: 35 against 80; a gap in which its runs issued a z collective
+    took 0.70 ms, one with none 0.18); 1.59 ms per collective issued that the next compute op does
+    not wait for closes it (0.66 ms when every issue was charged; the fit takes in whatever else the
+    replay misses between compute ops: bench measured 0.57 ms per such issue in cpu-2026-12-02b).
+    With 4 and 8 ranks on 2 cores these files give no issue cost."""
     import tempfile
     from twin.profile import load_profile
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "cpu.toml"
         path.write_text(_fitted("cpu-2026-12-01g"))
         prof = load_profile(str(path))
-    assert 3e-4 < prof.for_ranks(2).host_issue_s < 1.5e-3
+    assert 1e-3 < prof.for_ranks(2).host_issue_s < 2.5e-3
     assert "replay of the recorded training steps" in prof.sources["node_share[1].host_issue_s"]
     assert prof.for_ranks(1).host_issue_s == prof.for_ranks(4).host_issue_s == prof.for_ranks(8).host_issue_s == 0
+
+
+def test_the_issue_cost_is_measured_where_bench_recorded_it():
+    """cpu-2026-12-02b's bench files record each collective's issue time (issue_s): the profile takes
+    the mean over the collectives the next compute op does not wait for, with every rank count that
+    ran collectives (measured 0.57, 0.69 and 0.73 ms with 2, 4 and 8 ranks on 2 cores); one rank
+    issues none."""
+    import tempfile
+    from twin.profile import load_profile
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "cpu.toml"
+        path.write_text(_fitted("cpu-2026-12-02b"))
+        prof = load_profile(str(path))
+    for k, ranks in enumerate((1, 2, 4, 8)):
+        if ranks == 1:
+            assert prof.for_ranks(1).host_issue_s == 0
+            continue
+        assert 2e-4 < prof.for_ranks(ranks).host_issue_s < 2e-3, ranks
+        assert prof.sources[f"node_share[{k}].host_issue_s"].startswith("measured: mean host time of issuing")
+    assert prof.for_ranks(2).host_issue_s < prof.for_ranks(8).host_issue_s  # more ranks, longer to issue
 
 
 def test_bench_takes_an_ops_mean_over_the_recorded_steps():

@@ -48,18 +48,20 @@ def cost_role(op: Op) -> str:
 def host_times(ops: list[Op], host_op_s: float, host_issue_s: float) -> list[float]:
     """Per op of a program (in the order the host runs them), the host time charged before it
     (seconds; 0 for a collective): for a compute op, `host_op_s` (Profile.host_op_s) plus
-    `host_issue_s` (Profile.host_issue_s) for each collective issued since the compute op before it. On a CPU the host that issues a collective
-    is the device that computes: it fills the collective's buffers (a zeroed output, a copy to reduce)
-    and, on a busy node, gloo's thread takes the issuing rank's core as it wakes to the transfer; the
-    compute op after the issue starts that much later (calibration.sharing.issue_cost fits it)."""
-    out, issued = [], 0
+    `host_issue_s` (Profile.host_issue_s) for each collective issued since the compute op before it
+    that it does not wait for (not in its deps). On a CPU the host that issues a collective is the
+    device that computes: it fills the collective's buffers (a zeroed output, a copy to reduce) and,
+    on a busy node, gloo's thread takes the issuing rank's core as it wakes to the transfer; the
+    compute op after the issue starts that much later. One that waits for the collective starts
+    after its completion anyway, the issue inside that wait: charged again, it counted twice."""
+    out, issued = [], []
     for op in ops:
         if op.is_collective:
             out.append(0.0)
-            issued += 1
+            issued.append(op.index)
         else:
-            out.append(host_op_s + issued * host_issue_s)
-            issued = 0
+            out.append(host_op_s + host_issue_s * sum(1 for i in issued if i not in op.deps))
+            issued = []
     return out
 
 

@@ -228,7 +228,7 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
                                overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share,
                                by_size=True)
         new = core_stretch(ranks, p.node_cores, p.collective_core_load,
-                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, p.host_op_s), floor)
+                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__), floor)
         done = abs(new - stretch) <= 1e-4 * stretch
         stretch = new
         if done:
