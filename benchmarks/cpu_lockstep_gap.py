@@ -10,8 +10,9 @@ runs of the traced step (a rank's first start to last end, median over the ranks
 the twin's engine in lockstep, every op at its mean span over the ranks (as benchmarks/cpu_stretch.py):
 - `plain`: as the twin times it, host_op_s before each compute op;
 - `issue`: plus the run's own mean issue time (the trace's issue_us) for each collective issued
-  since the compute op before that this op does not wait for (the host is the device: the compute
-  op after an issue starts that much later);
+  since the compute op before that this op does not wait for, as the twin charges it
+  (twin.kernels.host_times; the host is the device: the compute op after an issue starts that much
+  later);
 - `noisy`: `issue` with each op's span drawn, per draw, from a log-normal of mean 1 and the run's own
   spread (the coefficient of variation of an op's span over the ranks, median over the compute ops
   and over the collectives; 0.6 for compute with 8 ranks on 2 cores, 0.3 with 4), mean over seeded
@@ -49,23 +50,10 @@ from cpu_iteration import grid_runs  # noqa: E402
 from twin.cores import busy_shares, core_stretch  # noqa: E402
 from twin.engine import simulate_program  # noqa: E402
 from twin.grid import Grid  # noqa: E402
+from twin.kernels import host_times  # noqa: E402
 from twin.model import load_model  # noqa: E402
 from twin.profile import load_profile  # noqa: E402
 from twin.program import Options, build_program, host_ordered  # noqa: E402
-
-
-def issue_hosts(ops, host_s: float, issue_s: float) -> list[float]:
-    """Host seconds before each op: host_s per compute op plus issue_s per collective issued since the
-    compute op before that this one does not wait for (0 for a collective)."""
-    out, issued = [], []
-    for op in ops:
-        if op.is_collective:
-            out.append(0.0)
-            issued.append(op.index)
-        else:
-            out.append(host_s + issue_s * sum(1 for i in issued if i not in op.deps))
-            issued = []
-    return out
 
 
 def spread(values: list[float]) -> float:
@@ -118,8 +106,8 @@ def one_run(d: Path, host_s: float, draws: int) -> dict:
                                - min(s.start_s for s in spans if s.rank == r) for r in ranks)
     trace_shares = busy_shares([(s.rank, s.name, s.start_s, s.duration_s) for s in spans],
                                lambda n: kinds[n] in COLLECTIVES)
-    plain = replay(prog, secs, issue_hosts(prog.ops, host_s, 0.0))
-    hosts = issue_hosts(prog.ops, host_s, issue_s)
+    plain = replay(prog, secs, host_times(prog.ops, host_s, 0.0))
+    hosts = host_times(prog.ops, host_s, issue_s)
     issued = replay(prog, secs, hosts)
     rng = random.Random(1)
     noisy = [replay(prog, secs, hosts, factors(prog, cv_compute, cv_collective, rng)) for _ in range(draws)]
