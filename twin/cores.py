@@ -96,11 +96,10 @@ twin and validated offline (2026-12-02):
   (worst 27 -> 25 %); the older loops, whose bench did not record it, keep a fitted one with 2 ranks;
 - not kept: the spans drawn as well (8 seeded draws at the runs' spread per rank count), on 01l, 01m
   and 02a with 02a's issue times for all three, against the twin with neither: per-op within 20 %
-  32 -> 33, 31 -> 32, 28 -> 29 grids,
-  worst 33 -> 27, 30 -> 24, 47 -> 40 %; iteration within 15 % 35 -> 34, 35 -> 34, 26 -> 29. The
-  grids with z = 4 keep a predicted stretch 11-33 % over the measured one: their GEMMs' on-CPU
-  times, from bench, come out 2-19 % over the runs' (median over a grid's GEMMs; bench and runs
-  minutes apart), and the fixed point amplifies that.
+  32 -> 33, 31 -> 32, 28 -> 29 grids, worst 33 -> 27, 30 -> 24, 47 -> 40 %; iteration within 15 %
+  35 -> 34, 35 -> 34, 26 -> 29. The grids with z = 4 keep a predicted stretch 11-33 % over the
+  measured one: their GEMMs' on-CPU times, from bench, come out 2-19 % over the runs' (median over a
+  grid's GEMMs; bench and runs minutes apart), and the fixed point amplifies that.
 """
 
 from __future__ import annotations
