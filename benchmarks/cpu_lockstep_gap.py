@@ -45,10 +45,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from calibration.sharing import replay as sharing_replay  # noqa: E402
 from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
 from cpu_iteration import grid_runs  # noqa: E402
 from twin.cores import busy_shares, core_stretch  # noqa: E402
-from twin.engine import simulate_program  # noqa: E402
 from twin.grid import Grid  # noqa: E402
 from twin.kernels import host_times  # noqa: E402
 from twin.model import load_model  # noqa: E402
@@ -62,27 +62,25 @@ def spread(values: list[float]) -> float:
     return statistics.pstdev(values) / m if len(values) > 1 and m > 0 else 0.0
 
 
-def factors(prog, cv_compute: float, cv_collective: float, rng: random.Random) -> list[float]:
-    """One draw: a log-normal factor of mean 1 per op, of the spread of its class."""
-    out = []
+def factors(prog, cv_compute: float, cv_collective: float, rng: random.Random) -> dict[str, float]:
+    """One draw: a log-normal factor of mean 1 per op (by name), of the spread of its class."""
+    out = {}
     for op in prog.ops:
         cv = cv_collective if op.is_collective else cv_compute
         s2 = math.log(1.0 + cv * cv)
-        out.append(math.exp(rng.gauss(-s2 / 2, math.sqrt(s2))) if cv > 0 else 1.0)
+        out[op.name] = math.exp(rng.gauss(-s2 / 2, math.sqrt(s2))) if cv > 0 else 1.0
     return out
 
 
-def replay(prog, secs: dict[str, float], hosts: list[float], scale: list[float] | None = None):
-    """(iteration s, busy shares) of the program in lockstep, op i taking secs[name] x scale[i] (plus
-    hosts[i] for a compute op); the compute share leaves each op's host time out."""
-    f = scale or [1.0] * len(prog.ops)
-    comp = [0.0 if op.is_collective else secs.get(op.name, 0.0) * f[i] + hosts[i] for i, op in enumerate(prog.ops)]
-    res = simulate_program(prog, comp, lambda i, _: secs.get(prog.ops[i].name, 0.0) * f[i], record=True)
-    spans = [(r, i, s + (0.0 if prog.ops[i].is_collective else hosts[i]),
-              d - (0.0 if prog.ops[i].is_collective else hosts[i])) for r, i, s, d in res.spans]
-    begin = min(s for _, _, s, _ in res.spans)
-    spans.append((0, -1, begin, 0.0))  # the iteration starts where the first op's host time does
-    return res.iteration_s, busy_shares(spans, lambda i: i >= 0 and prog.ops[i].is_collective)
+def lockstep(meta: dict, options: Options, secs: dict[str, float], host_s: float, issue_s: float):
+    """(iteration s, busy shares) of the run's program in lockstep, each op taking secs[name], as
+    calibration.sharing.replay times a bench file's steps (host_s and issue_s as the twin charges
+    them, twin.kernels.host_times, and left out of the compute share)."""
+    steps = [{"name": n, "seconds": t} for n, t in secs.items()]
+    prog, res = sharing_replay({"model": meta["model"], "grid": meta["grid"], "steps": steps}, host_s, issue_s,
+                               options=options)
+    return res.iteration_s, busy_shares(res.spans, lambda i: prog.ops[i].is_collective,
+                                        host_times(prog.ops, host_s, issue_s).__getitem__)
 
 
 def one_run(d: Path, host_s: float, draws: int) -> dict:
@@ -106,11 +104,13 @@ def one_run(d: Path, host_s: float, draws: int) -> dict:
                                - min(s.start_s for s in spans if s.rank == r) for r in ranks)
     trace_shares = busy_shares([(s.rank, s.name, s.start_s, s.duration_s) for s in spans],
                                lambda n: kinds[n] in COLLECTIVES)
-    plain = replay(prog, secs, host_times(prog.ops, host_s, 0.0))
-    hosts = host_times(prog.ops, host_s, issue_s)
-    issued = replay(prog, secs, hosts)
+    plain = lockstep(meta, options, secs, host_s, 0.0)
+    issued = lockstep(meta, options, secs, host_s, issue_s)
     rng = random.Random(1)
-    noisy = [replay(prog, secs, hosts, factors(prog, cv_compute, cv_collective, rng)) for _ in range(draws)]
+    noisy = []
+    for _ in range(draws):
+        f = factors(prog, cv_compute, cv_collective, rng)
+        noisy.append(lockstep(meta, options, {n: t * f.get(n, 1.0) for n, t in secs.items()}, host_s, issue_s))
     noisy_it = statistics.fmean(it for it, _ in noisy)
     noisy_sh = tuple(statistics.fmean(sh[k] for _, sh in noisy) for k in (0, 1))
     return {"ranks": grid.size, "issue_ms": issue_s * 1e3, "cv": (cv_compute, cv_collective),

@@ -47,6 +47,7 @@ from calibration.sharing import replay  # noqa: E402
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run  # noqa: E402
 from twin.cores import busy_shares, core_stretch, stretch_floor  # noqa: E402
 from twin.grid import Grid  # noqa: E402
+from twin.kernels import host_times  # noqa: E402
 from twin.profile import load_profile  # noqa: E402
 from twin.program import Options  # noqa: E402
 
@@ -80,7 +81,8 @@ def one_run(d: Path, profile: str, twin: bool = True) -> dict:
     real = busy_shares([(s.rank, s.name, s.start_s, s.duration_s) for s in spans],
                        lambda name: kinds[name] in COLLECTIVES, 0.0)
     prog, res = lockstep_replay(run, prof.host_op_s, prof.host_issue_s)
-    lockstep = busy_shares(res.spans, lambda i: prog.ops[i].is_collective, prof.host_op_s)
+    lockstep = busy_shares(res.spans, lambda i: prog.ops[i].is_collective,
+                           host_times(prog.ops, prof.host_op_s, prof.host_issue_s).__getitem__)
     traced = statistics.median(max(s.start_s + s.duration_s for s in spans if s.rank == r)
                                - min(s.start_s for s in spans if s.rank == r) for r in {s.rank for s in spans})
     steps = [s["step_time_s"] for s in run["steps"] if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in run["steps"]]

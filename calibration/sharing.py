@@ -102,9 +102,10 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
     """(seconds, how): the host time per collective issued (Profile.host_issue_s) as bench measured it:
     the mean `issue_s` (the host's wall time from preparing a collective's buffers to the return of
     its asynchronous call) over the collectives of the files' recorded steps that the compute op
-    after them does not wait for, the ones twin.kernels.host_times charges it for. None where no
-    file recorded it (bench before 2026-12-02)."""
+    after them does not wait for (twin.kernels.charged_issues, the ones host_times charges). None
+    where no file recorded it (bench before 2026-12-02)."""
     from twin.grid import Grid
+    from twin.kernels import charged_issues
     from twin.model import load_model
     from twin.program import Options, build_program, host_ordered
     times: list[float] = []
@@ -112,13 +113,8 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
         issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
         if not issue or not r.get("model"):
             continue
-        issued: list = []
-        for op in host_ordered(build_program(load_model(r["model"]), Grid.parse(r["grid"]), Options())).ops:
-            if op.is_collective:
-                issued.append(op)
-            else:
-                times += [issue[c.name] for c in issued if c.index not in op.deps and c.name in issue]
-                issued = []
+        prog = host_ordered(build_program(load_model(r["model"]), Grid.parse(r["grid"]), Options()))
+        times += [issue[c.name] for cs in charged_issues(prog.ops).values() for c in cs if c.name in issue]
     if not times:
         return None
     return statistics.fmean(times), (f"measured: mean host time of issuing a collective (its buffers and the "

@@ -126,7 +126,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
             lines.append("compute_contention = " + entry_text(contention, (
                 f"measured: GEMM time of {len(alone)} ops no collective overlapped in recorded "
                 f"training steps, over their microbenchmark-fitted time, {src_t}")))
-        paired = same_shape_slowdown(modeled, span) if stretch is not None else None  # on-CPU times: like with like
+        paired = same_shape_slowdown([row for row, _ in modeled], span) if stretch is not None else None  # like with like
         if paired is not None:
             slow, n_shapes = paired
             lines.append("overlap_slowdown = " + entry_text(slow, (
@@ -294,9 +294,10 @@ def cost_roles(run: dict) -> dict[str, str]:
     return {op.name: cost_role(op) for op in prog.ops if op.role}
 
 
-def same_shape_slowdown(modeled: list[tuple[dict, float]], span) -> tuple[float, int] | None:
-    """(slowdown, shapes): how much longer a GEMM of the recorded steps takes while a collective of its
-    rank runs beside it than one of the same shape (m, n, k, layout) that ran alone, `span(row)` each:
+def same_shape_slowdown(gemms: list[dict], span) -> tuple[float, int] | None:
+    """(slowdown, shapes): how much longer a GEMM of the recorded steps (`gemms`, their rows) takes
+    while a collective of its rank runs beside it than one of the same shape (m, n, k, layout) that
+    ran alone, `span(row)` each:
     the median over the shapes recorded both ways of the ratio of their medians, at least 1; None where
     no shape was. Like against like: the overlapped GEMMs of a step are not the alone ones (oar hides
     the all-reduce of the input gradient behind the weight-gradient GEMM), and the ratio of each
@@ -310,7 +311,7 @@ def same_shape_slowdown(modeled: list[tuple[dict, float]], span) -> tuple[float,
     against the profile fitted from its bench), per-op within 20 %: 32 grids of 35 in 01l (from 31),
     31 in 01m (from 28), 28 in 02a (28)."""
     by: dict[tuple, tuple[list[float], list[float]]] = {}
-    for row, _ in modeled:
+    for row in gemms:
         key = (row["m"], row["n"], row["k"], row["layout"] or "NN")
         by.setdefault(key, ([], []))[0 if row.get("covered", 0) >= COVERED else 1].append(span(row))
     ratios = [statistics.median(o) / statistics.median(a) for o, a in by.values() if o and a]

@@ -45,24 +45,30 @@ def cost_role(op: Op) -> str:
     return op.role + SPLIT if any(r.endswith("stats") for r in op.reads) else op.role
 
 
+def charged_issues(ops: list[Op]) -> dict[int, list[Op]]:
+    """Per compute op of a program (by index; ops in the order the host runs them), the collectives
+    issued since the compute op before it that it does not wait for (not in its deps): the issues
+    whose host time delays it (host_times). A compute op that waits for a collective starts after its
+    completion anyway, the issue inside that wait."""
+    out, issued = {}, []
+    for op in ops:
+        if op.is_collective:
+            issued.append(op)
+        else:
+            out[op.index] = [c for c in issued if c.index not in op.deps]
+            issued = []
+    return out
+
+
 def host_times(ops: list[Op], host_op_s: float, host_issue_s: float) -> list[float]:
     """Per op of a program (in the order the host runs them), the host time charged before it
     (seconds; 0 for a collective): for a compute op, `host_op_s` (Profile.host_op_s) plus
-    `host_issue_s` (Profile.host_issue_s) for each collective issued since the compute op before it
-    that it does not wait for (not in its deps). On a CPU the host that issues a collective is the
-    device that computes: it fills the collective's buffers (a zeroed output, a copy to reduce) and,
-    on a busy node, gloo's thread takes the issuing rank's core as it wakes to the transfer; the
-    compute op after the issue starts that much later. One that waits for the collective starts
-    after its completion anyway, the issue inside that wait: charged again, it counted twice."""
-    out, issued = [], []
-    for op in ops:
-        if op.is_collective:
-            out.append(0.0)
-            issued.append(op.index)
-        else:
-            out.append(host_op_s + host_issue_s * sum(1 for i in issued if i not in op.deps))
-            issued = []
-    return out
+    `host_issue_s` (Profile.host_issue_s) for each of its charged_issues. On a CPU the host that
+    issues a collective is the device that computes: it fills the collective's buffers (a zeroed
+    output, a copy to reduce) and, on a busy node, gloo's thread takes the issuing rank's core as it
+    wakes to the transfer; the compute op after the issue starts that much later."""
+    charged = charged_issues(ops)
+    return [0.0 if op.is_collective else host_op_s + host_issue_s * len(charged[op.index]) for op in ops]
 
 
 class KernelModel:
