@@ -37,69 +37,16 @@ stretch bench measured with that many ranks (the profile's pooled `stretch`): of
 to -0.6 % (2x1x1x1) and -18.2 to -15.9 % (1x2x1x1), closer in each loop but one (2x1x1x1 in 01d,
 +7.4 -> +10.2 %); no grid of 4 or 8 ranks moved.
 
-Tried and not kept: a load of its own for a collective in flight beside its rank's compute (the
-rest of `comm` being its rank waiting on it). Fitted on bench's steps, the two loads came out 0.44
-and 0.25 (01d), 0.45 and 0.06 (01e): a waiting rank keeps the cores busier than a collective running
-beside compute, and each grid's predicted stretch came closer to its runs' (1x1x4x1 1.99 -> 1.78
-against 1.62 measured, 8x1x1x1 2.43 -> 2.59 against 2.67; means over the three loops). But the
-iteration got worse in every loop (median |error| 7.0 -> 7.3, 6.3 -> 7.6, 9.3 -> 9.5 %; Spearman
-0.967 -> 0.965, 0.959 -> 0.956, 0.969 -> 0.962): the z-split grids' long-predicted stretch was
-hiding their long-predicted z collectives, which is the error to fix first.
-
-Where the model misses now (benchmarks/cpu_stretch.py, on the runs of the loops cpu-2026-12-01l and
--01m against each loop's profile): the formula holds on each rank's own shares (the traced steps' busy
-shares give the measured stretch within 10 % on every 8-rank grid of both loops), but the twin's
-shares come from a lockstep timeline, every op at its mean over the ranks, and that timeline
-overlaps compute with collectives more than the ranks do where z is split: on 1x1x4x2 the replay of
-the run's own mean ops gives c 0.55, comm 0.77 against 0.46 and 0.65 in the trace (01m), and so a
-stretch of 3.58 against 3.06 measured, the twin 3.82. Tried again on both loops' runs (refitted from
-each loop's bench, validated offline; none kept, each traded the iteration target for the per-op one):
-- the two loads above (0.56 waiting / 0.11 beside in 01l, 0.51 / 0.17 in 01m): per-op 31 and 31
-  grids within 20 % (from 31 and 28; worst 27 %, from 40 and 35 %), iteration 34 and 33 within 15 %
-  (from 35 and 35; 01m: 1x1x4x1 -17 %, 1x1x2x2 -15 %): at the right stretch the z-split grids'
-  lockstep step is short;
-- with them, the host time of issuing a collective (host_issue_s) fitted at 4 and 8 ranks too (1.17
-  and 1.44 ms; 1.08 and 1.52 ms) and taken out of the busy shares: per-op 31 and 32 within 20 % (worst
-  23 and 24 %), iteration 32 and 30 within 15 % (01l: 1x4x2x1 +20 %, 1x4x1x1 +19 %; 01m: 1x2x2x2 and
-  2x2x2x1 +20 %);
-- issue time charged only where the next op does not wait for the collective (a blocking
-  collective's span already holds its issue): the fit, which matches bench's gaps between compute
-  ops, ran to 4-5 ms per issue with 4 and 8 ranks and the iteration to 13 and 12 within 15 %;
-- a bench grid with z = 4 on 8 ranks (none of the 8-rank bench grids has one: their z lines fall back
-  to the ones measured alone), each of 1x2x4x1, 2x1x4x1 and 1x1x4x2 benched (2026-12-02) and added
-  to 01m's files in turn: the grid's own z collectives came right (1x2x4x1 all-gather -22 -> +1 %,
-  reduce-scatter -27 -> -7 %), its predicted stretch stayed as high (3.68, 3.42 and 3.73 against
-  2.99, 2.79 and 3.06), per-op 28-29 grids within 20 % (from 28), iteration 35 within 15 % as before.
-  In loop cpu-2026-12-02a, which benched 1x1x4x2 itself, its stretch came out 3.55 against 2.58.
-Why lockstep misses, and what did not replace it (prototypes on 01m's runs, 2026-12-02, not kept):
-- each rank replayed with its own measured spans (the engine in full mode, collectives from their last
-  member's arrival) takes 0.87-0.96 of the traced step on 10 grids of 8 ranks, every rank at the ops'
-  means 0.72-0.87: the ranks drift apart and wait for each other, which a lockstep timeline cannot
-  show. Independent noise drawn from those spans overshoots (0.93-1.14): time-slicing is zero-sum,
-  what a descheduled rank loses the others gain;
-- a time-sliced scheduler in place of the fluid (each rank's thread and a gloo thread per rank in
-  round-robin slices of 3 ms on 2 cores, fed the runs' own on-CPU times and collective spans) missed
-  the measured stretch by a median of 17 % (worst 72 %) and the step by 10 % (worst 36 %) over the 30
-  grids of 4 and 8 ranks: the fluid formula on lockstep shares does better.
-What the lockstep timeline lacks (benchmarks/cpu_lockstep_gap.py, on 02a's runs, whose traces carry
-each collective's issue time): the host's time issuing a collective (0.24-1.42 ms per collective
-with 4 and 8 ranks), which delays the compute op after it, and the spread of the spans under
-time-slicing (coefficient of variation 0.2-0.3 with 4 ranks, 0.5-0.7 with 8), which exposes more of
-a collective overlapped with compute than its mean span does. The lockstep replay of the runs' own
-mean spans with both takes 0.92-1.02 of the traced step on the 30 grids of 4 and 8 ranks (0.83-0.99
-without), and its shares on the z = 4 grids come within 0.04 of the traced ones. Built into the
-twin and validated offline (2026-12-02):
-- kept: the issue time, measured by bench since cpu-2026-12-02b (0.57, 0.69 and 0.73 ms per
-  collective the next compute op does not wait for, with 2, 4 and 8 ranks), charged to the compute
-  op after such an issue (twin.kernels.host_times) and left out of the compute share: 02b's runs
-  went from 7.1 to 5.7 % iteration median, 32 -> 33 grids within 15 %, per-op 31 -> 33 within 20 %
-  (worst 27 -> 25 %); the older loops, whose bench did not record it, keep a fitted one with 2 ranks;
-- not kept: the spans drawn as well (8 seeded draws at the runs' spread per rank count), on 01l, 01m
-  and 02a with 02a's issue times for all three, against the twin with neither: per-op within 20 %
-  32 -> 33, 31 -> 32, 28 -> 29 grids, worst 33 -> 27, 30 -> 24, 47 -> 40 %; iteration within 15 %
-  35 -> 34, 35 -> 34, 26 -> 29. The grids with z = 4 keep a predicted stretch 11-33 % over the
-  measured one: their GEMMs' on-CPU times, from bench, come out 2-19 % over the runs' (median over a
-  grid's GEMMs; bench and runs minutes apart), and the fixed point amplifies that.
+Where it misses (benchmarks/cpu_stretch.py on a loop's committed runs): the form holds on each
+rank's own traced shares (within 10 % of the measured stretch on every grid of 8 ranks), but the
+twin's shares come from a lockstep timeline, every op at its mean over the ranks, and that timeline
+overlaps compute with collectives more than the ranks, which drift apart under time-slicing, do.
+Where z = 4 on 8 ranks the step then hardly lengthens when the compute does (it hides more of the z
+all-gathers), the fixed point amplifies any error in its inputs about twofold, and the predicted
+stretch runs 11-36 % over the measured one: the grids that miss the CPU loop's per-op target. The models tried beside
+this one, each with the figures that decided against it (two loads, collectives stretched with the
+grid, a time-sliced scheduler, ranks replayed apart, spans drawn at random), are in the notebook,
+calibration/README.md ("How CPU ranks share their cores: what was tried").
 """
 
 from __future__ import annotations

@@ -209,8 +209,9 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     before it, or from files without on-CPU times): every grid then takes the profile's pooled
     `stretch`, which its compute op times hold. The busy shares come from the twin's own timeline,
     which the stretch lengthens: the fixed point, by iteration from the pooled stretch (each round
-    one symmetric simulation; the map's slope is about (R - 1) / cores x c (1 - c) / stretch, well
-    under 1). Programs are host-ordered and timed as _simulate_grid does."""
+    one symmetric simulation; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
+    step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
+    1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
     from twin.cores import busy_shares, core_stretch, stretch_floor
     p = study.profile
     ranks = min(grid.size, study.system.gpus_per_node)
