@@ -50,7 +50,7 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     per process group; the twin's axis stream runs one at a time);
 - memory: the twin's peak per rank against the measured peak (max over ranks).
 `validate_runs` adds the grid ranking: Spearman's rank correlation of predicted against measured
-iteration times over the runs. `scatter_html` draws predicted vs measured per op (plotly).
+iteration times over the runs. calibration.validate_page draws the report as a page (`--html`).
 What the run measured is read in calibration.validate_measured; the summaries (per kind, repeats
 pooled, Spearman) are made in calibration.validate_summary.
 """
@@ -230,28 +230,3 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
     return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
             "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs),
             "repeats": sum(r["repeats"] for r in runs)}
-
-
-def scatter_html(report: dict) -> str:
-    """Predicted vs measured per op (log-log, one colour per kind, the y = x line) as one HTML page."""
-    import plotly.graph_objects as go
-    fig = go.Figure()
-    ops = [o | {"run": r["grid"]} for r in report["runs"] for o in r["per_op"]]
-    for kind in sorted({o["kind"] for o in ops}):
-        sel = [o for o in ops if o["kind"] == kind]
-        fig.add_trace(go.Scatter(x=[o["measured_s"] * 1e3 for o in sel], y=[o["predicted_s"] * 1e3 for o in sel],
-                                 mode="markers", name=kind,
-                                 text=[f"{o['run']} {o['name']}<br>wall span {o.get('wall_s', o['measured_s']) * 1e3:.3f} ms"
-                                       + (f", on-CPU {o['cpu_s'] * 1e3:.3f} ms" if "cpu_s" in o else "")
-                                       + (f", peer wait {o['peer_wait_s'] * 1e3:.3f} ms" if "peer_wait_s" in o else "")
-                                       for o in sel],
-                                 hovertemplate="%{text}<br>measured %{x:.3f} ms<br>predicted %{y:.3f} ms"))
-    if ops:
-        lo = min(min(o["measured_s"], o["predicted_s"]) for o in ops if o["predicted_s"] > 0) * 1e3
-        hi = max(max(o["measured_s"], o["predicted_s"]) for o in ops) * 1e3
-        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="predicted = measured",
-                                 line={"dash": "dash", "color": "grey"}))
-    grids = ", ".join(r["grid"] for r in report["runs"])
-    fig.update_layout(title=f"twin vs backend per op ({grids})", xaxis_title="measured (ms)",
-                      yaxis_title="predicted (ms)", xaxis_type="log", yaxis_type="log", height=700)
-    return fig.to_html(include_plotlyjs=True)

@@ -131,6 +131,9 @@ def test_scaling_validate_and_the_report_with_both(tmp_path):
     page = render_page(tmp_path / "scaling.html", SHOTS / "scaling.png")
     assert_drew(page)
     assert sum(p["points"] for p in page["plots"]) >= 4  # the four GPU counts of the series
-    assert_drew(render_page(tmp_path / "validate.html", SHOTS / "validate.png"))
+    assert_drew(render_page(tmp_path / "validate.html", SHOTS / "validate.png"), {"plot-iteration", "plot-ops"})
+    page_text = (tmp_path / "validate.html").read_text()
+    assert "Iteration time: median |error|" in page_text and "How to read it" in page_text
+    assert "<h2>Per kind of op</h2>" in page_text and "<td>2x1x1x1</td>" in page_text
     assert_drew(render_page(tmp_path / "report.html", SHOTS / "report-cpu.png"),
                 {"plot-breakdown", "plot-timeline", "plot-scaling", "plot-validation"})

@@ -36,13 +36,14 @@ def validate_cmd(
     system: SystemOpt = "cpu",
     profile: ProfileOpt = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
-    html: Annotated[Optional[str], typer.Option(help="Write a plotly scatter of predicted vs measured per op here.", callback=output_file)] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write the report as one page here: summary, tables per grid and per kind, scatters per grid and per op.", callback=output_file)] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Simulate what `backend run` ran and compare: iteration, per op by kind, memory, grid ranking."""
     import json
 
-    from calibration.validate import scatter_html, validate_runs
+    from calibration.validate import validate_runs
+    from calibration.validate_page import validation_html
     from twin.progress import Steps, quiet_default
     with Steps(quiet_default(False, quiet)) as steps:
         rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
@@ -65,5 +66,5 @@ def validate_cmd(
         write_atomic(json_out, json.dumps(rep, indent=1))
         console.print(f"wrote {json_out}")
     if html is not None:
-        write_atomic(html, scatter_html(rep))
+        write_atomic(html, validation_html(rep))
         console.print(f"wrote {html}")

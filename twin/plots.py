@@ -215,13 +215,20 @@ def scaling_figure(points: list[dict]) -> go.Figure:
 
 def validation_figure(ops: list[dict]) -> go.Figure:
     """Predicted against measured per op (log-log, one colour per kind, the y = x line). Each op:
-    {"name", "kind", "measured_s", "predicted_s"} (calibration.validate's per_op)."""
+    {"name", "kind", "measured_s", "predicted_s"} (calibration.validate's per_op), and where given its
+    run's "grid" and its "wall_s", "cpu_s" and "peer_wait_s" (shown on hover)."""
+    def hover(o: dict) -> str:
+        text = (f"{o['grid']} " if "grid" in o else "") + o["name"]
+        parts = [f"{what} {o[key] * 1e3:.3f} ms" for what, key in
+                 (("wall span", "wall_s"), ("on-CPU", "cpu_s"), ("peer wait", "peer_wait_s")) if key in o]
+        return text + ("<br>" + ", ".join(parts) if parts else "")
+
     fig = go.Figure()
     for kind in sorted({o["kind"] for o in ops}):
         sel = [o for o in ops if o["kind"] == kind]
         fig.add_trace(go.Scatter(name=kind, x=[o["measured_s"] * 1e3 for o in sel],
                                  y=[o["predicted_s"] * 1e3 for o in sel], mode="markers",
-                                 marker_color=KIND_COLOURS.get(kind), text=[o["name"] for o in sel],
+                                 marker_color=KIND_COLOURS.get(kind), text=[hover(o) for o in sel],
                                  hovertemplate="%{text}<br>measured %{x:.3f} ms<br>predicted %{y:.3f} ms<extra></extra>"))
     vals = [v for o in ops for v in (o["measured_s"], o["predicted_s"]) if v > 0]
     if vals:
@@ -231,4 +238,24 @@ def validation_figure(ops: list[dict]) -> go.Figure:
     fig.update_layout(title="the twin against the backend, per op", xaxis_title="measured (ms)",
                       yaxis_title="predicted (ms)", xaxis_type="log", yaxis_type="log", height=480,
                       template="plotly_white")
+    return fig
+
+
+def iteration_validation_figure(runs: list[dict], target: float) -> go.Figure:
+    """Predicted against measured iteration time per grid (calibration.validate's runs: "grid" and
+    "iteration" with "measured_s", "predicted_s", "error"), with the y = x line and the band of
+    +-`target` (a fraction) around it."""
+    fig = go.Figure()
+    x = [r["iteration"]["measured_s"] for r in runs]
+    fig.add_trace(go.Scatter(name="grids", x=x, y=[r["iteration"]["predicted_s"] for r in runs], mode="markers",
+                             text=[f"{r['grid']}: {100 * r['iteration']['error']:+.0f} %" for r in runs],
+                             hovertemplate="%{text}<br>measured %{x:.3f} s<br>predicted %{y:.3f} s<extra></extra>"))
+    if x:
+        lo, hi = min(x) * 0.8, max(x) * 1.2
+        for f, name, dash in ((1.0, "predicted = measured", "dash"), (1 + target, f"+{100 * target:.0f} %", "dot"),
+                              (1 - target, f"-{100 * target:.0f} %", "dot")):
+            fig.add_trace(go.Scatter(name=name, x=[lo, hi], y=[lo * f, hi * f], mode="lines",
+                                     line=dict(dash=dash, color="grey"), hoverinfo="skip"))
+    fig.update_layout(title="the twin against the backend, iteration time per grid", xaxis_title="measured (s)",
+                      yaxis_title="predicted (s)", height=480, template="plotly_white")
     return fig

@@ -32,6 +32,7 @@ from twin.grid import AXES, Grid
 from twin.program import Options, Program, build_program
 from twin.result import SimulationResult
 from twin.study import Study, prepare
+from twin.page import Page, html_table
 from twin.trace import Span
 
 
@@ -246,58 +247,38 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     return rep
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1400px;margin:0 auto;
-padding:0 24px 48px;color:#222}h1{font-size:1.6em;margin-bottom:.2em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
-.lead{font-size:1.08em;line-height:1.5}.note{color:#555;font-size:.92em}table{border-collapse:collapse;margin:.6em 0}
-td,th{border:1px solid #ddd;padding:3px 9px;text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
-.plot{margin:.4em 0 1em}.missing{color:#777;font-style:italic}"""
-
-
 def render(rep: Report, study: Study, validation: dict | None = None, scaling: list[dict] | None = None) -> str:
-    """The page: sections of text, tables and plotly figures (plotly.js inlined once)."""
-    from plotly.offline import get_plotlyjs
-
+    """The page: sections of text, tables and plotly figures (twin.page)."""
     from topologies.draw import group_traffic_figure, node_rings_figure
     from twin.plots import (breakdown_figure, breakdown_parts, ranks_figure, scaling_figure, search_figure,
                             timeline_figure, validation_figure)
 
     r = rep.result
-    figures: list[tuple[str, object]] = []
-    parts = []
-
-    def fig(name: str, f) -> str:
-        figures.append((name, f))
-        return f'<div class="plot" id="plot-{name}" data-plot="{name}"></div>'
+    page = Page(f"{r.model} on {r.system}: twin report")
 
     it = r.iteration_time_s
-    parts.append(f"<h1>{html.escape(r.model)} on {html.escape(r.system)}: where one iteration's time goes</h1>")
-    parts.append('<p class="lead">' + "<br>".join(html.escape(s) for s in rep.summary) + "</p>")
-    parts.append("<h2>Breakdown</h2>")
-    parts.append('<p class="note">Compute: the compute stream runs an op. Exposed communication: the compute stream '
+    page.add(f"<h1>{html.escape(r.model)} on {html.escape(r.system)}: where one iteration's time goes</h1>")
+    page.add('<p class="lead">' + "<br>".join(html.escape(s) for s in rep.summary) + "</p>")
+    page.add("<h2>Breakdown</h2>")
+    page.add('<p class="note">Compute: the compute stream runs an op. Exposed communication: the compute stream '
                  "waits for a collective of that axis (communication that overlaps compute costs nothing here). "
                  "Idle: nothing runs. The parts add up to the iteration.</p>")
-    parts.append(fig("breakdown", breakdown_figure(r.breakdown_s, it)))
-    parts.append(_table(["where the time goes", "seconds", "share"],
+    page.figure("breakdown", breakdown_figure(r.breakdown_s, it))
+    page.add(html_table(["where the time goes", "seconds", "share"],
                         [[k, f"{v:.4f}", f"{100 * v / it:.1f} %"] for k, v in breakdown_parts(r.breakdown_s)]
                         + [["iteration", f"{it:.4f}", "100 %"]]))
-    parts.append("<h2>Timeline</h2>")
+    page.add("<h2>Timeline</h2>")
     window = f"It opens on {rep.window_label}; double-click the plot to see the whole iteration. " if rep.window else ""
-    parts.append(f'<p class="note">{window}Each rank has one row per stream (compute, then the communication stream of '
+    page.add(f'<p class="note">{window}Each rank has one row per stream (compute, then the communication stream of '
                  "each axis) and a row <b>waits</b>: red shades where the compute stream waits for a collective "
                  "(exposed communication, by axis), grey where nothing runs. The black line follows the critical "
                  "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
                  "Click a legend entry to hide a kind.</p>")
-    parts.append(fig("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
-                                                  critical=rep.critical, window=rep.window)))
+    page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
+                                                  critical=rep.critical, window=rep.window))
     if r.mode == "full" and r.simulated_ranks > 1:
-        parts.append(fig("ranks", ranks_figure(r.spans, it)))
-    parts.append("<h2>The network under the job</h2>")
+        page.figure("ranks", ranks_figure(r.spans, it))
+    page.add("<h2>The network under the job</h2>")
     if rep.bandwidth:
         rows = []
         for a in AXES:
@@ -305,57 +286,48 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
                 rows.append([a, str(r.grid[a]), f"{rep.bandwidth[a] / 1e9:.1f}",
                              f"{100 * rep.crossing.get(a, 0.0):.0f} %",
                              f"{r.breakdown_s['exposed_comm'][a]:.4f} s"])
-        parts.append(_table(["axis", "group size", "bus bandwidth per ring (GB/s)", "ring bytes leaving a dragonfly group",
+        page.add(html_table(["axis", "group size", "bus bandwidth per ring (GB/s)", "ring bytes leaving a dragonfly group",
                              "exposed per iteration"], rows))
     if rep.group_load:
-        parts.append('<p class="note">Each cell: the mean load, over one iteration, of the global links from one of '
+        page.add('<p class="note">Each cell: the mean load, over one iteration, of the global links from one of '
                      "the job's dragonfly groups to another, as a share of their capacity, from the bytes the axis' "
                      "rings send (minimal routes; Slingshot's adaptive routing spreads a hot pair over other groups). "
                      "Pick the axis with the buttons.</p>")
-        parts.append(fig("groups", group_traffic_figure(
-            rep.group_load, rep.groups, note=f"{len(rep.groups)} of {study.system.groups} groups hold the job")))
+        page.figure("groups", group_traffic_figure(
+            rep.group_load, rep.groups, note=f"{len(rep.groups)} of {study.system.groups} groups hold the job"))
     elif study.system.dragonfly:
-        parts.append(f'<p class="note">No ring leaves its dragonfly group (the job uses {len(rep.groups)} group'
+        page.add(f'<p class="note">No ring leaves its dragonfly group (the job uses {len(rep.groups)} group'
                      f'{"s" if len(rep.groups) != 1 else ""}), so the global links carry none of its traffic.</p>')
     if rep.hops:
-        parts.append('<p class="note">The rings each axis lays on the job\'s first node: an arrow from a GPU to the '
+        page.add('<p class="note">The rings each axis lays on the job\'s first node: an arrow from a GPU to the '
                      "next member of its ring, or to the GPU's NIC when the next member is on another node.</p>")
-        parts.append(fig("node", node_rings_figure(study.system, rep.hops, rep.bandwidth)))
-    parts.append("<h2>Grid search</h2>")
+        page.figure("node", node_rings_figure(study.system, rep.hops, rep.bandwidth))
+    page.add("<h2>Grid search</h2>")
     if rep.candidates:
-        parts.append('<p class="note">Every valid grid ranked by the analytical model (compute plus communication, '
+        page.add('<p class="note">Every valid grid ranked by the analytical model (compute plus communication, '
                      "not overlapped); the best few simulated. The simulated time decides.</p>")
-        parts.append(fig("search", search_figure(rep.candidates)))
-        parts.append(_table(["rank", "grid XxYxZxD", "analytical (s)", "simulated (s)", "memory (GiB)"],
+        page.figure("search", search_figure(rep.candidates))
+        page.add(html_table(["rank", "grid XxYxZxD", "analytical (s)", "simulated (s)", "memory (GiB)"],
                             [[str(i), str(c.grid), f"{c.analytical_s:.3f}",
                               "-" if c.simulated_s is None else f"{c.simulated_s:.3f}",
                               f"{c.memory_bytes / 2**30:.1f}"] for i, c in enumerate(rep.candidates, 1)]))
     else:
-        parts.append('<p class="missing">Not ranked (a grid was given with --top 0).</p>')
-    parts.append("<h2>Scaling</h2>")
+        page.add('<p class="missing">Not ranked (a grid was given with --top 0).</p>')
+    page.add("<h2>Scaling</h2>")
     if scaling:
-        parts.append(fig("scaling", scaling_figure(scaling)))
+        page.figure("scaling", scaling_figure(scaling))
     else:
-        parts.append('<p class="missing">No scaling study given (pass one with --scaling FILE).</p>')
-    parts.append("<h2>Twin against backend</h2>")
+        page.add('<p class="missing">No scaling study given (pass one with --scaling FILE).</p>')
+    page.add("<h2>Twin against backend</h2>")
     if validation and any(run.get("per_op") for run in validation.get("runs", [])):
         ops = [o for run in validation["runs"] for o in run["per_op"]]
-        parts.append(fig("validation", validation_figure(ops)))
+        page.figure("validation", validation_figure(ops))
     else:
-        parts.append('<p class="missing">No measured run given (pass `backend run` folders with --run DIR).</p>')
-    parts.append(f'<p class="note">twin report; {r.simulated_ops:,} simulated ops; profile {html.escape(r.profile)}; '
+        page.add('<p class="missing">No measured run given (pass `backend run` folders with --run DIR).</p>')
+    page.add(f'<p class="note">twin report; {r.simulated_ops:,} simulated ops; profile {html.escape(r.profile)}; '
                  f"options {html.escape(json.dumps(r.options))}; flops: {html.escape(r.flops_convention)}.</p>")
 
-    scripts = []
-    for name, f in figures:
-        spec = f.to_json()
-        scripts.append(f"(function(s){{Plotly.newPlot('plot-{name}', s.data, s.layout, "
-                       f"{{responsive: true, displaylogo: false}});}})({spec});")
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>{html.escape(r.model)} on {html.escape(r.system)}: twin report</title>"
-            f"<style>{CSS}</style><script>{get_plotlyjs()}</script></head><body>"
-            + "\n".join(parts)
-            + "<script>" + "\n".join(scripts) + "</script></body></html>")
+    return page.html()
 
 
 def read_scaling_points(path: str | Path) -> list[dict]:
