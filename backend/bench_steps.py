@@ -3,6 +3,7 @@ overlap, wake-up after a collective) and the executor's host time between comput
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -45,7 +46,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
       outside the program), mean over steps (`per_step`) and over ranks;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
-      covered, cpu_s (compute ops on CPU), wake_s and issue_s (collectives)}: its span, mean over steps
+      covered, spread, cpu_s (compute ops on CPU), wake_s and issue_s (collectives)}: its span, mean over steps
       (`per_step`) and over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
       than cores time-slice, a rank descheduled inside an op leaves that op's span long and its
       on-CPU time as it was; the fit spreads the ranks' summed waits over their ops, as validation
@@ -57,7 +58,11 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       this collective completed last in the gap before it; 0 where no compute op waited): the rank's
       thread wakes up after gloo's, which takes a time slice when more ranks than cores share the node.
       `issue_s` (collectives): the host's wall time issuing it, from preparing its buffers to the
-      return of the asynchronous call (the recorder's issue_us, backend/comm.py).
+      return of the asynchronous call (the recorder's issue_us, backend/comm.py). `spread`: the
+      coefficient of variation of its span over the ranks and the steps (standard deviation over
+      mean): where ranks time-slice the cores, spans vary far more than their means show (with 8
+      ranks on 2 cores 0.5-0.7 in the runs of cpu-2026-12-02a), and a collective overlapped with
+      compute is exposed by more than its mean span implies.
     (None, []) when the backend has no program executor."""
     try:
         import backend.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
@@ -120,11 +125,12 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
         rows.append({"name": op.name, "kind": op.kind, "role": op.role, "stream": op.stream,
                      "axis": op.axis or "", "bytes": op.bytes, "flops": op.flops, "m": op.m, "n": op.n,
                      "k": op.k, "layout": op.layout or "", "seconds": per_step(per_op.get(op.name, [0.0])),
+                     "squares": per_step([x * x for x in per_op.get(op.name, [0.0])]),
                      "covered": cov[len(cov) // 2], "wake_s": per_step(wake.get(op.name, [0.0])),
                      "issue_s": per_step(issue.get(op.name, [0.0])),
                      # -1: not recorded (a collective, a GPU)
                      "cpu_s": per_step(per_cpu.get(op.name, [-1.0]))})
-    keys = ("seconds", "covered", "wake_s", "issue_s", "cpu_s")
+    keys = ("seconds", "squares", "covered", "wake_s", "issue_s", "cpu_s")
     group = world_group()
     if group is not None:
         t = torch.tensor([[r[k] for k in keys] for r in rows], dtype=torch.float64)
@@ -133,6 +139,9 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
         for r, values in zip(rows, t.tolist()):
             r.update(zip(keys, values))
     for r in rows:
+        squares = r.pop("squares")  # mean over ranks and steps of the span squared
+        if r["seconds"] > 0:
+            r["spread"] = math.sqrt(max(squares - r["seconds"] ** 2, 0.0)) / r["seconds"]
         if r["kind"] not in COLLECTIVE_KINDS:
             del r["wake_s"]
         if r["kind"] not in COLLECTIVE_KINDS or r["issue_s"] <= 0:

@@ -397,6 +397,7 @@ def test_the_loop_end_to_end(tmp_path):
     assert not any("issue_s" in r for r in bench["steps"] if r["stream"] == "compute")
     compute = [r for r in bench["steps"] if r["stream"] == "compute"]
     assert compute and all(0 <= r["cpu_s"] <= r["seconds"] for r in compute)  # on-CPU times recorded
+    assert all(0 <= r["spread"] < 5 for r in bench["steps"])  # each op's variation over ranks and steps
     host = next(r for r in bench["ops"] if r["op"] == "host")
     assert host["free_mean_s"] > 0
     assert host["step_s"] >= sum(r["seconds"] for r in compute)  # a whole step holds its compute ops
