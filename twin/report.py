@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from twin.grid import AXES, Grid
+from twin.page import Page, html_table
 from twin.program import Options, Program, build_program
 from twin.result import SimulationResult
 from twin.study import Study, prepare
-from twin.page import Page, html_table
 from twin.trace import Span
 
 
@@ -261,8 +261,8 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
     page.add('<p class="lead">' + "<br>".join(html.escape(s) for s in rep.summary) + "</p>")
     page.add("<h2>Breakdown</h2>")
     page.add('<p class="note">Compute: the compute stream runs an op. Exposed communication: the compute stream '
-                 "waits for a collective of that axis (communication that overlaps compute costs nothing here). "
-                 "Idle: nothing runs. The parts add up to the iteration.</p>")
+             "waits for a collective of that axis (communication that overlaps compute costs nothing here). "
+             "Idle: nothing runs. The parts add up to the iteration.</p>")
     page.figure("breakdown", breakdown_figure(r.breakdown_s, it))
     page.add(html_table(["where the time goes", "seconds", "share"],
                         [[k, f"{v:.4f}", f"{100 * v / it:.1f} %"] for k, v in breakdown_parts(r.breakdown_s)]
@@ -270,12 +270,12 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
     page.add("<h2>Timeline</h2>")
     window = f"It opens on {rep.window_label}; double-click the plot to see the whole iteration. " if rep.window else ""
     page.add(f'<p class="note">{window}Each rank has one row per stream (compute, then the communication stream of '
-                 "each axis) and a row <b>waits</b>: red shades where the compute stream waits for a collective "
-                 "(exposed communication, by axis), grey where nothing runs. The black line follows the critical "
-                 "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
-                 "Click a legend entry to hide a kind.</p>")
+             "each axis) and a row <b>waits</b>: red shades where the compute stream waits for a collective "
+             "(exposed communication, by axis), grey where nothing runs. The black line follows the critical "
+             "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
+             "Click a legend entry to hide a kind.</p>")
     page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
-                                                  critical=rep.critical, window=rep.window))
+                                             critical=rep.critical, window=rep.window))
     if r.mode == "full" and r.simulated_ranks > 1:
         page.figure("ranks", ranks_figure(r.spans, it))
     page.add("<h2>The network under the job</h2>")
@@ -290,22 +290,22 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
                              "exposed per iteration"], rows))
     if rep.group_load:
         page.add('<p class="note">Each cell: the mean load, over one iteration, of the global links from one of '
-                     "the job's dragonfly groups to another, as a share of their capacity, from the bytes the axis' "
-                     "rings send (minimal routes; Slingshot's adaptive routing spreads a hot pair over other groups). "
-                     "Pick the axis with the buttons.</p>")
+                 "the job's dragonfly groups to another, as a share of their capacity, from the bytes the axis' "
+                 "rings send (minimal routes; Slingshot's adaptive routing spreads a hot pair over other groups). "
+                 "Pick the axis with the buttons.</p>")
         page.figure("groups", group_traffic_figure(
             rep.group_load, rep.groups, note=f"{len(rep.groups)} of {study.system.groups} groups hold the job"))
     elif study.system.dragonfly:
         page.add(f'<p class="note">No ring leaves its dragonfly group (the job uses {len(rep.groups)} group'
-                     f'{"s" if len(rep.groups) != 1 else ""}), so the global links carry none of its traffic.</p>')
+                 f'{"s" if len(rep.groups) != 1 else ""}), so the global links carry none of its traffic.</p>')
     if rep.hops:
         page.add('<p class="note">The rings each axis lays on the job\'s first node: an arrow from a GPU to the '
-                     "next member of its ring, or to the GPU's NIC when the next member is on another node.</p>")
+                 "next member of its ring, or to the GPU's NIC when the next member is on another node.</p>")
         page.figure("node", node_rings_figure(study.system, rep.hops, rep.bandwidth))
     page.add("<h2>Grid search</h2>")
     if rep.candidates:
         page.add('<p class="note">Every valid grid ranked by the analytical model (compute plus communication, '
-                     "not overlapped); the best few simulated. The simulated time decides.</p>")
+                 "not overlapped); the best few simulated. The simulated time decides.</p>")
         page.figure("search", search_figure(rep.candidates))
         page.add(html_table(["rank", "grid XxYxZxD", "analytical (s)", "simulated (s)", "memory (GiB)"],
                             [[str(i), str(c.grid), f"{c.analytical_s:.3f}",
@@ -325,7 +325,7 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
     else:
         page.add('<p class="missing">No measured run given (pass `backend run` folders with --run DIR).</p>')
     page.add(f'<p class="note">twin report; {r.simulated_ops:,} simulated ops; profile {html.escape(r.profile)}; '
-                 f"options {html.escape(json.dumps(r.options))}; flops: {html.escape(r.flops_convention)}.</p>")
+             f"options {html.escape(json.dumps(r.options))}; flops: {html.escape(r.flops_convention)}.</p>")
 
     return page.html()
 
