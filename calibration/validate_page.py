@@ -8,6 +8,7 @@ import html
 import statistics
 from dataclasses import dataclass
 
+from calibration.validate import SKIP_STEPS
 from calibration.validate_measured import COLLECTIVES
 from calibration.validate_summary import _by_kind
 
@@ -97,7 +98,7 @@ def kind_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 HOW_TO_READ = [
-    "Measured iteration: the median step time of a run after its first two steps; for a grid run several "
+    f"Measured iteration: the median step time of a run after its first {SKIP_STEPS} steps; for a grid run several "
     "times, the median over its runs. Predicted: `twin simulate` of the same model, grid, batch and switches "
     "with the profile named below. Error = predicted / measured - 1.",
     "Per op: each op of the traced step by name. Where ranks outnumber the cores (a CPU), the scheduler "
