@@ -88,7 +88,7 @@ if $PY -c "import simpy, plotly, networkx" 2>/dev/null; then
 else  # the H200 image lacks the simulator's packages: validate where the files come back
   echo "twin validate skipped (no simpy/plotly/networkx here); on a machine with the repository, unpack"
   echo "gpu_check_files.tar.gz into DIR and run: twin validate DIR/run_recompute DIR/run_no_recompute \\"
-  echo "  --system h200 --profile DIR/profile/$PROFILE.toml --json DIR/validate.json"
+  echo "  --system h200 --profile DIR/profile/$PROFILE.toml --json DIR/validate.json --html DIR/validate.html"
 fi
 
 echo "== 5. summary"
