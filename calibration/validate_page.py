@@ -26,6 +26,12 @@ CPU_TARGETS = Targets(iteration=0.15, per_op=0.20, memory=0.10, spearman=0.9)  #
 GPU_TARGETS = Targets(iteration=0.05, per_op=0.10, memory=0.10, spearman=0.9)  # one H200
 
 
+def targets_for(report: dict) -> Targets:
+    """The targets of a validation report's runs: the CPU loop's where they ran on the `cpu` system,
+    else one H200's."""
+    return CPU_TARGETS if report["runs"][0].get("system") == "cpu" else GPU_TARGETS
+
+
 def _pct(v: float | None, signed: bool = False, digits: int = 0) -> str:
     if v is None:
         return "-"
@@ -37,9 +43,9 @@ def summary_lines(report: dict, t: Targets) -> list[str]:
     """The headline in words: iteration, per op, memory, ranking, and the repeats' own spread."""
     runs = report["runs"]
     n = len(runs)
-    its = sorted(runs, key=lambda r: abs(r["iteration"]["error"]))
-    worst = its[-1]
-    lines = [f"Iteration time: median |error| {_pct(statistics.median(abs(r['iteration']['error']) for r in runs), digits=1)}; "
+    worst = max(runs, key=lambda r: abs(r["iteration"]["error"]))
+    median = statistics.median(abs(r["iteration"]["error"]) for r in runs)
+    lines = [f"Iteration time: median |error| {_pct(median, digits=1)}; "
              f"{sum(abs(r['iteration']['error']) <= t.iteration for r in runs)} of {n} grids within "
              f"{_pct(t.iteration)} (worst {worst['grid']}, {_pct(worst['iteration']['error'], True)})."]
     ops = [r for r in runs if r["ops"]["median_abs_error"] is not None]
@@ -118,7 +124,7 @@ def validation_html(report: dict, targets: Targets | None = None) -> str:
     from twin.plots import iteration_validation_figure, validation_figure
     runs = report["runs"]
     first = runs[0]
-    t = targets or (CPU_TARGETS if first.get("system") == "cpu" else GPU_TARGETS)
+    t = targets or targets_for(report)
     models = ", ".join(sorted({r["model"] for r in runs}))
     page = Page(f"twin vs backend: {models}")
     page.add(f"<h1>The twin against the backend: {html.escape(models)}, {len(runs)} grid"

@@ -137,3 +137,4 @@ def test_scaling_validate_and_the_report_with_both(tmp_path):
     assert "<h2>Per kind of op</h2>" in page_text and "<td>2x1x1x1</td>" in page_text
     assert_drew(render_page(tmp_path / "report.html", SHOTS / "report-cpu.png"),
                 {"plot-breakdown", "plot-timeline", "plot-scaling", "plot-validation"})
+    assert "Iteration time: median |error|" in (tmp_path / "report.html").read_text()  # the validation in words
