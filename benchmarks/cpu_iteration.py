@@ -77,15 +77,13 @@ def replayed_steps(bench: dict) -> float | None:
     """Seconds per iteration that a measurement file's recorded training steps imply: the program (as
     the CPU executor issues it) through the twin's engine, every op at its measured span; None
     without recorded steps."""
+    from calibration.sharing import recorded_program
     from twin.engine import simulate_program
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.program import Options, build_program, host_ordered
     host = next((r for r in bench.get("ops", []) if r["op"] == "host"), None)
     if not bench.get("steps") or host is None:
         return None
     gap = host.get("free_mean_s", host["seconds"])
-    prog = host_ordered(build_program(load_model(bench["model"]), Grid.parse(bench["grid"]), Options()))
+    prog = recorded_program(bench["model"], bench["grid"])
     secs = {row["name"]: row["seconds"] for row in bench["steps"]}
     wake = {row["name"]: max(0.0, row.get("wake_s", 0.0) - gap) for row in bench["steps"]}
     compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + gap for op in prog.ops]

@@ -4,6 +4,7 @@ share of its rate a collective keeps while its rank computes (comm_share)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 
@@ -16,6 +17,18 @@ LOAD_STEP = 0.01  # the grid of collective_core_load values tried
 LOAD_MAX = 3.0
 
 
+@functools.lru_cache(maxsize=None)
+def recorded_program(model: str, grid: str, options=None):
+    """The program a measurement file's recorded steps ran (its model and grid; `options`: the switches,
+    twin.program.Options, None for the defaults bench records with), host-ordered as the CPU executor
+    issues it; built once per (model, grid, options): the fit replays each file many times. Shared:
+    callers read it and do not change it."""
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Options, build_program, host_ordered
+    return host_ordered(build_program(load_model(model), Grid.parse(grid), options or Options()))
+
+
 def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, engine result with spans) of a measurement file's recorded steps replayed by the
     twin's engine with every op at its measured median span (compute ops plus the host time between
@@ -25,13 +38,10 @@ def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, 
     as the twin's in-training lines do. options: the program's switches (twin.program.Options; None:
     the defaults, which bench records its steps with)."""
     from twin.engine import simulate_program
-    from twin.grid import Grid
     from twin.kernels import host_times
-    from twin.model import load_model
-    from twin.program import Options, build_program, host_ordered
     if not run.get("steps") or not run.get("model"):
         return None
-    prog = host_ordered(build_program(load_model(run["model"]), Grid.parse(run["grid"]), options or Options()))
+    prog = recorded_program(run["model"], run["grid"], options)
     secs = {row["name"]: row["seconds"] for row in run["steps"]}
     if woken:
         secs.update({row["name"]: row["seconds"] + max(0.0, row.get("wake_s", 0.0) - host_s)
@@ -104,16 +114,13 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
     its asynchronous call) over the collectives of the files' recorded steps that the compute op
     after them does not wait for (twin.kernels.charged_issues, the ones host_times charges). None
     where no file recorded it (bench before 2026-12-02)."""
-    from twin.grid import Grid
     from twin.kernels import charged_issues
-    from twin.model import load_model
-    from twin.program import Options, build_program, host_ordered
     times: list[float] = []
     for r in runs:
         issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
         if not issue or not r.get("model"):
             continue
-        prog = host_ordered(build_program(load_model(r["model"]), Grid.parse(r["grid"]), Options()))
+        prog = recorded_program(r["model"], r["grid"])
         times += [issue[c.name] for cs in charged_issues(prog.ops).values() for c in cs if c.name in issue]
     if not times:
         return None
