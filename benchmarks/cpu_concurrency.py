@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("runs", help="folder of run folders, one per grid (bench_validate's --work/runs)")
     ap.add_argument("--profile", required=True, help="the loop's fitted profile (bench_validate's --profile)")
     ap.add_argument("grids", nargs="*", help="only these grids (default: every grid of more ranks than cores)")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # RUNS --profile P GRID...: grids after the option
     prof = load_profile(a.profile)
     if not prof.node_cores:
         print(f"{a.profile} models no shared cores (node_cores, collective_core_load): nothing to compare")

@@ -45,15 +45,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibration.sharing import replay as sharing_replay  # noqa: E402
+from calibration.sharing import recorded_program, replay as sharing_replay  # noqa: E402
 from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
 from cpu_iteration import grid_runs  # noqa: E402
 from twin.cores import busy_shares, core_stretch  # noqa: E402
 from twin.grid import Grid  # noqa: E402
 from twin.kernels import host_times  # noqa: E402
-from twin.model import load_model  # noqa: E402
 from twin.profile import load_profile  # noqa: E402
-from twin.program import Options, build_program, host_ordered  # noqa: E402
+from twin.program import Options  # noqa: E402
 
 
 def spread(values: list[float]) -> float:
@@ -89,7 +88,7 @@ def one_run(d: Path, host_s: float, draws: int) -> dict:
     meta, spans = run["meta"], run["spans"]
     grid = Grid.parse(meta["grid"])
     options = Options(**{k: v for k, v in meta["options"].items() if k in Options.__dataclass_fields__})
-    prog = host_ordered(build_program(load_model(meta["model"]), grid, options))
+    prog = recorded_program(meta["model"], meta["grid"], options)
     by_name: dict[str, list[float]] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s.duration_s)
@@ -124,7 +123,7 @@ def main() -> int:
     ap.add_argument("grids", nargs="*", help="grids to replay (default: every grid of 4 or more ranks)")
     ap.add_argument("--profile", required=True, help="the loop's fitted profile (its host_op_s and load)")
     ap.add_argument("--draws", type=int, default=8, help="seeded draws of the noisy replay (default 8)")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # RUNS --profile P GRID...: grids after the option
     runs = grid_runs(Path(a.runs))
     grids = a.grids or [g for g in runs if Grid.parse(g).size >= 4]
     missing = [g for g in grids if g not in runs]
