@@ -86,9 +86,9 @@ def grid_rows(runs: list[dict], t: Targets) -> tuple[list[str], list[list[str]],
                      "-" if stretch is None else f"{stretch:.2f}",
                      "-" if mem["measured_bytes"] is None else f"{mem['measured_bytes'] / 2**20:.1f}",
                      f"{mem['predicted_bytes'] / 2**20:.1f}", _pct(mem["error"], True)])
-        over |= {(i, j) for j, bad in ((4, abs(it["error"]) > t.iteration),
-                                       (6, (ops["median_abs_error"] or 0) > t.per_op),
-                                       (12, mem["error"] is not None and abs(mem["error"]) > t.memory)) if bad}
+        over |= {(i, header.index(col)) for col, bad in (
+            ("error", abs(it["error"]) > t.iteration), ("per-op median |error|", (ops["median_abs_error"] or 0) > t.per_op),
+            ("memory error", mem["error"] is not None and abs(mem["error"]) > t.memory)) if bad}
     return header, rows, over
 
 
