@@ -343,6 +343,23 @@ def test_same_block_is_floor_division():
         assert np.array_equal(same_block(a, b, k), a // k == b // k)
 
 
+def test_a_network_keeps_its_key_however_many_arrays_were_keyed_since():
+    """The key a network's arrays were given at construction lasts as long as they do: keying many
+    other arrays in between (a long test session, a study over many grids) left an equal network
+    another key once the memo of keys was cleared (CI, 2026-12-02: the test below, run late)."""
+    from topologies.memo import array_key
+    from topologies.routing import network_key
+    net = Network(load_system("alps"), 2)
+    others = [np.arange(k, k + 3) for k in range(600)]  # live, so their keys are kept too
+    keys = [array_key(a) for a in others]
+    assert network_key(net) == network_key(Network(load_system("alps"), 2))
+    assert keys == [array_key(a) for a in others]
+    from topologies.memo import _ARRAY_KEYS
+    held = len(_ARRAY_KEYS)
+    del others
+    assert len(_ARRAY_KEYS) <= held - 600  # an array's entry goes with it: the memo holds live arrays only
+
+
 def test_network_arrays_are_read_only_and_keys_follow_a_replaced_capacity():
     """Memos key a network by its system (no hashing of its link arrays): the arrays cannot change in
     place, and a copy given other capacities (as the adaptive-routing test does) gets another key."""

@@ -48,14 +48,20 @@ def array_key(a: np.ndarray) -> bytes:
 
 def remember_key(a: np.ndarray, key: bytes) -> None:
     """Let `array_key(a)` answer `key` while `a` lives, without hashing it: for a read-only array
-    whose content `key` determines (a digest of what it was computed from)."""
+    whose content `key` determines (a digest of what it was computed from). The entry goes when the
+    array does, and not before: a key given here is not the digest of the content, so forgetting it
+    while the array lives would give the same array, or an equal one, another key."""
+    i = id(a)
+
+    def forget(dead: weakref.ref) -> None:
+        if _ARRAY_KEYS.get(i, (None,))[0] is dead:  # not an entry since made for a new array at that id
+            del _ARRAY_KEYS[i]
+
     try:
-        ref = weakref.ref(a)
+        ref = weakref.ref(a, forget)
     except TypeError:
         return
-    if len(_ARRAY_KEYS) > 256:
-        _ARRAY_KEYS.clear()
-    _ARRAY_KEYS[id(a)] = (ref, key)
+    _ARRAY_KEYS[i] = (ref, key)
 
 
 class Memo:
