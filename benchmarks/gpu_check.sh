@@ -22,9 +22,9 @@
 #   run(command="GIT_COMMIT=<sha> bash benchmarks/gpu_check.sh", timeout_s=540); the
 # H200 image has python3 3.12 with torch 2.11, numpy, typer and rich, and lacks simpy and plotly.
 # Overrides for a dry run on a CPU: MODEL=gpt-tiny DEVICE=cpu DTYPE=fp32 SQUARE=512 STEPS=4.
-# To keep the result (on a machine with the repository):
-#   cp $OUT/gpu_check.json calibration/measurements/gpu-check-<gpu>-<yyyy-mm-dd>.json
-#   git add calibration/measurements/gpu-check-*.json && git commit -m "GPU check on <machine>, <date>"
+# To keep the result (on a machine with the repository): the summary's last line extracts the
+# summary, the bench measurement, the fitted profile and the validation report from the tarball into
+# calibration/measurements/gpu-<gpu>-<yyyy-mm-dd>/ and commits them.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_check_out}
 MODEL=${MODEL:-gpt-1b}
@@ -39,6 +39,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT  # what is kept is in $OUT: the log, the summary and a tarball of $WORK
 cd "$(dirname "$0")/.."
 
 {
@@ -92,7 +93,7 @@ else  # the H200 image lacks the simulator's packages: validate where the files 
 fi
 
 echo "== 5. summary"
-$PY benchmarks/gpu_check_summary.py "$WORK" 2>&1 | tee "$WORK/summary.txt"
+$PY benchmarks/gpu_check_summary.py "$WORK" "$OUT" 2>&1 | tee "$WORK/summary.txt"
 cp "$WORK/gpu_check.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/gpu_check_files.tar.gz" -C "$WORK" .
 echo "files: $OUT/gpu_check.json, $OUT/gpu_check_files.tar.gz, $OUT/gpu_check.log"

@@ -1,6 +1,9 @@
 """Summarize a benchmarks/gpu_check.sh run: GEMM peak, tokens/s and flop/s of each run, % of peak.
 
-    python benchmarks/gpu_check_summary.py OUT_DIR      # writes OUT_DIR/gpu_check.json, prints it
+    python benchmarks/gpu_check_summary.py WORK_DIR [OUT_DIR]   # writes WORK_DIR/gpu_check.json, prints it
+
+OUT_DIR is where gpu_check.sh leaves its tarball of WORK_DIR (default WORK_DIR): the printed line
+that commits the check's files extracts them from it.
 
 Throughput averages skip the first steps (CUDA warm-up, GEMM layout tuning) and the traced last step.
 Flop conventions: `flops_per_s` is ModelSpec.reference_flops (Narayanan et al. SC'21) with the
@@ -88,22 +91,35 @@ def main(out_dir: str) -> dict:
     return result
 
 
-def commit_name(result: dict) -> str:
-    """calibration/measurements/gpu-check-<device>-<date>.json for this result."""
+KEPT = ("gpu_check.json", "environment.txt", "gemm.json", "profile", "validate.json")  # what to commit
+
+
+def commit_dir(result: dict) -> str:
+    """calibration/measurements/gpu-<device>-<date>/, the folder this check's files are committed to."""
     machine = result.get("machine", {})
     device = machine.get("gpu") or machine.get("cpu") or "unknown"
     slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
     while "--" in slug:
         slug = slug.replace("--", "-")
     date = machine.get("date", "")[:10] or "undated"
-    return f"calibration/measurements/gpu-check-{slug}-{date}.json"
+    return f"calibration/measurements/gpu-{slug}-{date}"
+
+
+def keep_command(result: dict, work: Path, out_dir: str) -> str:
+    """The shell line that commits this check (its summary, bench measurement, fitted profile and
+    validation report, those of KEPT that `work` holds) from the tarball gpu_check.sh leaves in
+    `out_dir` (where the files come back)."""
+    folder = commit_dir(result)
+    members = " ".join(f"./{name}" for name in KEPT if (work / name).exists())
+    device = result.get("machine", {}).get("gpu") or "a CPU (dry run)"
+    return (f"mkdir -p {folder} && tar -xzf {out_dir}/gpu_check_files.tar.gz -C {folder} {members} && "
+            f"git add {folder} && git commit -m 'GPU check on {device}: bench, fitted profile, validation'")
 
 
 if __name__ == "__main__":
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "gpu_check_out"
-    res = main(out_dir)
+    work_dir = sys.argv[1] if len(sys.argv) > 1 else "gpu_check_out"
+    res = main(work_dir)
     brief = {k: v for k, v in res.items() if k != "gemm_table"}
     print(json.dumps(brief, indent=1))
-    name = commit_name(res)
-    print(f"\nto keep it: cp {out_dir}/gpu_check.json {name} && git add {name} && "
-          f"git commit -m 'GPU check: backend gpt-1b on one GPU'")
+    print(f"\nto keep it (from the repository root):\n  "
+          f"{keep_command(res, Path(work_dir), sys.argv[2] if len(sys.argv) > 2 else work_dir)}")
