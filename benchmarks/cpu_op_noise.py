@@ -18,12 +18,12 @@ difference of two halves has about twice the spread of one median of four), so `
 noise from above: where `twin` stands well past it, the miss is the model's.
 
 Measured (2026-12-02, each loop against a profile fitted from its own bench):
-- cpu-2026-12-02d: halves at most 0.25 on any grid (2x1x4x1), 0.12 or less on 24 of 35 grids; the
+- cpu-2026-12-02d: halves (the worst split) at most 0.25 (2x1x4x1), median over the grids 0.12; the
   twin past 20 % on 1x1x4x2 (0.38, halves at most 0.12), 1x2x4x1 and 1x4x2x1 (0.21, halves 0.13),
   2x2x2x1 (0.20, halves 0.08) and 2x1x4x1 (0.24, halves 0.25: within the noise);
-- cpu-2026-12-02e (a noisier loop: repeats' spread median 29 %): halves up to 0.44 (2x4x1x1), and
-  the twin past 20 % on 1x1x4x2 alone (0.21, halves at most 0.10; its stretch 3.40 predicted
-  against 2.74-2.94 in the four runs).
+- cpu-2026-12-02e (a noisier loop: repeats' spread median 29 %): halves up to 0.44 (2x4x1x1),
+  median 0.19; the twin past 20 % on 1x1x4x2 alone (0.21, halves at most 0.10; its stretch 3.40
+  predicted against 2.74-2.94 in the four runs).
 The z = 4 grids of 8 ranks miss by the model (their predicted stretch), not by the runs' scatter.
 """
 
