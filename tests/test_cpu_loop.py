@@ -73,7 +73,8 @@ BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 2
           ("cpu-2026-12-01k", 0.095, 31, 0.19, 0.96), ("cpu-2026-12-01l", 0.065, 35, 0.15, 0.96),
           ("cpu-2026-12-01m", 0.045, 35, 0.14, 0.96), ("cpu-2026-12-02a", 0.085, 25, 0.24, 0.91),
           ("cpu-2026-12-02b", 0.065, 32, 0.18, 0.94), ("cpu-2026-12-02c", 0.035, 35, 0.155, 0.96),
-          ("cpu-2026-12-02d", 0.045, 34, 0.16, 0.95), ("cpu-2026-12-02e", 0.045, 35, 0.15, 0.96)]
+          ("cpu-2026-12-02d", 0.045, 34, 0.16, 0.95), ("cpu-2026-12-02e", 0.045, 35, 0.15, 0.96),
+          ("cpu-2026-12-02f", 0.055, 35, 0.12, 0.96)]
 
 
 @pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
@@ -190,7 +191,12 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     cpu-2026-12-02e (as 02d, at commit 85cfbd7, the same model; from a clean clone on a fresh VM,
     load 0.3 before its install; 1,971 s, bench 405 s; repeats' spread median 29 %): measured 3.7 %,
     all 35 within 15 %, worst 14.0 % (4x1x1x2), Spearman 0.982; asserted: median under 4.5 %, all 35
-    within 15 %, worst under 15 %, Spearman at least 0.96."""
+    within 15 %, worst under 15 %, Spearman at least 0.96.
+
+    cpu-2026-12-02f (as 02e, at commit 84b6352, the same model; its bench also records the host's gaps
+    beside a collective in flight; 1,830 s, bench 400 s; repeats' spread median 12 %): measured 4.7 %,
+    all 35 within 15 %, worst 10.8 % (1x2x2x1), Spearman 0.980; asserted: median under 5.5 %, all 35
+    within 15 %, worst under 12 %, Spearman at least 0.96."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
