@@ -47,6 +47,10 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       was issued or completed (free_mean_s where a rank has fewer than 5), busy_gaps their count per
       rank: with more ranks than cores the host's dispatch runs longer beside gloo's threads (the
       runs of cpu-2026-12-02e, 8 ranks: 1.95 ms against 1.47 ms free, pooled over the grids);
+      busy_by_kind_s, busy_by_kind_gaps: the same per kind of collective, over the gaps during which
+      collectives of that kind alone were in flight (free_mean_s where a rank has fewer than 5): the
+      runs of cpu-2026-12-02f, over each grid's free mean, 1.17-2.23 beside a z all-gather,
+      0.69-1.69 beside a z reduce-scatter;
       all_gaps_s: the median of every gap; mean_s: the mean gap; step_s: the wall time of a recorded
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
       outside the program), mean over steps (`per_step`) and over ranks;
@@ -85,6 +89,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     gaps: list[float] = []
     free: list[float] = []  # gaps no collective overlapped
     busy: list[float] = []  # gaps a collective in flight overlapped, none issued or completed in them
+    busy_kind: dict[str, list[float]] = {}  # of those, the gaps with collectives of one kind in flight
     per_op: dict[str, list[float]] = {}
     per_cpu: dict[str, list[float]] = {}  # compute op -> on-CPU seconds (CPU only)
     cover: dict[str, list[float]] = {}
@@ -114,6 +119,10 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             elif gap > 0 and not any(a.start_s + a.duration_s <= c.start_s < b.start_s
                                      or a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s for c in colls):
                 busy.append(gap)
+                g0 = a.start_s + a.duration_s
+                kinds = {c.kind for c in colls if c.start_s < b.start_s and c.start_s + c.duration_s > g0}
+                if len(kinds) == 1:
+                    busy_kind.setdefault(kinds.pop(), []).append(gap)
             # the collective that completed last inside the gap is the one the compute op waited for
             done = [c for c in colls if a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s]
             if done:
@@ -170,9 +179,13 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     host_s = free[len(free) // 2] if len(free) >= 5 else median
     free_mean = sum(free) / len(free) if len(free) >= 5 else mean
     busy_mean = sum(busy) / len(busy) if len(busy) >= 5 else free_mean
+    by_kind = {k: mean_over_ranks(sum(v) / len(v) if len(v) >= 5 else free_mean)  # every rank, every kind
+               for k, v in ((k, busy_kind.get(k, [])) for k in COLLECTIVE_KINDS)}
+    kind_gaps = {k: mean_over_ranks(float(len(busy_kind.get(k, [])))) for k in COLLECTIVE_KINDS}
     host = {"op": "host", "numel": 0, "bytes": 0, "model": model, "ops": len(free) if len(free) >= 5 else len(gaps),
             "seconds": mean_over_ranks(host_s), "mean_s": mean_over_ranks(mean),
             "all_gaps_s": mean_over_ranks(median), "free_mean_s": mean_over_ranks(free_mean),
             "busy_mean_s": mean_over_ranks(busy_mean), "busy_gaps": mean_over_ranks(float(len(busy))),
+            "busy_by_kind_s": by_kind, "busy_by_kind_gaps": kind_gaps,
             "step_s": mean_over_ranks(per_step(walls))}
     return host, rows

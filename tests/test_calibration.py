@@ -400,6 +400,8 @@ def test_the_loop_end_to_end(tmp_path):
     assert all(0 <= r["spread"] < 5 for r in bench["steps"])  # each op's variation over ranks and steps
     host = next(r for r in bench["ops"] if r["op"] == "host")
     assert host["free_mean_s"] > 0 and host["busy_mean_s"] > 0 and host["busy_gaps"] >= 0
+    assert set(host["busy_by_kind_s"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(v > 0 for v in host["busy_by_kind_s"].values())
     assert host["step_s"] >= sum(r["seconds"] for r in compute)  # a whole step holds its compute ops
     assert load_profile(str(out / "cpu.toml")).collective_table
     # the stretch diagnosis reads the same runs: each grid's measured stretch and the model's on its shares
