@@ -12,7 +12,7 @@ import torch.distributed as dist
 from backend.bench_timing import mean_over_ranks, world_group
 from twin.model import load_model
 from twin.program import Options, build_program
-from twin.trace import Span, covered_share
+from twin.trace import covered_share
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -111,20 +111,18 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
         colls = [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
         waited: dict[str, float] = {}
         for a, b in zip(comp, comp[1:]):
-            gap = max(0.0, b.start_s - (a.start_s + a.duration_s))
+            g0, g1 = a.start_s + a.duration_s, b.start_s
+            gap = max(0.0, g1 - g0)
             gaps.append(gap)
-            covered = covered_share(Span(ctx.rank, "gap", "gap", "compute", a.start_s + a.duration_s, gap), colls) if gap > 0 else 0.0
-            if gap > 0 and covered == 0:
+            done = [c for c in colls if g0 < c.start_s + c.duration_s <= g1]  # completed in the gap
+            in_flight = {c.kind for c in colls if c.duration_s > 0 and c.start_s < g1 and c.start_s + c.duration_s > g0}
+            if gap > 0 and not in_flight:
                 free.append(gap)
-            elif gap > 0 and not any(a.start_s + a.duration_s <= c.start_s < b.start_s
-                                     or a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s for c in colls):
+            elif gap > 0 and not done and not any(g0 <= c.start_s < g1 for c in colls):  # none issued either
                 busy.append(gap)
-                g0 = a.start_s + a.duration_s
-                kinds = {c.kind for c in colls if c.start_s < b.start_s and c.start_s + c.duration_s > g0}
-                if len(kinds) == 1:
-                    busy_kind.setdefault(kinds.pop(), []).append(gap)
+                if len(in_flight) == 1:
+                    busy_kind.setdefault(next(iter(in_flight)), []).append(gap)
             # the collective that completed last inside the gap is the one the compute op waited for
-            done = [c for c in colls if a.start_s + a.duration_s < c.start_s + c.duration_s <= b.start_s]
             if done:
                 last = max(done, key=lambda c: c.start_s + c.duration_s)
                 waited[last.name] = b.start_s - (last.start_s + last.duration_s)
