@@ -12,7 +12,7 @@ import torch.distributed as dist
 from backend.bench_timing import mean_over_ranks, world_group
 from twin.model import load_model
 from twin.program import Options, build_program
-from twin.trace import covered_share
+from twin.trace import covered_share, host_gaps
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -110,22 +110,16 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
         comp = sorted((sp for sp in spans if sp.stream == "compute"), key=lambda sp: sp.start_s)
         colls = [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
         waited: dict[str, float] = {}
-        for a, b in zip(comp, comp[1:]):
-            g0, g1 = a.start_s + a.duration_s, b.start_s
-            gap = max(0.0, g1 - g0)
-            gaps.append(gap)
-            done = [c for c in colls if g0 < c.start_s + c.duration_s <= g1]  # completed in the gap
-            in_flight = {c.kind for c in colls if c.duration_s > 0 and c.start_s < g1 and c.start_s + c.duration_s > g0}
-            if gap > 0 and not in_flight:
-                free.append(gap)
-            elif gap > 0 and not done and not any(g0 <= c.start_s < g1 for c in colls):  # none issued either
-                busy.append(gap)
-                if len(in_flight) == 1:
-                    busy_kind.setdefault(next(iter(in_flight)), []).append(gap)
-            # the collective that completed last inside the gap is the one the compute op waited for
-            if done:
-                last = max(done, key=lambda c: c.start_s + c.duration_s)
-                waited[last.name] = b.start_s - (last.start_s + last.duration_s)
+        for g in host_gaps(comp, colls):
+            gaps.append(g.seconds)
+            if g.seconds > 0 and not g.in_flight:
+                free.append(g.seconds)
+            elif g.seconds > 0 and g.quiet:  # none issued or completed in it
+                busy.append(g.seconds)
+                if len(g.in_flight) == 1:
+                    busy_kind.setdefault(next(iter(g.in_flight)), []).append(g.seconds)
+            if g.waited is not None:
+                waited[g.waited.name] = g.wake_s
         for sp in spans:
             per_op.setdefault(sp.name, []).append(sp.duration_s)
             if "cpu_us" in sp.args:

@@ -75,6 +75,39 @@ def covered_share(span: Span, others: list[Span]) -> float:
     return min(1.0, covered / span.duration_s)  # start + duration - start may round above duration
 
 
+@dataclass(frozen=True)
+class HostGap:
+    """The time between two consecutive compute ops of one rank (seconds; 0 where they touch), with
+    what its collectives did meanwhile: the kinds of those in flight during it (spans of 0 s left
+    out), whether none was issued or completed in it (`quiet`), and the one that completed last in
+    it (the collective the next compute op waited for; None if none did) with the time from that
+    completion to the next op's start."""
+
+    seconds: float
+    in_flight: frozenset
+    quiet: bool
+    waited: Span | None = None
+    wake_s: float = 0.0
+
+
+def host_gaps(compute: list[Span], collectives: list[Span]) -> list[HostGap]:
+    """The gaps between consecutive ops of one rank's compute spans (sorted by start), each with what
+    the rank's `collectives` did during it (HostGap): what backend.bench_steps records as the
+    executor's host time, free or beside a collective in flight, and what
+    benchmarks/cpu_host_gaps.py reads off a run's trace."""
+    out = []
+    for a, b in zip(compute, compute[1:]):
+        g0, g1 = a.start_s + a.duration_s, b.start_s
+        done = [c for c in collectives if g0 < c.start_s + c.duration_s <= g1]
+        in_flight = frozenset(c.kind for c in collectives
+                              if c.duration_s > 0 and c.start_s < g1 and c.start_s + c.duration_s > g0)
+        quiet = not done and not any(g0 <= c.start_s < g1 for c in collectives)
+        last = max(done, key=lambda c: c.start_s + c.duration_s) if done else None
+        out.append(HostGap(max(0.0, g1 - g0), in_flight, quiet, last,
+                           b.start_s - (last.start_s + last.duration_s) if last else 0.0))
+    return out
+
+
 def op_args(op: Op) -> dict:
     """The args of an op's trace event: what identifies it across twin and backend."""
     return span_args(op.kind, op.stream, op.index, op.axis, op.bytes, op.m, op.n, op.k, op.layout, op.flops)
