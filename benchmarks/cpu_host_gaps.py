@@ -56,6 +56,11 @@ MIN_BUSY = 20  # gaps of one kind in flight, pooled over a grid's ranks and runs
 BENCH_STEPS = 4  # training steps a bench file records (backend/bench.py's default, as bench_validate runs it)
 
 
+def _ms(seconds: float | None) -> str:
+    """A gap's mean in ms for the tables, blank where too few gaps were seen (None)."""
+    return " " * 6 if seconds is None else f"{seconds * 1e3:6.2f}"
+
+
 def run_gaps(run_dir: Path) -> tuple[int, list, float]:
     """(ranks, every rank's host gaps, mean traced step s) of one run."""
     spans = read_run(run_dir)["spans"]
@@ -83,12 +88,10 @@ def grid_row(runs: list[Path], host_of) -> str:
             for k in ("all_gather", "reduce_scatter")}
     counted = free + kind["all_gather"] + kind["reduce_scatter"]
     short = (sum(counted) - len(counted) * host) / (ranks * len(runs)) / statistics.fmean(steps)
-
-    def ms(v: list[float]) -> str:
-        return f"{statistics.fmean(v) * 1e3:6.2f}" if len(v) >= MIN_BUSY else " " * 6
+    mean = {k: statistics.fmean(v) if len(v) >= MIN_BUSY else None for k, v in kind.items()}
     return (f"{runs[0].parent.name:9} {ranks:5} {host * 1e3:8.2f} {statistics.median(free) * 1e3:7.2f} "
-            f"{statistics.fmean(free) * 1e3:7.2f} {statistics.fmean(free) / host:6.2f}  {ms(kind['all_gather'])} "
-            f"{ms(kind['reduce_scatter'])} {short:+7.1%}")
+            f"{statistics.fmean(free) * 1e3:7.2f} {statistics.fmean(free) / host:6.2f}  {_ms(mean['all_gather'])} "
+            f"{_ms(mean['reduce_scatter'])} {short:+7.1%}")
 
 
 def bench_row(path: str) -> str:
@@ -99,11 +102,9 @@ def bench_row(path: str) -> str:
     in_gaps = host["ops"] * (host["free_mean_s"] - host["seconds"]) / BENCH_STEPS  # per rank, per step
     busy = host.get("busy_by_kind_s", {})
     n = host.get("busy_by_kind_gaps", {})
-
-    def ms(k: str) -> str:
-        return f"{busy[k] * 1e3:6.2f}" if n.get(k, 0) >= 5 else " " * 6
+    mean = {k: busy[k] if n.get(k, 0) >= 5 else None for k in ("all_gather", "reduce_scatter")}
     return (f"{Path(path).name:24} {r['ranks']:5} {span / cpu if cpu else 0:7.2f} {host['seconds'] * 1e3:7.2f} "
-            f"{host['free_mean_s'] * 1e3:7.2f}  {ms('all_gather')} {ms('reduce_scatter')} "
+            f"{host['free_mean_s'] * 1e3:7.2f}  {_ms(mean['all_gather'])} {_ms(mean['reduce_scatter'])} "
             f"{(span - cpu) * 1e3:8.0f} {in_gaps * 1e3:8.0f}")
 
 

@@ -84,7 +84,7 @@ class HostGap:
     completion to the next op's start."""
 
     seconds: float
-    in_flight: frozenset
+    in_flight: frozenset[str]
     quiet: bool
     waited: Span | None = None
     wake_s: float = 0.0
