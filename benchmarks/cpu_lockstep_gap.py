@@ -29,8 +29,9 @@ grids with z = 4 (1x1x4x2, 1x2x4x1, 2x1x4x1) the shares (compute/collectives) go
 0.37/0.76 traced; the grids without z split move little (8x1x1x1: 0.97, 0.97, 0.98 of the step).
 The next loop, cpu-2026-12-02b (its own profile), the same: 0.84-0.99, 0.87-0.99, 0.94-1.02.
 So the lockstep timeline's excess overlap is the issue time and the convexity of exposure, not a
-wrong stretch formula. The twin charges the issue times bench measures; the drawn spans were tried
-in it and not kept (twin.cores).
+wrong stretch formula. The twin charges the issue times bench measures, and draws the spans at the
+spread bench measures per class of op, collectives only where they run beside compute (twin.spread;
+one spread for every op, as here, was tried in it first and not kept).
 """
 
 from __future__ import annotations

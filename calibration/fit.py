@@ -58,6 +58,11 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     outnumber the bench machine's cores, the one that makes the recorded steps, replayed through the
     twin's engine at their measured spans, spend the time between compute ops that bench measured
     (calibration.sharing.issue_cost);
+  - node_share `span_spread` (CPU, 2 or more ranks): per class of op (compute; a collective's kind and
+    axis; every collective), the coefficient of variation of its span over the ranks and steps, the
+    median over the files of each file's median over its ops of the class (bench's `spread`, since
+    cpu-2026-12-02d; calibration.training.span_spread); the twin draws the spans at it (twin.spread),
+    and the collective core load is fitted on the recorded steps' replays drawn the same way;
   - node_share `comm_share`: the share of its rate a collective keeps while its rank computes (gloo's
     threads and the ranks' compute share the cores; the twin slows a collective by it while a member's
     compute stream runs an op). Measured where bench timed an all-reduce alone and beside a GEMM

@@ -144,14 +144,17 @@ def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
     return out
 
 
-def sharing_point(run: dict, host_s: float, issue_s: float = 0.0):
+def sharing_point(run: dict, host_s: float, issue_s: float = 0.0, spread: dict[str, float] | None = None):
     """(grid, ranks, cores, stretch, busy shares) of one file's recorded steps for core_load: the
     stretch of its compute ops (summed span over summed on-CPU time) and twin.cores.busy_shares of
     their replay (host_s per compute op and issue_s per collective issued, as the twin charges them,
-    left out of the compute share); None where a compute op lacks its on-CPU time or the machine its
-    core count."""
+    left out of the compute share; with `spread`, the profile's span_spread for its rank count, the
+    mean shares of the replays with spans drawn as twin.spread draws them, as the twin times a step);
+    None where a compute op lacks its on-CPU time or the machine its core count."""
     from twin.cores import busy_shares
+    from twin.engine import simulate_program
     from twin.kernels import host_times
+    from twin.spread import drawn_runs, mean_shares
     comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     cores = run["machine"].get("cores")
     if not comp or not cores or not all("cpu_s" in row for row in comp):
@@ -161,8 +164,14 @@ def sharing_point(run: dict, host_s: float, issue_s: float = 0.0):
     if cpu <= 0 or replayed is None:
         return None
     prog, res = replayed
-    shares = busy_shares(res.spans, lambda i: prog.ops[i].is_collective,
-                         host_times(prog.ops, host_s, issue_s).__getitem__)
+    hosts = host_times(prog.ops, host_s, issue_s)
+    runs = [res]
+    if spread:
+        secs = {row["name"]: row["seconds"] for row in run["steps"]}
+        compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + h for op, h in zip(prog.ops, hosts)]
+        runs = drawn_runs(prog, compute, hosts, lambda i, _: secs.get(prog.ops[i].name, 0.0), spread,
+                          simulate_program, record=True)
+    shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__) for r in runs])
     return run["grid"], run["ranks_per_node"], int(cores), sum(row["seconds"] for row in comp) / cpu, shares
 
 

@@ -53,9 +53,10 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         issued = None
         if micro.host_ordered:
             issued = issue_measured(runs) or (issue_cost(runs, prof.host_op_s) if fits_cores else None)
+        spread = span_spread(runs) if stretch is not None and ranks > 1 else {}
         if stretch is not None and ranks > 1:
-            sharing += [p for p in (sharing_point(r, prof.host_op_s, issued[0] if issued else 0.0) for r in runs)
-                        if p is not None]
+            sharing += [p for p in (sharing_point(r, prof.host_op_s, issued[0] if issued else 0.0, spread)
+                                    for r in runs) if p is not None]
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
         roles = {id(r): cost_roles(r) for r in runs}
@@ -108,6 +109,11 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
             lines.append("stretch = " + entry_text(stretch, (
                 f"measured: summed span over summed on-CPU time of the compute ops of recorded training "
                 f"steps (the in-training op times below are on-CPU time x this), {src}")))
+        if spread:
+            lines.append("span_spread = { " + ", ".join(f"{k} = {number_text(v)}" for k, v in spread.items())
+                         + f', source = "measured: the coefficient of variation of an op\'s span over the ranks and steps '
+                         f"of recorded training steps (bench's spread), per class of op (compute; a collective's kind "
+                         f'and axis; every collective), the median over the files of each file\'s median, {quoted(src)}" }}')
         # attention: its efficiency inside training (of the rank's peak) replaces the microbenchmark's
         for phase, bwd in (("fwd", False), ("bwd", True)):
             att = [row for _, row in rows if row["kind"] == "attention" and row["name"].endswith(".bwd") == bwd
@@ -215,6 +221,28 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         head[-1:-1] = core_load(sharing, "; ".join(sorted({describe(r) for g in by_ranks.values() for r in g
                                                               if r.get("steps") and r["ranks_per_node"] > 1})))
     return trained + costs
+
+
+def span_spread(runs: list[dict]) -> dict[str, float]:
+    """Per class of op, how much its span varies over the ranks and steps of the files' recorded steps
+    (bench's `spread`, a coefficient of variation; twin.spread draws spans at it): "compute", each
+    collective's kind and axis ("all_gather_z", twin.spread.spread_key) and "collective" (all of
+    them); the median over the files of each file's median over its ops of the class. {} where no
+    op recorded a spread (files from before bench recorded it)."""
+    from twin.spread import spread_key
+    per: dict[str, list[float]] = {}
+    for r in runs:
+        mine: dict[str, list[float]] = {}
+        for row in r["steps"]:
+            if "spread" not in row:
+                continue
+            keys = ((spread_key(row["kind"], row["axis"]), "collective") if row["kind"] in COLLECTIVES
+                    else ("compute",))
+            for k in keys:
+                mine.setdefault(k, []).append(row["spread"])
+        for k, v in mine.items():
+            per.setdefault(k, []).append(statistics.median(v))
+    return {k: statistics.median(v) for k, v in sorted(per.items())}
 
 
 def fluid_spans(rows: list[tuple[dict, dict]], ranks: int):

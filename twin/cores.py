@@ -43,11 +43,14 @@ twin's shares come from a lockstep timeline, every op at its mean over the ranks
 overlaps compute with collectives more than the ranks, which drift apart under time-slicing, do.
 Where z = 4 on 8 ranks the step then hardly lengthens when the compute does (it hides more of the z
 all-gathers), the fixed point amplifies any error in its inputs about twofold, and the predicted
-stretch runs 10-36 % over the measured one: the grids that miss the CPU loop's per-op target. The
-models tried beside this one, each with the figures that decided against it (two loads, collectives
-stretched with the grid, one round of the map in place of its fixed point, a time-sliced scheduler,
-ranks replayed apart, spans drawn at random), are in the notebook, calibration/README.md ("How CPU
-ranks share their cores: what was tried").
+stretch ran 10-36 % over the measured one: the grids that miss the CPU loop's per-op target. Where
+the profile has the spread of the ops' spans (bench records it since cpu-2026-12-02d), the shares are
+the mean over spans drawn at it (twin.spread: a collective beside compute is exposed by more than its
+mean span implies), which takes part of that excess (1x1x4x2: 1.28-1.31 -> 1.21-1.26 times the
+measured stretch). The models tried beside this one, each with the figures that decided against it
+(two loads, collectives stretched with the grid, one round of the map in place of its fixed point, a
+time-sliced scheduler, ranks replayed apart, spans drawn at random at one spread for all), are in
+the notebook, calibration/README.md ("How CPU ranks share their cores: what was tried").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import tomllib
 from topologies.datafile import read_spec, shipped
 from twin.common import TwinError
 from twin.profile_types import LAYOUTS, CollectivePoint, GemmPoint, NodeShare, OpCost, Profile
-from twin.schema import PROFILE, check
+from twin.schema import PROFILE, SPREAD_KEYS, check
 
 # The data files live with the calibration (they are what calibration measures and fits); the loader
 # lives in twin so that twin never imports calibration (imports run topologies <- twin <- calibration).
@@ -95,13 +95,15 @@ def load_profile(name_or_path: str) -> Profile:
                                               "host_op_s")),
                                 *(_value(path, f"{where}.{key}", row[key], sources) if key in row else default
                                   for key, default in (("compute_contention", 1.0), ("collective_slowdown", 1.0))),
-                                _axis_slowdown(path, where, row.get("axis_slowdown"), sources),
+                                _keyed(path, where, "axis_slowdown", row.get("axis_slowdown"), sources, AXIS_KEYS, True),
                                 _value(path, f"{where}.comm_share", row["comm_share"], sources)
                                 if "comm_share" in row else 1.0,
                                 _value(path, f"{where}.stretch", row["stretch"], sources)
                                 if "stretch" in row else 0.0,
                                 _value(path, f"{where}.host_issue_s", row["host_issue_s"], sources)
-                                if "host_issue_s" in row else 0.0))
+                                if "host_issue_s" in row else 0.0,
+                                _keyed(path, where, "span_spread", row.get("span_spread"), sources, SPREAD_KEYS,
+                                       False)))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"
@@ -130,21 +132,27 @@ def load_profile(name_or_path: str) -> Profile:
                    collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources, **kw)
 
 
-def _axis_slowdown(path: Path, where: str, entry, sources: dict[str, str]) -> dict[str, float]:
-    """A node_share's `axis_slowdown = { x = ..., data = ..., source = "..." }` (absent: {})."""
+AXIS_KEYS = ("x", "y", "z", "data")
+
+
+def _keyed(path: Path, where: str, name: str, entry, sources: dict[str, str], keys: tuple[str, ...],
+           positive: bool) -> dict[str, float]:
+    """A node_share's table of numbers by key with its source, `name = { KEY = ..., source = "..." }`
+    (absent: {}): each key one of `keys`, each number > 0 (positive) or >= 0."""
     if entry is None:
         return {}
     if not isinstance(entry, dict) or not entry.get("source"):
-        raise TwinError(f"profile {path}: {where}.axis_slowdown must be {{ x = ..., source = \"...\" }}")
-    sources[f"{where}.axis_slowdown"] = entry["source"]
+        raise TwinError(f"profile {path}: {where}.{name} must be {{ {keys[0]} = ..., source = \"...\" }}")
+    sources[f"{where}.{name}"] = entry["source"]
     out = {}
-    for axis, v in entry.items():
-        if axis == "source":
+    for key, v in entry.items():
+        if key == "source":
             continue
-        if axis not in ("x", "y", "z", "data") or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise TwinError(f"profile {path}: {where}.axis_slowdown.{axis} must be a positive factor of axis x, y, z "
-                            f"or data, got {v!r}")
-        out[axis] = float(v)
+        bad = isinstance(v, bool) or not isinstance(v, (int, float)) or (v <= 0 if positive else v < 0)
+        if key not in keys or bad:
+            raise TwinError(f"profile {path}: {where}.{name}.{key} must be a number {'> 0' if positive else '>= 0'} "
+                            f"keyed by one of {', '.join(keys)}, got {v!r}")
+        out[key] = float(v)
     return out
 
 

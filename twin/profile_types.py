@@ -59,6 +59,9 @@ class NodeShare:
     stretch: float = 0.0
     # host time per collective the executor issues, charged to the compute op after it (twin.kernels.host_times)
     host_issue_s: float = 0.0
+    # how much an op's span varies over the ranks and steps (coefficient of variation), per class:
+    # "compute", a collective's "kind_axis", "collective" (twin.spread; {}: not measured)
+    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,9 @@ class Profile:
     # host time per collective the executor issues (CPU: the buffers it fills, gloo's thread taking the
     # issuing rank's core), charged to the compute op after it (twin.kernels.host_times); 0: none
     host_issue_s: float = 0.0
+    # how much an op's span varies over the ranks and steps while ranks time-slice a CPU node's cores,
+    # per class (twin.spread draws the spans at it; {}: every op at its mean span)
+    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     # how the ranks share a CPU node's cores (twin.cores; 0: not measured, every grid at `stretch`):
     # the node's cores, and the share of a core a collective in flight keeps busy (gloo's threads)
     node_cores: int = 0
@@ -198,7 +204,8 @@ class Profile:
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
                       collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
-                      comm_share=share.comm_share, stretch=share.stretch, host_issue_s=share.host_issue_s)
+                      comm_share=share.comm_share, stretch=share.stretch, host_issue_s=share.host_issue_s,
+                      span_spread=share.span_spread)
             if share.host_op_s:
                 kw.update(host_op_s=share.host_op_s)
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:

@@ -224,6 +224,8 @@ FRACTION = Number(1e-6, 1.0)  # an efficiency: (0, 1], and not vanishingly small
 FACTOR = Number(1, 1e6)       # a slowdown factor >= 1
 COUNT = Int(1, 10_000_000)
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# a node_share's span_spread keys (twin.spread): compute ops, every collective, a collective kind over an axis
+SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in COLLECTIVE_KINDS for a in ("x", "y", "z", "data"))
 
 SYSTEM = Table(
     required={
@@ -272,7 +274,9 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "collective_slowdown": Sourced(SCALE), "comm_share": Sourced(FRACTION),
                                  "stretch": Sourced(SCALE), "host_issue_s": Sourced(Number(0.0, 1.0)),
                                  "axis_slowdown": Table(required={"source": Text(nonempty=True)},
-                                                        optional={a: SCALE for a in ("x", "y", "z", "data")})})
+                                                        optional={a: SCALE for a in ("x", "y", "z", "data")}),
+                                 "span_spread": Table(required={"source": Text(nonempty=True)},
+                                                      optional={k: Number(0.0, 100.0) for k in SPREAD_KEYS})})
 OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),
                               "latency_s": Sourced(Positive(1.0)), "bandwidth": Sourced(RATE)},
                     optional={"role": Text()})

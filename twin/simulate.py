@@ -17,7 +17,6 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import asdict
-from itertools import repeat
 
 from topologies.system import SystemSpec
 from twin.bounds import quick_bounds, routed_bound, tail_ns
@@ -30,6 +29,7 @@ from twin.model import ModelSpec
 from twin.program import Options, Program, build_program, host_ordered
 from twin.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.search import Candidate, estimate_grids, exact_estimate, rank_grids
+from twin.spread import drawn_runs, mean_result, mean_shares
 from twin.study import Study, check_grid, prepare
 from twin.study_cache import model_for, program_for, study_key
 from twin.trace import Span, op_args
@@ -169,13 +169,16 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     # time before it (0 on a GPU)
     scale = 1.0 if stretch is None else stretch / study.profile.stretch
     p = study.profile
-    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s) if p.host_issue_s else repeat(p.host_op_s)
+    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
     compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op, host in zip(prog.ops, hosts)]
-    tails = tail_ns(study, grid) if stop_s else None
-    res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
-                           overlap_slowdown=study.profile.overlap_slowdown, record=record,
-                           comm_share=study.profile.comm_share,
-                           stop_ns=int(stop_s * NS) if tails is not None else 0, tail_ns=tails, by_size=True)
+    drawn = stretch is not None and bool(p.span_spread)  # CPU: the mean over spans drawn at their spread
+    tails = tail_ns(study, grid) if stop_s and not drawn else None
+    timer = collective_timer(prog, cm)
+    engine_kw = dict(full=full, slowdown=slowdown, overlap_slowdown=p.overlap_slowdown, comm_share=p.comm_share)
+    res = simulate_program(prog, compute_s, timer, record=record, stop_ns=int(stop_s * NS) if tails is not None else 0,
+                           tail_ns=tails, by_size=True, **engine_kw)
+    if drawn:
+        res = mean_result(res, drawn_runs(prog, compute_s, hosts, timer, p.span_spread, simulate_program, **engine_kw))
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -209,7 +212,8 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     before it, or from files without on-CPU times): every grid then takes the profile's pooled
     `stretch`, which its compute op times hold. The busy shares come from the twin's own timeline,
     which the stretch lengthens: the fixed point, by iteration from the pooled stretch (each round
-    one symmetric simulation; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
+    one symmetric simulation, or where the profile has a `span_spread` the mean shares of
+    twin.spread's draws; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
     step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
     1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
     from twin.cores import busy_shares, core_stretch, stretch_floor
@@ -223,13 +227,16 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     stretch = p.stretch
     floor = stretch_floor(ranks, p.node_cores, p.stretch)
     hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
+    engine_kw = dict(overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
     for _ in range(STRETCH_ROUNDS):
-        res = simulate_program(prog, [0.0 if op.is_collective else t * stretch + h
-                                      for op, t, h in zip(prog.ops, on_cpu, hosts)], timer,
-                               overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share,
-                               by_size=True)
-        new = core_stretch(ranks, p.node_cores, p.collective_core_load,
-                           *busy_shares(res.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__), floor)
+        compute = [0.0 if op.is_collective else t * stretch + h for op, t, h in zip(prog.ops, on_cpu, hosts)]
+        if p.span_spread:  # twin.spread: the mean shares over spans drawn at their spread
+            runs = drawn_runs(prog, compute, hosts, timer, p.span_spread, simulate_program, **engine_kw)
+        else:
+            runs = [simulate_program(prog, compute, timer, by_size=True, **engine_kw)]
+        shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__)
+                              for r in runs])
+        new = core_stretch(ranks, p.node_cores, p.collective_core_load, *shares, floor)
         done = abs(new - stretch) <= 1e-4 * stretch
         stretch = new
         if done:
