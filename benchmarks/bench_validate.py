@@ -55,12 +55,17 @@ sys.path.insert(0, str(ROOT))
 # group size 4 with 4 ranks and 2 and 8 with 8; the others take the nearest line. Recording the rest
 # too (1x1x2x2 and 1x1x4x2 added, loop cpu-2026-12-02a, 15 grids benched) changed nothing measurable:
 # against the same runs, a profile from the 13 grids' files gave iteration 25 within 15 %, per-op 28
-# within 20 % (worst 55 %), Spearman 0.94; from all 15, 26, 28 (worst 52 %), 0.92.
+# within 20 % (worst 55 %), Spearman 0.94; from all 15, 26, 28 (worst 52 %), 0.92. 1x4x2x1 is benched
+# too (2026-12-02), the one 8-rank grid that splits y by 4: without it the twin took those GEMM
+# shapes' in-training rate from the y = 2 shapes and ran them 17-19 % long in on-CPU time (1x4x2x1,
+# 1x4x1x2 in loop 02h); 02h's bench files plus a 1x4x2x1 bench an hour later gave, against 02h's
+# runs, iteration 35 within 15 % (worst 13.8 -> 11 %) and per-op 34 -> 35 within 20 %.
 BENCH_GRIDS = {
     1: [("1x1x1x1", True)],
     2: [("2x1x1x1", True), ("1x1x1x2", False), ("1x1x2x1", False)],
     4: [("2x2x1x1", True), ("4x1x1x1", False), ("1x1x1x4", False), ("1x1x4x1", False)],
-    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False), ("1x1x1x8", False), ("1x1x8x1", False)],
+    8: [("2x2x2x1", True), ("4x2x1x1", False), ("8x1x1x1", False), ("1x1x1x8", False), ("1x1x8x1", False),
+        ("1x4x2x1", False)],
 }
 SIZES_MIB = "0.004,0.03,0.25,1,4"
 
