@@ -29,15 +29,9 @@ def recorded_program(model: str, grid: str, options=None):
     return host_ordered(build_program(load_model(model), Grid.parse(grid), options or Options()))
 
 
-def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
-    """(program, engine result with spans) of a measurement file's recorded steps replayed by the
-    twin's engine with every op at its measured median span (compute ops plus the host time between
-    them: host_s, and issue_s per collective issued before the op, as twin.kernels.host_times
-    charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
-    collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
-    as the twin's in-training lines do. options: the program's switches (twin.program.Options; None:
-    the defaults, which bench records its steps with)."""
-    from twin.engine import simulate_program
+def replay_inputs(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
+    """(program, {op name: measured median span, s}, host seconds per op, compute seconds per op) of a
+    measurement file's recorded steps, as replay puts them through the engine; None without steps."""
     from twin.kernels import host_times
     if not run.get("steps") or not run.get("model"):
         return None
@@ -48,6 +42,22 @@ def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, 
                      for row in run["steps"] if row["kind"] in COLLECTIVES})
     hosts = host_times(prog.ops, host_s, issue_s)
     compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + h for op, h in zip(prog.ops, hosts)]
+    return prog, secs, hosts, compute
+
+
+def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
+    """(program, engine result with spans) of a measurement file's recorded steps replayed by the
+    twin's engine with every op at its measured median span (compute ops plus the host time between
+    them: host_s, and issue_s per collective issued before the op, as twin.kernels.host_times
+    charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
+    collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
+    as the twin's in-training lines do. options: the program's switches (twin.program.Options; None:
+    the defaults, which bench records its steps with)."""
+    from twin.engine import simulate_program
+    inputs = replay_inputs(run, host_s, issue_s, woken, options)
+    if inputs is None:
+        return None
+    prog, secs, _, compute = inputs
     return prog, simulate_program(prog, compute, lambda i, _: secs.get(prog.ops[i].name, 0.0), record=True)
 
 
@@ -153,24 +163,21 @@ def sharing_point(run: dict, host_s: float, issue_s: float = 0.0, spread: dict[s
     None where a compute op lacks its on-CPU time or the machine its core count."""
     from twin.cores import busy_shares
     from twin.engine import simulate_program
-    from twin.kernels import host_times
     from twin.spread import drawn_runs, mean_shares
     comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     cores = run["machine"].get("cores")
     if not comp or not cores or not all("cpu_s" in row for row in comp):
         return None
     cpu = sum(row["cpu_s"] for row in comp)
-    replayed = replay(run, host_s, issue_s)
-    if cpu <= 0 or replayed is None:
+    inputs = replay_inputs(run, host_s, issue_s)
+    if cpu <= 0 or inputs is None:
         return None
-    prog, res = replayed
-    hosts = host_times(prog.ops, host_s, issue_s)
-    runs = [res]
+    prog, secs, hosts, compute = inputs
+    span = lambda i, _: secs.get(prog.ops[i].name, 0.0)  # noqa: E731
     if spread:
-        secs = {row["name"]: row["seconds"] for row in run["steps"]}
-        compute = [0.0 if op.is_collective else secs.get(op.name, 0.0) + h for op, h in zip(prog.ops, hosts)]
-        runs = drawn_runs(prog, compute, hosts, lambda i, _: secs.get(prog.ops[i].name, 0.0), spread,
-                          simulate_program, record=True)
+        runs = drawn_runs(prog, compute, hosts, span, spread, simulate_program, record=True)
+    else:
+        runs = [simulate_program(prog, compute, span, record=True)]
     shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__) for r in runs])
     return run["grid"], run["ranks_per_node"], int(cores), sum(row["seconds"] for row in comp) / cpu, shares
 
