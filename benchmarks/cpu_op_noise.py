@@ -25,11 +25,22 @@ Measured (2026-12-02, each loop against a profile fitted from its own bench):
   median 0.19; the twin past 20 % on 1x1x4x2 alone (0.21, halves at most 0.10; its stretch 3.40
   predicted against 2.74-2.94 in the four runs).
 The z = 4 grids of 8 ranks miss by the model (their predicted stretch), not by the runs' scatter.
+
+`--bench DIR` (the loop's bench files) adds, per benched grid, the GEMMs' on-CPU time of each bench
+file's recorded steps and of each run over the runs' median: the profile's in-training GEMM times come
+from bench, minutes away from the runs. Measured (2026-12-02) on 02g, 02h and 02i: no method in it, the
+machine's drift. The bench files' ratios, median over the grids, 1.00 and 1.00 (02g), 0.98 and 1.06
+(02h: its first pass below the runs' median on 12 of 13 grids, its second above on all 13), 1.04 and
+0.99 (02i); each bench file 0.94-1.18, the runs themselves 0.89-1.24 and single runs at 1.5-1.9 (02g
+1x1x8x1; 02i 1x1x1x2, 1x1x1x4, 1x1x2x1). On 1x1x4x1 in 02i (the GEMM shapes of 1x1x1x4) the two
+grids' second passes, at 1.16 and 1.13, put the twin's GEMM on-CPU time 10 % over the runs' (median
+over the ops): half of its 20 % per op there, its stretch 8 % over the measured the other half.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -65,12 +76,27 @@ def grid_noise(runs: list[dict]) -> dict:
             "stretch_predicted": runs[0]["ops"].get("stretch_predicted")}
 
 
+def gemm_cpu_drift(runs: list[dict], benches: list[dict]) -> tuple[list[float], list[float]]:
+    """The GEMMs' on-CPU time, summed over the ops every run and bench file has, of each bench file's
+    recorded training steps and of each run, over the runs' median: whether the profile's in-training
+    GEMM times (fitted from bench) sit apart from the runs' by method or by the machine's drift."""
+    per_run = [{o["name"]: o["cpu_s"] for o in r["per_op"] if o["kind"] == "gemm" and "cpu_s" in o} for r in runs]
+    per_bench = [{row["name"]: row["cpu_s"] for row in b["steps"] if row["kind"] == "gemm" and row.get("cpu_s")}
+                 for b in benches]
+    names = set.intersection(*(set(d) for d in per_run + per_bench))
+    ref = statistics.median(sum(d[n] for n in names) for d in per_run)
+    return [sum(d[n] for n in names) / ref for d in per_bench], [sum(d[n] for n in names) / ref for d in per_run]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", type=Path, help="one folder per grid, each with its runs")
     ap.add_argument("--profile", required=True, help="the profile fitted from the same loop's bench")
     ap.add_argument("grids", nargs="*", help="only these grids (default: all)")
+    ap.add_argument("--bench", type=Path, help="the loop's folder of bench files: print, per benched grid, its "
+                                               "GEMMs' on-CPU time in each bench file and each run over the runs' median")
     a = ap.parse_intermixed_args()
+    drift = []
     print(f"{'grid':9s} {'halves (3 splits)':>18s}  {'worst':>5s}  {'twin':>5s}  stretch: runs -> twin")
     for folder in sorted(p for p in a.runs.iterdir() if p.is_dir() and (not a.grids or p.name in a.grids)):
         runs = [validate_run(d, profile=a.profile) for d in sorted(folder.iterdir()) if d.is_dir()]
@@ -81,6 +107,13 @@ def main() -> int:
         predicted = f"{g['stretch_predicted']:.2f}" if g["stretch_predicted"] else "-"
         print(f"{folder.name:9s} {' '.join(f'{h:5.2f}' for h in g['halves']):>18s}  {max(g['halves']):5.2f}  "
               f"{g['twin']:5.2f}  {' '.join(f'{s:.2f}' for s in g['stretch'])} -> {predicted}{flag}")
+        files = sorted(a.bench.glob(f"bench-{folder.name}.json")) + sorted(a.bench.glob(f"bench-{folder.name}-*.json")) if a.bench else []
+        if files:
+            drift.append((folder.name, *gemm_cpu_drift(runs, [json.loads(f.read_text()) for f in files])))
+    if drift:
+        print("GEMMs' on-CPU time over the runs' median: bench files (in order) | runs")
+        for grid, bench, each in drift:
+            print(f"{grid:9s} {' '.join(f'{x:.3f}' for x in bench)} | {' '.join(f'{x:.3f}' for x in each)}")
     return 0
 
 

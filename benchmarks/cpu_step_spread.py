@@ -10,7 +10,8 @@ step it traces; bench's steps start as the previous one left the ranks), and pri
 - in windows of 4 steps (bench records 4): the upper median of a rank's 4 spans (what bench took
   before it took the mean, `backend.bench_steps.per_step`), and the median of 4, over the mean of the 4;
 - the steps started by a barrier against the free ones, pair by pair (median and quartiles of the
-  ratio): whether aligned ranks change what ops cost;
+  ratio): whether aligned ranks change what ops cost, in span and (`compute on-CPU`) in the compute
+  ops' on-CPU time;
 - the spread of the step time (standard deviation of its log).
 Ratios within one run: the machine's load moves both sides of each alike; say the load with them.
 """
@@ -64,7 +65,8 @@ def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, out: str, 
         train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
         seconds = time.perf_counter() - t0
         if step >= 2:
-            res.append((aligned, seconds, [(s.name, s.kind, s.args.get("axis"), s.duration_s) for s in rec.spans(rank)]))
+            res.append((aligned, seconds, [(s.name, s.kind, s.args.get("axis"), s.duration_s, s.args.get("cpu_us", 0.0) / 1e6)
+                                           for s in rec.spans(rank)]))
     gathered = [None] * world
     dist.all_gather_object(gathered, res)
     if rank == 0:
@@ -77,7 +79,7 @@ def _key(kind: str, axis) -> str:
 
 
 def report(steps: list) -> list[str]:
-    """The printed lines, from every rank's steps [(aligned, seconds, [(name, kind, axis, span)])]."""
+    """The printed lines, from every rank's steps [(aligned, seconds, [(name, kind, axis, span, on-CPU s)])]."""
     world, n = len(steps), len(steps[0])
     lines = []
     stat: dict[str, list[float]] = {}  # kind -> [upper median, median, mean] summed
@@ -85,7 +87,7 @@ def report(steps: list) -> list[str]:
         per: dict[tuple, dict[int, list[float]]] = {}
         for r in range(world):
             for i in range(w0, w0 + 4):
-                for name, kind, axis, d in steps[r][i][2]:
+                for name, kind, axis, d, _ in steps[r][i][2]:
                     per.setdefault((name, _key(kind, axis)), {}).setdefault(r, []).append(d)
         for (_, k), by_rank in per.items():
             s = stat.setdefault(k, [0.0, 0.0, 0.0])
@@ -98,8 +100,10 @@ def report(steps: list) -> list[str]:
     for i in range(n):
         agg: dict[str, float] = {}
         for r in range(world):
-            for _, kind, axis, d in steps[r][i][2]:
+            for _, kind, axis, d, cpu in steps[r][i][2]:
                 agg[_key(kind, axis)] = agg.get(_key(kind, axis), 0.0) + d / world
+                if cpu:
+                    agg["compute on-CPU"] = agg.get("compute on-CPU", 0.0) + cpu / world
         agg["step"] = statistics.fmean(steps[r][i][1] for r in range(world))
         totals.append((steps[0][i][0], agg))
     pairs = [(totals[i][1], totals[i + 1][1]) for i in range(0, n - 1, 2) if totals[i][0] and not totals[i + 1][0]]

@@ -47,7 +47,11 @@ stretch ran 10-36 % over the measured one: the grids that miss the CPU loop's pe
 the profile has the spread of the ops' spans (bench records it since cpu-2026-12-02d), the shares are
 the mean over spans drawn at it (twin.spread: a collective beside compute is exposed by more than its
 mean span implies), which takes part of that excess (1x1x4x2: 1.28-1.31 -> 1.21-1.26 times the
-measured stretch). The models tried beside this one, each with the figures that decided against it
+measured stretch). What the lockstep timeline cannot carry either: the scheduler takes a rank's
+core at its op boundaries more than inside its ops, and the more so the less the rank sleeps on its
+collectives (with 8 ranks the host gaps hold 14-32 % of its CPU time and 34-65 % of its wait for a
+core, benchmarks/cpu_sched_split.py), so that the ops' stretch is the fluid sharing less a grid's own
+share moved to the gaps. The models tried beside this one, each with the figures that decided against it
 (two loads, collectives stretched with the grid, one round of the map in place of its fixed point, a
 time-sliced scheduler, ranks replayed apart, spans drawn at random at one spread for all), are in
 the notebook, calibration/README.md ("How CPU ranks share their cores: what was tried").
