@@ -75,7 +75,8 @@ BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 2
           ("cpu-2026-12-02b", 0.065, 32, 0.18, 0.94), ("cpu-2026-12-02c", 0.035, 35, 0.155, 0.96),
           ("cpu-2026-12-02d", 0.045, 34, 0.19, 0.95), ("cpu-2026-12-02e", 0.045, 35, 0.15, 0.96),
           ("cpu-2026-12-02f", 0.055, 35, 0.125, 0.96), ("cpu-2026-12-02g", 0.04, 34, 0.175, 0.96),
-          ("cpu-2026-12-02h", 0.035, 35, 0.15, 0.96), ("cpu-2026-12-02i", 0.035, 35, 0.11, 0.97)]
+          ("cpu-2026-12-02h", 0.035, 35, 0.15, 0.96), ("cpu-2026-12-02i", 0.035, 35, 0.11, 0.97),
+          ("cpu-2026-12-02j", 0.045, 35, 0.155, 0.97)]
 
 
 @pytest.mark.parametrize("loop,median,within,worst,rank", BOUNDS)
@@ -219,7 +220,13 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     cpu-2026-12-02i (as 02h, at commit 877ee97, which benches 1x4x2x1 too, 14 grids; from a clean
     clone, 1,949 s, bench 434 s; repeats' spread median 6 %): measured 2.9 %, all 35 within 15 %,
     worst 9.7 % (1x1x4x1), Spearman 0.989; asserted: median under 3.5 %, all 35 within 15 %, worst
-    under 11 %, Spearman at least 0.97."""
+    under 11 %, Spearman at least 0.97.
+
+    cpu-2026-12-02j (as 02i, at commit 85c0b8f, the same model; from a clean clone on a slower stretch
+    of the VM: 1x1x1x1 ran 0.52 s against 0.43 s in 02i; load 1.2 at the start, 2,497 s, bench 524 s;
+    repeats' spread median 21 %): measured 4.0 %, all 35 within 15 %, worst 14.9 % (1x1x4x2 and
+    1x2x4x1), Spearman 0.980; asserted: median under 4.5 %, all 35 within 15 %, worst under 15.5 %,
+    Spearman at least 0.97."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
