@@ -84,18 +84,11 @@ def mark(what: str, delay=run_delay) -> tuple[str, float, float, float]:
 
 
 def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, plain: bool, out: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
+    from cpu_step_spread import training_rank
+    step_once = training_rank(rank, world, grid_s, model, port)
     import torch.distributed as dist
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as backend.launch sets OMP_NUM_THREADS
-    from backend.dist import ParallelContext, destroy
-    from backend.model import make_model
-    from backend.optim import make_optimizer, train_step
+    from backend.dist import destroy
     from backend.recorder import NULL_RECORDER, Recorder
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.program import Options, build_program
 
     marks: list[tuple] = []  # ("b" or "e", wall s, CPU s, run-queue s) around each compute op
     delay = (lambda: 0.0) if plain else run_delay
@@ -111,19 +104,10 @@ def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, plain: boo
                 marks.append(mark("e", delay))
             super().end(rec)
 
-    grid = Grid.parse(grid_s)
-    ctx = ParallelContext.from_env(grid, backend="gloo")
-    spec = load_model(model)
-    program = build_program(spec, grid, Options())
-    net = make_model(spec, ctx, program=program)
-    opt = make_optimizer(net)
-    seqs = program.batch // ctx.batch_shards
-    gen = torch.Generator().manual_seed(rank)
     res = []
     for step in range(2 + steps):
-        tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
         marks.clear()
-        train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=SchedRecorder() if step >= 2 else NULL_RECORDER)
+        step_once(SchedRecorder() if step >= 2 else NULL_RECORDER)
         if step >= 2:
             res.append(split(marks))
     gathered = [None] * world

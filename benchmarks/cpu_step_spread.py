@@ -33,16 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, out: str, port: int) -> None:
+def training_rank(rank: int, world: int, grid_s: str, model: str, port: int):
+    """Join a gloo group of `world` ranks on localhost as `rank` and build `model` on grid `grid_s`, as
+    `backend bench` records its training steps (one thread per core share, as backend.launch sets
+    OMP_NUM_THREADS). Returns step(recorder): one training step on fresh random tokens."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
-    import torch.distributed as dist
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as backend.launch sets OMP_NUM_THREADS
-    from backend.dist import ParallelContext, destroy
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from backend.dist import ParallelContext
     from backend.model import make_model
     from backend.optim import make_optimizer, train_step
-    from backend.recorder import NULL_RECORDER, Recorder
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options, build_program
@@ -54,15 +55,26 @@ def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, out: str, 
     opt = make_optimizer(net)
     seqs = program.batch // ctx.batch_shards
     gen = torch.Generator().manual_seed(rank)
+
+    def step(recorder) -> None:
+        tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
+        train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=recorder)
+    return step
+
+
+def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, out: str, port: int) -> None:
+    step_once = training_rank(rank, world, grid_s, model, port)
+    import torch.distributed as dist
+    from backend.dist import destroy
+    from backend.recorder import NULL_RECORDER, Recorder
     res = []
     for step in range(2 + steps):
-        tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
         aligned = step % 2 == 0
         if step >= 2 and aligned:
             dist.barrier()
-        rec = Recorder(device=ctx.device) if step >= 2 else NULL_RECORDER
+        rec = Recorder(device="cpu") if step >= 2 else NULL_RECORDER
         t0 = time.perf_counter()
-        train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
+        step_once(rec)
         seconds = time.perf_counter() - t0
         if step >= 2:
             res.append((aligned, seconds, [(s.name, s.kind, s.args.get("axis"), s.duration_s, s.args.get("cpu_us", 0.0) / 1e6)
