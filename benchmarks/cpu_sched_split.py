@@ -17,8 +17,8 @@ run queue. Printed per grid, per rank and step (mean):
   rank's CPU time the gaps hold;
 - `--plain` leaves the schedstat reads out (the recorder's clocks only), to see what they cost.
 
-Measured (2026-12-02, 19:30 UTC, the 2-core development VM at load 4-8, gpt-small, 5 recorded steps
-a grid, one pass; `python benchmarks/cpu_sched_split.py 1x1x1x8 1x1x4x2 1x1x8x1 1x2x4x1 2x2x2x1
+Measured (2026-12-02, 19:30 UTC, the 2-core development VM, an Intel Xeon, at load 4-8, gpt-small,
+5 recorded steps a grid, one pass; `python benchmarks/cpu_sched_split.py 1x1x1x8 1x1x4x2 1x1x8x1 1x2x4x1 2x2x2x1
 4x2x1x1 8x1x1x1 1x4x2x1`, then `--plain` and `--control 8`). The waits land at the op boundaries:
 
 | grid | op stretch | runnable stretch | gaps' share of CPU | of run-queue wait | sleeping, share of wall |
