@@ -85,6 +85,8 @@ def gemm_cpu_drift(runs: list[dict], benches: list[dict]) -> tuple[list[float], 
                  for b in benches]
     names = set.intersection(*(set(d) for d in per_run + per_bench))
     ref = statistics.median(sum(d[n] for n in names) for d in per_run)
+    if ref <= 0:
+        return [], []
     return [sum(d[n] for n in names) / ref for d in per_bench], [sum(d[n] for n in names) / ref for d in per_run]
 
 
@@ -107,7 +109,8 @@ def main() -> int:
         predicted = f"{g['stretch_predicted']:.2f}" if g["stretch_predicted"] else "-"
         print(f"{folder.name:9s} {' '.join(f'{h:5.2f}' for h in g['halves']):>18s}  {max(g['halves']):5.2f}  "
               f"{g['twin']:5.2f}  {' '.join(f'{s:.2f}' for s in g['stretch'])} -> {predicted}{flag}")
-        files = sorted(a.bench.glob(f"bench-{folder.name}.json")) + sorted(a.bench.glob(f"bench-{folder.name}-*.json")) if a.bench else []
+        files = sorted(a.bench.glob(f"bench-{folder.name}.json")) + sorted(a.bench.glob(f"bench-{folder.name}-*.json")) \
+            if a.bench else []
         if files:
             drift.append((folder.name, *gemm_cpu_drift(runs, [json.loads(f.read_text()) for f in files])))
     if drift:

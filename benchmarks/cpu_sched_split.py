@@ -19,7 +19,8 @@ run queue. Printed per grid, per rank and step (mean):
 
 Measured (2026-12-02, 19:30 UTC, the 2-core development VM, an Intel Xeon, at load 4-8, gpt-small,
 5 recorded steps a grid, one pass; `python benchmarks/cpu_sched_split.py 1x1x1x8 1x1x4x2 1x1x8x1 1x2x4x1 2x2x2x1
-4x2x1x1 8x1x1x1 1x4x2x1`, then `--plain` and `--control 8`). The waits land at the op boundaries:
+4x2x1x1 8x1x1x1 1x4x2x1`, then `--plain` on four of them and `--control 8`). The waits land at the
+op boundaries:
 
 | grid | op stretch | runnable stretch | gaps' share of CPU | of run-queue wait | sleeping, share of wall |
 |---|---|---|---|---|---|
@@ -163,7 +164,7 @@ def report(grid: str, steps: list[list[dict]], plain: bool) -> str:
         return line + f"; CPU ops {ms['op_cpu']:.0f}, gaps {ms['gap_cpu']:.0f}"
     cpu, rq = t["op_cpu"] + t["gap_cpu"], t["op_rq"] + t["gap_rq"]
     sleep = t["gap_wall"] - t["gap_cpu"] - t["gap_rq"]
-    return (line + f"; runnable stretch {(cpu + rq) / cpu:.2f}; rq in gaps {t['gap_rq'] / rq:.2f} "
+    return (line + f"; runnable stretch {(cpu + rq) / cpu:.2f}; rq in gaps {t['gap_rq'] / rq if rq else 0.0:.2f} "
             f"(their CPU share {t['gap_cpu'] / cpu:.2f}); ops = CPU {ms['op_cpu']:.0f} + rq {ms['op_rq']:.0f}; "
             f"gaps = CPU {ms['gap_cpu']:.0f} + rq {ms['gap_rq']:.0f} + sleeping {sleep * 1e3:.0f}")
 
@@ -171,7 +172,7 @@ def report(grid: str, steps: list[list[dict]], plain: bool) -> str:
 def main() -> int:
     import torch.multiprocessing as mp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grids", nargs="+")
+    ap.add_argument("grids", nargs="*")
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--steps", type=int, default=5, help="recorded steps after 2 warm-up ones")
     ap.add_argument("--plain", action="store_true", help="leave the schedstat reads out")
@@ -179,6 +180,9 @@ def main() -> int:
     a = ap.parse_args()
     if not a.plain and not Path(SCHEDSTAT).exists():
         print(f"error: {SCHEDSTAT} is missing (Linux with schedstats only); --plain runs without it", file=sys.stderr)
+        return 2
+    if not a.grids and not a.control:
+        print("error: name at least one grid (e.g. 1x1x4x2), or --control RANKS", file=sys.stderr)
         return 2
     if a.control:
         with tempfile.TemporaryDirectory() as d:
