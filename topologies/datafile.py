@@ -17,11 +17,11 @@ def shipped(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.toml"))
 
 
-def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
-    """Resolve a shipped name (folder/<name>.toml) or a .toml path and parse it.
+def spec_text(name_or_path: str, folder: Path, what: str) -> tuple[Path, str]:
+    """Resolve a shipped name (folder/<name>.toml) or a .toml path and read its text.
 
     what: the kind of spec for messages ("system", "model", "kernel profile").
-    Raises InputError when the file is missing, unknown or malformed.
+    Raises InputError when the file is missing, unknown or not text.
     """
     path = Path(str(name_or_path))
     names = ", ".join(shipped(folder))
@@ -34,7 +34,21 @@ def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
             raise InputError(f"unknown {what} {name_or_path!r}: choose one of {names} "
                              f"or give the path of a {what} .toml file")
     try:
-        return path, tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        return path, path.read_text()
+    except UnicodeDecodeError as e:
         raise InputError(f"malformed {what} file {path}: {e}") from None
 
+
+def parse_spec(path: Path, text: str, what: str) -> dict:
+    """The TOML `text` of the file at `path`, parsed; InputError when it is not valid TOML."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"malformed {what} file {path}: {e}") from None
+
+
+def read_spec(name_or_path: str, folder: Path, what: str) -> tuple[Path, dict]:
+    """Resolve a shipped name (folder/<name>.toml) or a .toml path and parse it (spec_text, parse_spec).
+    Raises InputError when the file is missing, unknown or malformed."""
+    path, text = spec_text(name_or_path, folder, what)
+    return path, parse_spec(path, text, what)
