@@ -2,7 +2,7 @@
 
 import pytest
 
-from twin.cores import busy_shares, core_stretch, stretch_floor
+from twin.cores import busy_shares, core_stretch, fixed_point, stretch_floor
 
 
 def test_busy_shares_of_a_timeline():
@@ -33,3 +33,23 @@ def test_ranks_within_the_cores_keep_the_stretch_measured_with_as_many_ranks():
     assert stretch_floor(2, 2, 1.04) == 1.04 and stretch_floor(4, 2, 1.5) == 1.0 and stretch_floor(2, 2, 0.9) == 1.0
     assert core_stretch(2, 2, 0.35, 0.3, 0.1, floor=1.04) == 1.04
     assert core_stretch(8, 2, 0.35, 0.4, 0.6, floor=1.04) == pytest.approx((1 + 7 * (0.4 + 0.21)) / 2)
+
+
+def test_the_fixed_point_takes_the_secant_where_the_map_is_a_contraction():
+    """g(x) = 1 + 0.3 x (the stretch map's slope on 8 ranks: 0.1-0.3) from 3: plain steps take 7
+    evaluations to settle within 1e-4; the secant meets the line's root after 2 and stops at the third.
+    A map whose slope leaves (0, 2/3) keeps the plain step, and still settles."""
+    calls = []
+
+    def g(x):
+        calls.append(x)
+        return 1.0 + 0.3 * x
+
+    x = fixed_point(g, 3.0)
+    assert x == pytest.approx(1 / 0.7, rel=1e-9) and len(calls) == 3
+    calls.clear()
+    assert fixed_point(g, 3.0, rounds=1) == pytest.approx(1.9) and len(calls) == 1  # out of rounds: the last step
+    calls.clear()
+    x = fixed_point(lambda v: calls.append(v) or 2.0 - 0.5 * v, 3.0)  # slope < 0: plain steps, damped around 4/3
+    assert x == pytest.approx(4 / 3, rel=2e-4) and len(calls) > 3
+    assert fixed_point(lambda v: max(1.0, 0.1 * v), 3.0) == 1.0  # a floor: settles there

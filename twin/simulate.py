@@ -211,12 +211,12 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     cores (twin.cores), or None where the profile does not model it (GPU profiles; CPU profiles fitted
     before it, or from files without on-CPU times): every grid then takes the profile's pooled
     `stretch`, which its compute op times hold. The busy shares come from the twin's own timeline,
-    which the stretch lengthens: the fixed point, by iteration from the pooled stretch (each round
-    one symmetric simulation, or where the profile has a `span_spread` the mean shares of
+    which the stretch lengthens: the fixed point, from the pooled stretch by twin.cores.fixed_point
+    (each evaluation one symmetric simulation, or where the profile has a `span_spread` the mean shares of
     twin.spread's draws; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
     step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
     1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
-    from twin.cores import busy_shares, core_stretch, stretch_floor
+    from twin.cores import busy_shares, core_stretch, fixed_point, stretch_floor
     p = study.profile
     ranks = min(grid.size, study.system.gpus_per_node)
     if not (p.node_cores and p.stretch > 0) or ranks < 2:
@@ -224,11 +224,11 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     km = study.kernels
     on_cpu = [0.0 if op.is_collective else km.kernel_time(op) / p.stretch for op in prog.ops]
     timer = collective_timer(prog, collectives)
-    stretch = p.stretch
     floor = stretch_floor(ranks, p.node_cores, p.stretch)
     hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
     engine_kw = dict(overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
-    for _ in range(STRETCH_ROUNDS):
+
+    def mapped(stretch: float) -> float:  # the stretch that the shares of a timeline at `stretch` give
         compute = [0.0 if op.is_collective else t * stretch + h for op, t, h in zip(prog.ops, on_cpu, hosts)]
         if p.span_spread:  # twin.spread: the mean shares over spans drawn at their spread
             runs = drawn_runs(prog, compute, hosts, timer, p.span_spread, simulate_program, **engine_kw)
@@ -236,12 +236,10 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
             runs = [simulate_program(prog, compute, timer, by_size=True, **engine_kw)]
         shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__)
                               for r in runs])
-        new = core_stretch(ranks, p.node_cores, p.collective_core_load, *shares, floor)
-        done = abs(new - stretch) <= 1e-4 * stretch
-        stretch = new
-        if done:
-            break
-    return stretch
+        return core_stretch(ranks, p.node_cores, p.collective_core_load, *shares, floor)
+
+    return fixed_point(mapped, p.stretch, rounds=STRETCH_ROUNDS)
+
 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
