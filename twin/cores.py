@@ -111,17 +111,18 @@ def stretch_floor(ranks: int, cores: int, measured: float) -> float:
 
 
 def fixed_point(g: Callable[[float], float], x: float, rel: float = 1e-4, rounds: int = 20) -> float:
-    """A fixed point of `g` (x = g(x)) from `x`: g(x) once |g(x) - x| <= rel * x, after at most `rounds`
-    evaluations of g. After the first step each guess is where the secant of g(x) - x through the last
-    two guesses meets 0, if that lies beyond the plain step y = g(x) by at most 3 times its length
-    (g's slope between 0 and 2/3, as the stretch map's is: twin.simulate.shared_core_stretch); else
-    the plain step. With the stretch map (slope 0.1-0.3 on cpu-2026-12-02j's 4- and 8-rank grids)
-    that takes 3-4 evaluations where plain steps took 4-6."""
+    """A fixed point of `g` (x = g(x)) from `x`: the x last evaluated once |g(x) - x| <= rel * x (so a
+    caller's g may keep what it computed at x), else the next guess after `rounds` evaluations of g.
+    After the first step each guess is where the secant of g(x) - x through the last two guesses
+    meets 0, if that lies beyond the plain step y = g(x) by at most 3 times its length (g's slope
+    between 0 and 2/3, as the stretch map's is: twin.simulate.shared_core_stretch); else the plain
+    step. With the stretch map (slope 0.1-0.3 on cpu-2026-12-02j's 4- and 8-rank grids) that takes
+    3-4 evaluations where plain steps took 4-6."""
     prev = None
     for _ in range(rounds):
         y = g(x)
         if abs(y - x) <= rel * x:
-            return y
+            return x
         guess = y
         if prev is not None:
             (x0, y0), step = prev, y - x

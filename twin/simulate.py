@@ -164,21 +164,20 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     cm = collectives if collectives is not None else model_for(study, grid)
-    stretch = shared_core_stretch(study, grid, prog, cm)
-    # CPU: this grid's own stretch, for the pooled one the op times hold; each compute op with the host
-    # time before it (0 on a GPU)
-    scale = 1.0 if stretch is None else stretch / study.profile.stretch
+    stretch, settled_runs = _settled_stretch(study, grid, prog, cm)
     p = study.profile
     hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
-    compute_s = [0.0 if op.is_collective else km.kernel_time(op) * scale + host for op, host in zip(prog.ops, hosts)]
+    compute_s = _compute_times(prog, km, p.stretch, stretch, hosts)
     drawn = stretch is not None and bool(p.span_spread)  # CPU: the mean over spans drawn at their spread
     tails = tail_ns(study, grid) if stop_s and not drawn else None
     timer = collective_timer(prog, cm)
     engine_kw = dict(full=full, slowdown=slowdown, overlap_slowdown=p.overlap_slowdown, comm_share=p.comm_share)
     res = simulate_program(prog, compute_s, timer, record=record, stop_ns=int(stop_s * NS) if tails is not None else 0,
                            tail_ns=tails, by_size=True, **engine_kw)
-    if drawn:
-        res = mean_result(res, drawn_runs(prog, compute_s, hosts, timer, p.span_spread, simulate_program, **engine_kw))
+    if drawn:  # the stretch's last draws are these where they ran in the same mode (symmetric)
+        runs = settled_runs if settled_runs and not full else \
+            drawn_runs(prog, compute_s, hosts, timer, p.span_spread, simulate_program, **engine_kw)
+        res = mean_result(res, runs)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -216,29 +215,45 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     twin.spread's draws; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
     step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
     1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
+    return _settled_stretch(study, grid, prog, collectives)[0]
+
+
+def _compute_times(prog: Program, km, pooled: float, stretch: float | None, hosts: list[float]) -> list[float]:
+    """Each op's compute time (seconds; 0 for a collective): its kernel time, which holds the profile's
+    `pooled` stretch, at this grid's own `stretch` (CPU; None: as it is), plus the host time before it."""
+    scale = 1.0 if stretch is None else stretch / pooled
+    return [0.0 if op.is_collective else km.kernel_time(op) * scale + h for op, h in zip(prog.ops, hosts)]
+
+
+def _settled_stretch(study: Study, grid: Grid, prog: Program, collectives) -> tuple[float | None, list | None]:
+    """shared_core_stretch, and the engine results of twin.spread's draws at it (symmetric mode;
+    None where the profile has no `span_spread`): _simulate_grid's mean over draws, already run."""
     from twin.cores import busy_shares, core_stretch, fixed_point, stretch_floor
     p = study.profile
     ranks = min(grid.size, study.system.gpus_per_node)
     if not (p.node_cores and p.stretch > 0) or ranks < 2:
-        return None
+        return None, None
     km = study.kernels
-    on_cpu = [0.0 if op.is_collective else km.kernel_time(op) / p.stretch for op in prog.ops]
     timer = collective_timer(prog, collectives)
     floor = stretch_floor(ranks, p.node_cores, p.stretch)
     hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
     engine_kw = dict(overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
+    last: dict[float, list] = {}  # the stretch last mapped -> its draws
 
     def mapped(stretch: float) -> float:  # the stretch that the shares of a timeline at `stretch` give
-        compute = [0.0 if op.is_collective else t * stretch + h for op, t, h in zip(prog.ops, on_cpu, hosts)]
+        compute = _compute_times(prog, km, p.stretch, stretch, hosts)
         if p.span_spread:  # twin.spread: the mean shares over spans drawn at their spread
             runs = drawn_runs(prog, compute, hosts, timer, p.span_spread, simulate_program, **engine_kw)
         else:
             runs = [simulate_program(prog, compute, timer, by_size=True, **engine_kw)]
         shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__)
                               for r in runs])
+        last.clear()
+        last[stretch] = runs
         return core_stretch(ranks, p.node_cores, p.collective_core_load, *shares, floor)
 
-    return fixed_point(mapped, p.stretch, rounds=STRETCH_ROUNDS)
+    stretch = fixed_point(mapped, p.stretch, rounds=STRETCH_ROUNDS)
+    return stretch, last.get(stretch) if p.span_spread else None
 
 
 
