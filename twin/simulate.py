@@ -202,7 +202,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     return result
 
 
-STRETCH_ROUNDS = 20  # at most this many simulations to settle a grid's stretch (3-6 in practice)
+STRETCH_ROUNDS = 20  # at most this many simulations to settle a grid's stretch (1-4 in practice)
 
 
 def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) -> float | None:
