@@ -132,13 +132,23 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
 
 
 @pytest.mark.parametrize("system,model,gpus,batch", [("frontier", "gpt-1b", 32, 32), ("cpu", "gpt-tiny", 8, 8)])
-def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch):
+def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch, tmp_path):
     """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.bounds.tail_ns)
     passes stop_s: the bound it keeps lies between stop_s and the simulated time; a run that ends
-    before stop_s is the plain run."""
+    before stop_s is the plain run. The CPU case takes the shipped profile without its span_spread: a
+    grid whose spans are drawn (twin.spread) is the mean of several runs, which no single run's bound
+    holds, so it is never stopped (test_a_drawn_cpu_simulation_is_never_stopped)."""
+    import re
     import twin.simulate as sim_mod
+    from twin.profile import PROFILES_DIR
     from twin.simulate import simulate_grid, stopped_bound
-    study = prepare(system, model, gpus, batch=batch)
+    profile = None
+    if system == "cpu":
+        profile = tmp_path / "cpu.toml"
+        profile.write_text(re.sub(r"(?m)^span_spread = .*\n", "", (PROFILES_DIR / "cpu.toml").read_text()))
+        profile = str(profile)
+    study = prepare(system, model, gpus, batch=batch, profile=profile)
+    assert not study.profile.for_ranks(gpus).span_spread
     grids = [c.grid for c in rank_grids(study)][:3]
     stops = 0
     for g in grids:
@@ -155,6 +165,20 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
             else:
                 assert r.iteration_time_s == full
     assert stops >= len(grids)
+
+
+def test_a_drawn_cpu_simulation_is_never_stopped():
+    """The shipped CPU profile draws the spans of a step (twin.spread): a stop below its time still
+    gives the whole result, the mean over the draws."""
+    import twin.simulate as sim_mod
+    from twin.simulate import simulate_grid
+    study = prepare("cpu", "gpt-tiny", 8, batch=8)
+    assert study.profile.for_ranks(8).span_spread
+    g = rank_grids(study)[0].grid
+    sim_mod._SIMULATED.clear()
+    full = simulate_grid(study, g).iteration_time_s
+    sim_mod._SIMULATED.clear()
+    assert simulate_grid(study, g, stop_s=0.5 * full).iteration_time_s == full
 
 
 
