@@ -7,7 +7,10 @@ Each figure is a whole `twin` process (imports included), as a user runs it:
 2. `twin search --system frontier --model gpt-320b --gpus 32768 --top 10` (every grid ranked, top 10
    simulated and any other that could beat them);
 3. full mode: gpt-5b on 4,096 GCDs (grid 2x2x2x512), simulated ops per second of the whole process;
-4. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
+4. CPU: gpt-small on 8 ranks of the 2-core CPU system with a grid (1x1x4x2) and with grid auto, both
+   with this checkout's calibration/profiles/cpu.toml (so that both checkouts read the same figures):
+   a grid's stretch is a fixed point of simulations, each the mean of twin.spread's drawn runs;
+5. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
 Every command runs in this checkout and, with --baseline, in another one (e.g. a worktree of an older
 commit: `git worktree add /tmp/base COMMIT`), alternately, `--repeat` times; the table gives the
 median wall and CPU seconds of each, their ratio, and each process's peak resident memory. The
@@ -44,6 +47,8 @@ RUNNER = ("import os, resource, runpy, sys\n"
           "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
           "sys.exit(code)\n")
 
+CPU_PROFILE = str(HERE / "calibration" / "profiles" / "cpu.toml")
+CPU = ["simulate", "--system", "cpu", "--model", "gpt-small", "--gpus", "8", "--batch", "16", "--profile", CPU_PROFILE]
 CASES = [
     ("simulate frontier (grid auto)", ["simulate", "--system", "frontier", "--json"], "< 2 s (goal 1 s)"),
     ("simulate frontier --grid 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8", "--json"],
@@ -53,6 +58,8 @@ CASES = [
     ("full: gpt-5b on 4,096 GCDs 2x2x2x512", ["simulate", "--system", "frontier", "--model", "gpt-5b", "--gpus",
                                               "4096", "--grid", "2x2x2x512", "--full", "--json"],
      ">= 1 M ops/s"),
+    ("cpu: gpt-small on 8 ranks --grid 1x1x4x2", CPU + ["--grid", "1x1x4x2", "--json"], "< 1 s"),
+    ("cpu: gpt-small on 8 ranks (grid auto)", CPU + ["--json"], "< 4 s"),
 ]
 MACHINE = ("full: gpt-320b on 32,768 GCDs 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8",
                                                       "--full", "--json"], "< 300 s, < 12 GB")
