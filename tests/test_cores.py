@@ -36,7 +36,7 @@ def test_ranks_within_the_cores_keep_the_stretch_measured_with_as_many_ranks():
 
 
 def test_the_fixed_point_takes_the_secant_where_the_map_is_a_contraction():
-    """g(x) = 1 + 0.3 x (the stretch map's slope on 8 ranks: 0.1-0.3) from 3: plain steps take 7
+    """g(x) = 1 + 0.3 x (the stretch map's slope on 8 ranks: 0.1-0.3) from 3: plain steps take 9
     evaluations to settle within 1e-4; the secant meets the line's root after 2 and stops at the third.
     A map whose slope leaves (0, 2/3) keeps the plain step, and still settles."""
     calls = []
