@@ -224,8 +224,8 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
 
     cpu-2026-12-02j (as 02i, at commit 85c0b8f, the same model; from a clean clone on another 2-core
     VM, an Intel Xeon, where 01l-02i ran on AMD EPYC: 1x1x1x1 ran 0.52 s against 0.43 s in 02i; load
-    1.2 at the start, 2,497 s, bench 524 s; repeats' spread median 21 %): measured 4.0 %, all 35 within 15 %, worst 14.9 % (1x1x4x2 and
-    1x2x4x1), Spearman 0.980; asserted: median under 4.5 %, all 35 within 15 %, worst under 15.5 %,
+    1.2 at the start, 2,497 s, bench 524 s; repeats' spread median 21 %): measured 4.0 %, all 35
+    within 15 %, worst 14.9 % (1x1x4x2 and 1x2x4x1), Spearman 0.980; asserted: median under 4.5 %, all 35 within 15 %, worst under 15.5 %,
     Spearman at least 0.97."""
     from twin.grid import Grid
     from twin.model import load_model

@@ -164,13 +164,13 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         check_trace_size(len(prog.ops), grid.size if full else 1)
     km = study.kernels
     cm = collectives if collectives is not None else model_for(study, grid)
-    stretch, settled_runs = _settled_stretch(study, grid, prog, cm)
     p = study.profile
     hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
+    timer = collective_timer(prog, cm)
+    stretch, settled_runs = _settled_stretch(study, grid, prog, hosts, timer)
     compute_s = _compute_times(prog, km, p.stretch, stretch, hosts)
     drawn = stretch is not None and bool(p.span_spread)  # CPU: the mean over spans drawn at their spread
     tails = tail_ns(study, grid) if stop_s and not drawn else None
-    timer = collective_timer(prog, cm)
     engine_kw = dict(full=full, slowdown=slowdown, overlap_slowdown=p.overlap_slowdown, comm_share=p.comm_share)
     res = simulate_program(prog, compute_s, timer, record=record, stop_ns=int(stop_s * NS) if tails is not None else 0,
                            tail_ns=tails, by_size=True, **engine_kw)
@@ -215,7 +215,9 @@ def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) ->
     twin.spread's draws; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
     step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
     1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
-    return _settled_stretch(study, grid, prog, collectives)[0]
+    p = study.profile
+    return _settled_stretch(study, grid, prog, host_times(prog.ops, p.host_op_s, p.host_issue_s),
+                            collective_timer(prog, collectives))[0]
 
 
 def _compute_times(prog: Program, km, pooled: float, stretch: float | None, hosts: list[float]) -> list[float]:
@@ -225,18 +227,18 @@ def _compute_times(prog: Program, km, pooled: float, stretch: float | None, host
     return [0.0 if op.is_collective else km.kernel_time(op) * scale + h for op, h in zip(prog.ops, hosts)]
 
 
-def _settled_stretch(study: Study, grid: Grid, prog: Program, collectives) -> tuple[float | None, list | None]:
+def _settled_stretch(study: Study, grid: Grid, prog: Program, hosts: list[float],
+                     timer) -> tuple[float | None, list | None]:
     """shared_core_stretch, and the engine results of twin.spread's draws at it (symmetric mode;
-    None where the profile has no `span_spread`): _simulate_grid's mean over draws, already run."""
+    None where the profile has no `span_spread`): _simulate_grid's mean over draws, already run.
+    hosts: each op's host time before it (seconds, twin.kernels.host_times); timer: collective_timer."""
     from twin.cores import busy_shares, core_stretch, fixed_point, stretch_floor
     p = study.profile
     ranks = min(grid.size, study.system.gpus_per_node)
     if not (p.node_cores and p.stretch > 0) or ranks < 2:
         return None, None
     km = study.kernels
-    timer = collective_timer(prog, collectives)
     floor = stretch_floor(ranks, p.node_cores, p.stretch)
-    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
     engine_kw = dict(overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
     last: dict[float, list] = {}  # the stretch last mapped -> its draws
 
@@ -254,7 +256,6 @@ def _settled_stretch(study: Study, grid: Grid, prog: Program, collectives) -> tu
 
     stretch = fixed_point(mapped, p.stretch, rounds=STRETCH_ROUNDS)
     return stretch, last.get(stretch) if p.span_spread else None
-
 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
