@@ -27,7 +27,7 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
   - node_share `compute_contention`: GEMM time inside training over the time the
     microbenchmark-fitted profile gives them, summed over the ops no collective overlapped;
     `overlap_slowdown`: where bench recorded on-CPU times, a GEMM a collective overlapped (most of
-    its span) over one of the same shape none did (training.same_shape_slowdown); else the same ratio
+    its span) over one of the same shape none did in the same bench file (training.same_shape_slowdown); else the same ratio
     as compute_contention over the ops a collective overlapped, relative to compute_contention
     (either replaces the microbenchmark's, which a short all-reduce beside one GEMM barely moves);
   - `[[collective_training]]`: per kind, axis, group size and stride, seconds = latency + bytes /

@@ -132,12 +132,14 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
             lines.append("compute_contention = " + entry_text(contention, (
                 f"measured: GEMM time of {len(alone)} ops no collective overlapped in recorded "
                 f"training steps, over their microbenchmark-fitted time, {src_t}")))
-        paired = same_shape_slowdown([row for row, _ in modeled], span) if stretch is not None else None  # like with like
+        paired = same_shape_slowdown([(r, row) for r, row in rows if row["kind"] == "gemm"], span) \
+            if stretch is not None else None  # like with like
         if paired is not None:
-            slow, n_shapes = paired
+            slow, n_pairs = paired
             lines.append("overlap_slowdown = " + entry_text(slow, (
                 f"measured: GEMMs a collective overlapped in recorded training steps over GEMMs of the same shape "
-                f"none overlapped, median over {n_shapes} shapes of the ratio of their median times (at least 1), "
+                f"none overlapped in the same file, median over {n_pairs} (file, shape) pairs of the ratio of their "
+                f"median times (at least 1), "
                 f"{src_t}")))
         elif len(over) >= 3:
             slow = max(1.0, sum(span(r) for r, _ in over) / sum(t for _, t in over) / contention)
@@ -322,25 +324,27 @@ def cost_roles(run: dict) -> dict[str, str]:
     return {op.name: cost_role(op) for op in prog.ops if op.role}
 
 
-def same_shape_slowdown(gemms: list[dict], span) -> tuple[float, int] | None:
-    """(slowdown, shapes): how much longer a GEMM of the recorded steps (`gemms`, their rows) takes
-    while a collective of its rank runs beside it than one of the same shape (m, n, k, layout) that
-    ran alone, `span(row)` each:
-    the median over the shapes recorded both ways of the ratio of their medians, at least 1; None where
-    no shape was. Like against like: the overlapped GEMMs of a step are not the alone ones (oar hides
-    the all-reduce of the input gradient behind the weight-gradient GEMM), and the ratio of each
-    group's time to the microbenchmarks' model mixed that model's error per shape into the slowdown.
+def same_shape_slowdown(gemms: list[tuple[dict, dict]], span) -> tuple[float, int] | None:
+    """(slowdown, pairs): how much longer a GEMM of the recorded steps (`gemms`: (bench file, row)
+    pairs) takes while a collective of its rank runs beside it than one of the same shape (m, n, k,
+    layout) in the same file that ran alone, `span(row)` each: the median over the (file, shape)
+    pairs recorded both ways of the ratio of their medians, at least 1; None where no shape was.
+    Like against like: the overlapped GEMMs of a step are not the alone ones (oar hides the
+    all-reduce of the input gradient behind the weight-gradient GEMM), and the ratio of each group's
+    time to the microbenchmarks' model mixed that model's error per shape into the slowdown.
     Taken where bench recorded on-CPU times (span: on-CPU time x the pooled stretch, so the ratio is
-    the kernel's own slowdown; the cores the collectives take are in the stretch, twin.cores). On the
-    loops cpu-2026-12-01e to -02a it came out 1.00-1.18 (median 1.03) at 2, 4 and 8 ranks, the
-    cross-shape ratio 1.00-1.11; the runs' traces agree that the kernel barely slows: a GEMM's on-CPU
-    time with its rank's collective in flight over one of its shape alone had a median of 0.98 over
-    the 16 grids of 4 and 8 ranks with both in 01m, 0.99 in 02a. Validated offline (each loop's runs
-    against the profile fitted from its bench), per-op within 20 %: 32 grids of 35 in 01l (from 31),
-    31 in 01m (from 28), 28 in 02a (28)."""
+    the kernel's own slowdown; the cores the collectives take are in the stretch, twin.cores).
+    Within one file, not across files: bench files of one rank count are recorded minutes apart, at
+    the machine's speed of their moment (the same op's on-CPU time in two files of one grid, p1 and
+    p2, summed over its GEMMs: 0.82-1.20x in cpu-2026-12-02h to -02j), and a shape overlapped in one
+    grid's file and alone in another's took that drift for a slowdown: 8 ranks in 02j, 1.18 over 22
+    shapes paired across the files, 1.02 over 25 (file, shape) pairs; the runs' traces agree
+    that the kernel barely slows (a GEMM's on-CPU time with its rank's collective in flight over the
+    same op's alone: a median of 0.98 over the 16 grids of 4 and 8 ranks with both in 01m, 0.99 in
+    02a, 0.91-1.03 per grid in 02j)."""
     by: dict[tuple, tuple[list[float], list[float]]] = {}
-    for row in gemms:
-        key = (row["m"], row["n"], row["k"], row["layout"] or "NN")
+    for run, row in gemms:
+        key = (id(run), row["m"], row["n"], row["k"], row["layout"] or "NN")
         by.setdefault(key, ([], []))[0 if row.get("covered", 0) >= COVERED else 1].append(span(row))
     ratios = [statistics.median(o) / statistics.median(a) for o, a in by.values() if o and a]
     if not ratios:

@@ -240,6 +240,23 @@ def test_in_training_ops_are_on_cpu_time_times_the_pooled_stretch(tmp_path):
     assert spans.stretch == 0
 
 
+def test_overlap_slowdown_pairs_a_shape_within_one_bench_file():
+    """A GEMM overlapped in one bench file is compared with its shape alone in the same file only: two
+    files are two moments of the machine, and one that ran 1.2x slower throughout is no slowdown."""
+    from calibration.training import same_shape_slowdown
+    slow, fast = {"grid": "1x1x8x1"}, {"grid": "1x1x1x8"}  # two files, the first at a slower moment
+
+    def gemm(covered: float, cpu_s: float) -> dict:
+        return {"kind": "gemm", "m": 64, "n": 64, "k": 64, "layout": "NN", "covered": covered, "cpu_s": cpu_s}
+
+    span = lambda row: row["cpu_s"]  # noqa: E731
+    across = [(slow, gemm(1.0, 1.2)), (slow, gemm(1.0, 1.2)), (fast, gemm(0.0, 1.0)), (fast, gemm(0.0, 1.0))]
+    assert same_shape_slowdown(across, span) is None  # no shape both ways within one file
+    within = across + [(slow, gemm(0.0, 1.2)), (fast, gemm(1.0, 1.1))]
+    assert same_shape_slowdown(within, span) == (pytest.approx(1.05), 2)  # 1.2/1.2 and 1.1/1.0
+    assert same_shape_slowdown([(fast, gemm(1.0, 0.9)), (fast, gemm(0.0, 1.0))], span) == (1.0, 1)  # at least 1
+
+
 def test_the_roofline_gemm_rate_is_the_measured_square_gemm(tmp_path):
     """gemm_flops (the kernel model's rate for shapes no measured point is near) is the square GEMM
     bench timed per rank with the most ranks, not the base's assumed figure, even above the assumed
