@@ -335,8 +335,8 @@ def same_shape_slowdown(gemms: list[tuple[dict, dict]], span) -> tuple[float, in
     Taken where bench recorded on-CPU times (span: on-CPU time x the pooled stretch, so the ratio is
     the kernel's own slowdown; the cores the collectives take are in the stretch, twin.cores).
     Within one file, not across files: bench files of one rank count are recorded minutes apart, at
-    the machine's speed of their moment (the same op's on-CPU time in two files of one grid, p1 and
-    p2, summed over its GEMMs: 0.82-1.20x in cpu-2026-12-02h to -02j), and a shape overlapped in one
+    the machine's speed of their moment (a grid's GEMMs took 0.82-1.20x the on-CPU time, summed, in
+    its second bench file than in its first, in cpu-2026-12-02h to -02j), and a shape overlapped in one
     grid's file and alone in another's took that drift for a slowdown: 8 ranks in 02j, 1.18 over 22
     shapes paired across the files, 1.02 over 25 (file, shape) pairs; the runs' traces agree
     that the kernel barely slows (a GEMM's on-CPU time with its rank's collective in flight over the
