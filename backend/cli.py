@@ -11,6 +11,7 @@ backend.cli_common holds what they share. This module only lists them, in `--hel
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import typer
@@ -27,9 +28,7 @@ app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
 @app.callback()
 def _needs_torch() -> None:
     """Every backend command needs PyTorch: say in one line how to install it."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:  # found, not imported: `--help` and bad input stay fast
         typer.echo("error: the backend needs PyTorch, which is not installed: pip install torch "
                    "(CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)", err=True)
         raise typer.Exit(2) from None

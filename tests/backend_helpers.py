@@ -9,6 +9,9 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+# imported once, before the ranks fork, as backend.launch_spawn does: torch.optim and autograd.grad
+# import it (and sympy) lazily, which cost each of 8 forked ranks seconds (an 8-rank test: 20 s -> 2 s)
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
