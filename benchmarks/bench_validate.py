@@ -274,6 +274,9 @@ def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start:
             print(summary_line(label, sel))
     print(kinds_line(rep["runs"]))
     print(issue_line(rep["runs"]))
+    if rep.get("noise"):
+        from calibration.noise import noise_line
+        print(noise_line(rep["noise"]))
     its = [abs(r["iteration"]["error"]) for r in rep["runs"]]
     ops = [r["ops"]["median_abs_error"] for r in rep["runs"]]
     mem = [abs(r["memory"]["error"]) for r in rep["runs"] if r["memory"]["error"] is not None]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -34,33 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from calibration.noise import TARGET, exact_model, halves, run_noise  # noqa: E402
+
 MEAS = ROOT / "calibration" / "measurements"
 LOOPS = ["cpu-2026-12-01g", "cpu-2026-12-01h", "cpu-2026-12-01i", "cpu-2026-12-01j", "cpu-2026-12-01k"]
-TARGET = 0.15
-
-
-def run_noise(runs: list[dict]) -> float:
-    """Pooled sd of log(run time) among a grid's repeats (root mean square over grids, n-1 weights)."""
-    ss, dof = 0.0, 0
-    for r in runs:
-        logs = [math.log(t) for t in r["iteration"]["measured_each_s"]]
-        if len(logs) > 1:
-            m = statistics.fmean(logs)
-            ss += sum((x - m) ** 2 for x in logs)
-            dof += len(logs) - 1
-    return math.sqrt(ss / dof) if dof else math.nan
-
-
-def halves(runs: list[dict]) -> tuple[int, int]:
-    """Grids whose odd-pass and even-pass medians agree within the target, and the grids compared."""
-    agree = n = 0
-    for r in runs:
-        t = r["iteration"]["measured_each_s"]
-        if len(t) >= 2:
-            a, b = statistics.median(t[0::2]), statistics.median(t[1::2])
-            agree += abs(a / b - 1) <= TARGET
-            n += 1
-    return agree, n
 
 
 def bench_noise(folder: Path) -> tuple[float, int] | None:
@@ -80,21 +56,6 @@ def bench_noise(folder: Path) -> tuple[float, int] | None:
     return math.sqrt(statistics.fmean(d * d for d in diffs) / 2), len(diffs)  # a difference holds two passes
 
 
-def perfect_model(sigma: float, repeats: int, grids: int, bench: float = 0.0, trials: int = 4000,
-                  seed: int = 0) -> tuple[float, float]:
-    """A model exact on every grid's mean against the median of `repeats` log-normal runs of log sd
-    `sigma`, its prediction off by a log-normal error of sd `bench` (the profile's noise; 0: none):
-    the expected number of grids within the target and the chance that all are."""
-    rng = random.Random(seed)
-    total = every = 0
-    for _ in range(trials):
-        inside = sum(abs(math.exp(rng.gauss(0.0, bench) - statistics.median(rng.gauss(0.0, sigma) for _ in range(repeats)))
-                         - 1) <= TARGET for _ in range(grids))
-        total += inside
-        every += inside == grids
-    return total / trials, every / trials
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("loops", nargs="*", help="measurement folders with report.json (default: the committed loops)")
@@ -107,10 +68,11 @@ def main() -> int:
         if not runs:
             print(f"{folder.name}: one run per grid, no noise to measure")
             continue
-        sigma = run_noise(runs)
+        times = [r["iteration"]["measured_each_s"] for r in runs]
+        sigma = run_noise(times)
         sigmas.append(sigma)
         within = sum(abs(r["iteration"]["error"]) <= TARGET for r in rep["runs"])
-        agree, n = halves(runs)
+        agree, n = halves(times)
         bench = bench_noise(folder)
         if bench:
             benches.append(bench[0])
@@ -124,7 +86,7 @@ def main() -> int:
     print(f"\na model exact on every grid's mean, against the median of R runs ({grids} grids, 4,000 trials):")
     print(f"{'noise':>7s}" + "".join(f"{'R=' + str(r):>16s}" for r in (3, 4, 6, 8, 12)))
     for sigma in sorted({min(sigmas), statistics.median(sigmas), max(sigmas)}):
-        cells = [perfect_model(sigma, r, grids) for r in (3, 4, 6, 8, 12)]
+        cells = [exact_model(sigma, r, grids) for r in (3, 4, 6, 8, 12)]
         print(f"{sigma:7.3f}" + "".join(f"{e:6.1f}, all {p:4.0%}" for e, p in cells))
     print("(each cell: the expected count within 15 %, and the chance that all are)")
     if benches:
@@ -134,7 +96,7 @@ def main() -> int:
               f"({b:.3f} / sqrt(B), grids independent), runs' noise {sigma:.3f}:")
         print(f"{'B':>7s}" + "".join(f"{'R=' + str(r):>16s}" for r in (3, 4, 6, 8, 12)))
         for passes in (1, 2, 4):
-            cells = [perfect_model(sigma, r, grids, b / math.sqrt(passes)) for r in (3, 4, 6, 8, 12)]
+            cells = [exact_model(sigma, r, grids, profile_sd=b / math.sqrt(passes)) for r in (3, 4, 6, 8, 12)]
             print(f"{passes:7d}" + "".join(f"{e:6.1f}, all {p:4.0%}" for e, p in cells))
     return 0
 

@@ -61,8 +61,9 @@ import json
 import statistics
 from pathlib import Path
 
+from calibration.noise import noise_floor
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run
-from calibration.validate_summary import _by_kind, pool_repeats, spearman
+from calibration.validate_summary import _by_kind, pool_repeats, spearman, targets_for
 from twin.common import TwinError
 from twin.grid import Grid
 from twin.program import Options
@@ -213,7 +214,8 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
                   progress=None) -> dict:
     """validate_run over several runs, repeated runs of one job pooled into one entry (pool_repeats;
     runs are the same job when model, grid, batch and switches agree), in the order of their first
-    run; plus the grid ranking over the entries (Spearman, predicted vs measured).
+    run; plus the grid ranking over the entries (Spearman, predicted vs measured) and, where a grid
+    ran twice or more, what the runs' own noise allows (calibration.noise.noise_floor; else None).
     progress(what, done, total) is called before each run (twin.progress.Steps)."""
     if not run_dirs:
         raise TwinError("twin validate needs at least one run directory (from `backend run --out DIR`)")
@@ -229,4 +231,5 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
     meas = [r["iteration"]["measured_s"] for r in runs]
     return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
             "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs),
-            "repeats": sum(r["repeats"] for r in runs)}
+            "repeats": sum(r["repeats"] for r in runs),
+            "noise": noise_floor([r["iteration"]["measured_each_s"] for r in runs], targets_for({"runs": runs}).iteration)}

@@ -6,30 +6,10 @@ from __future__ import annotations
 
 import html
 import statistics
-from dataclasses import dataclass
 
 from calibration.validate import SKIP_STEPS
 from calibration.validate_measured import COLLECTIVES
-from calibration.validate_summary import _by_kind
-
-
-@dataclass(frozen=True)
-class Targets:
-    """How close the twin should come (fractions; README, "Calibration: is the twin right?")."""
-    iteration: float
-    per_op: float
-    memory: float
-    spearman: float
-
-
-CPU_TARGETS = Targets(iteration=0.15, per_op=0.20, memory=0.10, spearman=0.9)  # 1-8 ranks on one CPU node
-GPU_TARGETS = Targets(iteration=0.05, per_op=0.10, memory=0.10, spearman=0.9)  # one H200
-
-
-def targets_for(report: dict) -> Targets:
-    """The targets of a validation report's runs: the CPU loop's where they ran on the `cpu` system,
-    else one H200's."""
-    return CPU_TARGETS if report["runs"][0].get("system") == "cpu" else GPU_TARGETS
+from calibration.validate_summary import Targets, _by_kind, targets_for
 
 
 def _pct(v: float | None, signed: bool = False, digits: int = 0) -> str:
@@ -67,6 +47,14 @@ def summary_lines(report: dict, t: Targets) -> list[str]:
     if spreads:
         lines.append(f"The same grid's runs differ among themselves by a median of {_pct(statistics.median(spreads))} "
                      f"(max/min - 1; worst {_pct(max(spreads))}): errors of that size can come from the machine alone.")
+    noise = report.get("noise")
+    if noise:
+        lines.append(f"What the runs allow (calibration.noise): their median over the odd runs against the even runs "
+                     f"agrees within {_pct(noise['target'])} on {noise['halves_within']} of {noise['halves_grids']} "
+                     f"grids; a model exact on every grid's mean would have {noise['exact_model_within']:.1f} of "
+                     f"{noise['grids']} within {_pct(noise['target'])} (all of them "
+                     f"{_pct(noise['exact_model_all'])} of the time), with the runs' noise of "
+                     f"{noise['run_log_sd']:.3f} per run (log sd).")
     return lines
 
 

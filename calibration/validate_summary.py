@@ -2,14 +2,35 @@
 
 `_by_kind` sums a run's per-op errors per kind (median and 90th percentile of |error|, shares of peer
 wait and predicted excess for collectives); `pool_repeats` makes one report entry of repeated runs of
-the same job, at their medians; `spearman` ranks the grids, predicted against measured.
+the same job, at their medians; `spearman` ranks the grids, predicted against measured; `Targets`
+are the project's per machine (`targets_for` a report).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from calibration.validate_measured import COLLECTIVES
+
+
+@dataclass(frozen=True)
+class Targets:
+    """How close the twin should come (fractions; README, "Calibration: is the twin right?")."""
+    iteration: float
+    per_op: float
+    memory: float
+    spearman: float
+
+
+CPU_TARGETS = Targets(iteration=0.15, per_op=0.20, memory=0.10, spearman=0.9)  # 1-8 ranks on one CPU node
+GPU_TARGETS = Targets(iteration=0.05, per_op=0.10, memory=0.10, spearman=0.9)  # one H200
+
+
+def targets_for(report: dict) -> Targets:
+    """The targets of a validation report's runs: the CPU loop's where they ran on the `cpu` system,
+    else one H200's."""
+    return CPU_TARGETS if report["runs"][0].get("system") == "cpu" else GPU_TARGETS
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -408,6 +408,9 @@ def test_the_loop_end_to_end(tmp_path):
     assert "2 ranks" in line and " ms (" in line, line
     assert all(run["ops"]["by_kind"]["all_reduce"]["issue_s"] > 0 for run in rep["runs"])
     assert (tmp_path / "work" / "report.html").stat().st_size > 10_000
+    noise = rep["noise"]  # what two runs of each grid allow, beside the twin's errors
+    assert noise["halves_grids"] == 2 and noise["repeats"] == 2 and noise["run_log_sd"] >= 0
+    assert "the runs' own noise" in r.stdout and "What the runs allow" in (tmp_path / "work" / "report.html").read_text()
     bench = json.loads((out / "bench-2x1x1x1.json").read_text())  # bench's in-training gaps
     assert all(r["wake_s"] >= 0 for r in bench["steps"] if r["kind"] == "all_reduce")
     assert all(0 < r["issue_s"] < 1 for r in bench["steps"] if r["kind"] == "all_reduce")  # measured, not used yet

@@ -624,21 +624,26 @@ def load_profile_text(tmp_path, text: str):
     return load_profile(str(path))
 
 
-def test_the_noise_floor_counts_what_a_perfect_model_can_reach():
-    """benchmarks/cpu_noise_floor.py: no noise puts every grid within 15 %; the runs' noise is the sd
-    of log(run time) among a grid's repeats; halves compare odd passes with even ones."""
-    import importlib.util
+def test_the_noise_floor_counts_what_an_exact_model_can_reach():
+    """calibration.noise: no noise puts every grid within 15 %; the runs' noise is the sd of log(run
+    time) among a grid's repeats; halves compare odd runs with even ones; noise_floor holds them all
+    for a validation with repeats, and None without."""
     import math
-    spec = importlib.util.spec_from_file_location("cpu_noise_floor", LOOPS.parent.parent / "benchmarks" / "cpu_noise_floor.py")
-    nf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nf)
-    assert nf.perfect_model(0.0, 3, 35, trials=20) == (35.0, 1.0)
-    expected, every = nf.perfect_model(0.5, 3, 35, trials=50)
+
+    from calibration.noise import exact_model, halves, noise_floor, noise_line, run_noise
+    assert exact_model(0.0, 3, 35, trials=20) == (35.0, 1.0)
+    expected, every = exact_model(0.5, 3, 35, trials=50)
     assert expected < 30 and every == 0.0  # 50 % per run: far outside
-    runs = [{"iteration": {"measured_each_s": [1.0, math.e ** 0.2, 1.0, math.e ** 0.2]}},
-            {"iteration": {"measured_each_s": [2.0, 2.0, 2.0, 2.0]}}]
-    assert nf.run_noise(runs) == pytest.approx(math.sqrt(4 * 0.1 ** 2 / 6))
-    assert nf.halves(runs) == (1, 2)  # odd passes 1.0, even passes e^0.2 = 1.22: apart; the second agrees
+    expected, every = exact_model(0.139, 4, 35)  # 03a's noise: the committed table's cell
+    assert 32.8 < expected < 33.8 and 0.1 < every < 0.3
+    times = [[1.0, math.e ** 0.2, 1.0, math.e ** 0.2], [2.0, 2.0, 2.0, 2.0]]
+    assert run_noise(times) == pytest.approx(math.sqrt(4 * 0.1 ** 2 / 6))
+    assert halves(times) == (1, 2)  # odd runs 1.0, even runs e^0.2 = 1.22: apart; the second agrees
+    assert halves(times, target=0.25) == (2, 2)
+    nf = noise_floor(times)
+    assert nf["halves_within"] == 1 and nf["grids"] == 2 and nf["repeats"] == 4 and nf["target"] == 0.15
+    assert "1 of 2 grids within 15 %" in noise_line(nf)
+    assert noise_floor([[1.0], [2.0]]) is None and run_noise([[1.0]]) is None
 
 
 def test_the_op_noise_splits_four_runs_into_pairs_three_ways():

@@ -3,7 +3,8 @@ figures each line should give; the page itself is opened in a browser by tests/t
 
 from __future__ import annotations
 
-from calibration.validate_page import CPU_TARGETS, GPU_TARGETS, grid_rows, kind_rows, summary_lines, validation_html
+from calibration.validate_page import grid_rows, kind_rows, summary_lines, validation_html
+from calibration.validate_summary import CPU_TARGETS, GPU_TARGETS
 
 
 def run(grid: str, measured: float, predicted: float, op_error: float, mem_error: float, repeats: int = 2) -> dict:
@@ -33,6 +34,11 @@ def test_the_summary_counts_what_meets_each_target_and_names_the_worst():
     assert "Spearman 1.00 over 3 grids" in lines[3]
     assert "median of 10 %" in lines[4]
     assert "1 of 3 grids within 5 %" in summary_lines(REPORT, GPU_TARGETS)[0]  # a GPU's targets are tighter
+    assert len(lines) == 5  # no noise figures in the report: no line for them
+    noise = {"target": 0.15, "run_log_sd": 0.139, "halves_within": 31, "halves_grids": 35, "repeats": 4,
+             "grids": 35, "exact_model_within": 33.3, "exact_model_all": 0.19}
+    last = summary_lines({**REPORT, "noise": noise}, CPU_TARGETS)[-1]
+    assert "within 15 % on 31 of 35 grids" in last and "33.3 of 35 within 15 % (all of them 19 %" in last
 
 
 def test_the_cells_past_their_target_are_marked():

@@ -62,6 +62,9 @@ def validate_cmd(
     console.print(t)
     if rep["spearman"] is not None:
         console.print(f"grid ranking: Spearman {rep['spearman']:.2f} over {len(rep['runs'])} grids ({rep['repeats']} runs)")
+    if rep["noise"] is not None:
+        from calibration.noise import noise_line
+        console.print(noise_line(rep["noise"]))
     if json_out is not None:
         write_atomic(json_out, json.dumps(rep, indent=1))
         console.print(f"wrote {json_out}")

@@ -320,7 +320,8 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
         page.add('<p class="missing">No scaling study given (pass one with --scaling FILE).</p>')
     page.add("<h2>Twin against backend</h2>")
     if validation and any(run.get("per_op") for run in validation.get("runs", [])):
-        from calibration.validate_page import summary_lines, targets_for
+        from calibration.validate_page import summary_lines
+        from calibration.validate_summary import targets_for
         lines = summary_lines(validation, targets_for(validation))
         page.add('<p class="lead">' + "<br>".join(html.escape(s) for s in lines) + "</p>")
         page.add('<p class="note">`twin validate RUN... --html FILE` writes the whole comparison: per grid, '
