@@ -76,7 +76,8 @@ BOUNDS = [("cpu-2026-12-01b", 0.09, 25, 1.0, 0.92), ("cpu-2026-12-01c", 0.085, 2
           ("cpu-2026-12-02d", 0.045, 34, 0.19, 0.95), ("cpu-2026-12-02e", 0.045, 35, 0.15, 0.96),
           ("cpu-2026-12-02f", 0.055, 35, 0.125, 0.96), ("cpu-2026-12-02g", 0.04, 34, 0.175, 0.96),
           ("cpu-2026-12-02h", 0.035, 35, 0.15, 0.96), ("cpu-2026-12-02i", 0.035, 35, 0.11, 0.97),
-          ("cpu-2026-12-02j", 0.05, 35, 0.155, 0.97), ("cpu-2026-12-03a", 0.065, 33, 0.19, 0.95)]
+          ("cpu-2026-12-02j", 0.05, 35, 0.155, 0.97), ("cpu-2026-12-03a", 0.065, 33, 0.19, 0.95),
+          ("cpu-2026-12-03b", 0.15, 18, 0.57, 0.90)]
 
 # The loops the default run reproduces, one per change in what bench records (each exercises the fit's
 # handling of the files of its time): 01b the oldest files (no wake_s, free_mean_s), 01d the first
@@ -246,7 +247,16 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     the Intel Xeon VM, slower than in 02j: 1x1x1x1 0.68 s against 0.52 s; load 0.6 at the start,
     2,843 s, bench 562 s; repeats' spread median 33 %, worst 117 %): measured 5.6 %, 33 within 15 %,
     worst 18 % (1x1x1x2, its repeats' spread 49 %; 2x1x1x2 -16 %), Spearman 0.967; asserted: median
-    under 6.5 %, at least 33 within 15 %, worst under 19 %, Spearman at least 0.95."""
+    under 6.5 %, at least 33 within 15 %, worst under 19 %, Spearman at least 0.95.
+
+    cpu-2026-12-03b (at commit e20f518, the same model as 03a; from a clean clone on the Intel Xeon
+    VM, load 0.7 at the start, 2,868 s, bench 638 s): the noisiest loop yet, runs' noise 0.235 per run
+    (log sd; 03a 0.139), its odd runs against its even runs within 15 % on 18 of 35 grids, its two bench
+    passes 0.339 apart per pass (03a 0.123; 2x2x2x1's bench 60 s then 40 s). Measured: 14.3 %, 18
+    within 15 %, worst 55 % (4x2x1x1 +34 %: every 8-rank x-split grid predicted long, its first bench
+    pass ran in a slow stretch), Spearman 0.917; the shipped profile (03a's fit, benched four hours
+    earlier) on the same runs: 5.9 %, 30 within 15 %, per-op 35 within 20 %, Spearman 0.95.
+    Asserted: median under 15 %, at least 18 within 15 %, worst under 57 %, Spearman at least 0.90."""
     from twin.grid import Grid
     from twin.model import load_model
     from twin.program import Options
