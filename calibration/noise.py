@@ -1,7 +1,7 @@
 """The measurement's own noise: how close to a target any model can come against repeated runs.
 
 A grid's runs on a shared machine differ from run to run (on the 2-core development VM by a log
-standard deviation of 0.09-0.14 per run in loops 02i-03a), so a grid can miss a 15 % target with an
+standard deviation of 0.09-0.24 per run in loops 02i-03b), so a grid can miss a 15 % target with an
 exact model. Before a miss is read as the twin's, `noise_floor` says what the runs themselves allow:
 - the runs' noise: the standard deviation of log(iteration time) among a grid's repeats, pooled over
   the grids (root mean square, n - 1 weights);
