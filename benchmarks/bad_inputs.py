@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRONTIER = (ROOT / "topologies/systems/frontier.toml").read_text()
-CPU_PROFILE = (ROOT / "calibration/profiles/cpu.toml").read_text()
+CPU_PROFILE = (ROOT / "twin/profiles/cpu.toml").read_text()
 TINY = (ROOT / "twin/models/gpt-tiny.toml").read_text()
 
 

@@ -33,13 +33,13 @@ torch.set_num_threads(1)
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-from backend.dist import ParallelContext
-from backend.model import GPT
-from backend.optim import make_optimizer, train_step
-from backend.recorder import Recorder, NULL_RECORDER
-from twin.grid import Grid
-from twin.model import load_model
-from twin.program import Options
+from backend.runtime.dist import ParallelContext
+from backend.models.gpt import GPT
+from backend.training.optim import make_optimizer, train_step
+from backend.runtime.recorder import Recorder, NULL_RECORDER
+from twin.program.grid import Grid
+from twin.program.model import load_model
+from twin.program.program import Options
 spec = load_model("gpt-tiny")
 ctx = ParallelContext.build(Grid.parse("1x1x1x1"))
 model = GPT(spec, ctx, Options())

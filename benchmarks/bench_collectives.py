@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_collectives import MEASURED, model_bandwidth  # noqa: E402  (the table lives with its test)
 
 from topologies.system import load_system  # noqa: E402
-from twin.collectives import CollectiveModel  # noqa: E402
-from twin.grid import AXES, Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import build_program  # noqa: E402
+from twin.costs.collectives import CollectiveModel  # noqa: E402
+from twin.program.grid import AXES, Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import build_program  # noqa: E402
 
 
 def table() -> None:

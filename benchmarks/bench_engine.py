@@ -11,7 +11,7 @@ builder alone. Printed per grid, as medians of CPU seconds over --repeat pairs w
 this / baseline:
 - engine: `simulate_program` on the grid's program again (what a second run of a program costs);
 - engine, first run: the same with each side's kept per-program work dropped before each run
-  (twin.engine_plan._PLANS, or twin.engine._PLANS before the engine's split: what the first run of a
+  (twin.engine.plan._PLANS, or twin.engine.engine._PLANS before the engine's split: what the first run of a
   program costs; a baseline without it has nothing to drop);
 - build: `build_program` of the grid.
 Each pair's results are checked equal first (the iteration, breakdown and op count; the ops built).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import inspect
 import re
 import shutil
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -43,11 +45,20 @@ def load_baseline(root: Path, into: Path):
         text = re.sub(r"\b(from|import) twin\.", r"\1 twin_base.", text)
         f.write_text(re.sub(r"\bfrom twin import\b", "from twin_base import", text))
     sys.path.insert(0, str(into))
-    import twin_base.engine
-    import twin_base.grid
-    import twin_base.model
-    import twin_base.program
-    return twin_base
+    # the modules by their names in the layout of issue 39, else by their older flat names
+    where = {"engine": ("engine.engine", "engine"), "plan": ("engine.plan", "engine_plan", "engine"),
+             "grid": ("program.grid", "grid"), "model": ("program.model", "model"),
+             "program": ("program.program", "program")}
+    return SimpleNamespace(**{k: _first_module(*(f"twin_base.{n}" for n in names)) for k, names in where.items()})
+
+
+def _first_module(*names: str):
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"none of {names}")
 
 
 def timed(f) -> float:
@@ -65,17 +76,17 @@ def main() -> None:
     ap.add_argument("--grids", default="2x32x64x8,2x16x32x32")
     a = ap.parse_args()
     sys.path.insert(0, str(HERE))
-    from twin import engine, engine_plan
-    from twin.grid import Grid
-    from twin.program import build_program
-    from twin.simulate import collective_timer
-    from twin.study import prepare
-    from twin.study_cache import model_for, program_for
+    from twin.engine import engine
+    from twin.engine import plan as engine_plan
+    from twin.program.grid import Grid
+    from twin.program.program import build_program
+    from twin.predict.simulate import collective_timer
+    from twin.predict.study import prepare
+    from twin.predict.study_cache import model_for, program_for
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     try:
         base = load_baseline(a.baseline.resolve(), tmp)
-        base_plans = next((m._PLANS for m in (sys.modules.get("twin_base.engine_plan"), base.engine)
-                           if hasattr(m, "_PLANS")), {})
+        base_plans = getattr(base.plan, "_PLANS", {})
         study = prepare("frontier", None, None, None, None, None, "contiguous", None, True)
         # by_size (ask each distinct collective once) on each side that has it, so that both run alike
         by_size, base_by_size = ({"by_size": True} if "by_size" in inspect.signature(f).parameters else {}

@@ -3,15 +3,15 @@ run (a report, not a test).
 
     python benchmarks/bench_full.py [--baseline DIR] [--repeat N] [--machine] [--cases 1,3]
 
-Each case is a whole process (imports included) that calls `twin.simulate.simulate(..., full=True)`
+Each case is a whole process (imports included) that calls `twin.predict.simulate.simulate(..., full=True)`
 with stragglers drawn from a fixed seed; it prints wall and CPU seconds, the process's peak resident
 memory, simulated ops (op executions summed over all ranks) per second of the whole process, and the
-classes of alike ranks the engine simulated (twin.symmetry; "-" in a checkout without it):
+classes of alike ranks the engine simulated (twin.engine.symmetry; "-" in a checkout without it):
 1. gpt-5b on 4,096 GCDs (grid 2x2x2x512) in symmetric mode (the reference of peak memory);
 2. full mode, no straggler (one class: the symmetric run);
 3. the same with 16 random stragglers (compute x1.25);
 4. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
-   the engine runs rank by rank (twin.lockstep: the program stepped once over all ranks with numpy;
+   the engine runs rank by rank (twin.lockstep.lockstep: the program stepped once over all ranks with numpy;
    before it, one event per rank and op);
 with --machine, Frontier's default study (gpt-320b on all 32,768 GCDs, `twin simulate --system
 frontier --grid 2x32x64x8 --full`, about 196 M ops):
@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, random, resource, sys, time
-from twin.simulate import simulate
+from twin.predict.simulate import simulate
 c = json.loads(sys.argv[1])
 rng = random.Random(0)
 n = c["gpus"]
@@ -50,8 +50,8 @@ t = time.perf_counter()
 r = simulate("frontier", c["model"], n, c["grid"], full=c.get("full", True), slowdown=slow or None)
 sim_s = time.perf_counter() - t
 try:
-    from twin.grid import Grid
-    from twin.symmetry import rank_classes
+    from twin.program.grid import Grid
+    from twin.engine.symmetry import rank_classes
     classes = len(rank_classes(Grid.parse(c["grid"]), slow))
 except ImportError:
     classes = None

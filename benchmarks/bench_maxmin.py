@@ -1,9 +1,9 @@
-"""How fast max-min fair rates are, against a baseline checkout's twin/flows.py, in the same run.
+"""How fast max-min fair rates are, against a baseline checkout's twin/costs/flows.py, in the same run.
 
     python benchmarks/bench_maxmin.py [--baseline DIR] [--grid 2x32x64x8] [--repeat N]
 
 Captures every max-min problem that `twin simulate --system frontier --grid GRID` solves (the
-inputs of twin.flows._max_min, in this checkout; GRID may be auto), then times this checkout's _max_min and the
+inputs of twin.costs.flows._max_min, in this checkout; GRID may be auto), then times this checkout's _max_min and the
 baseline's (DIR/twin/flows.py, loaded as a module of its own) on each, alternately, `--repeat`
 times: the best CPU milliseconds of each, their ratio, and whether the rates are the same to the
 bit (they must be). CPU time of repeated calls in one process: warm caches and a warm heap, so it
@@ -21,10 +21,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-import twin.flows as flows  # noqa: E402
-import twin.simulate as simulate  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.study import prepare  # noqa: E402
+import twin.costs.flows as flows  # noqa: E402
+import twin.predict.simulate as simulate  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.predict.study import prepare  # noqa: E402
 
 
 def capture(grid: str) -> list[tuple]:

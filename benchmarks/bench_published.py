@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from topologies.system import list_systems, load_system  # noqa: E402
-from twin.program import Options  # noqa: E402
-from twin.scaling import scaling  # noqa: E402
-from twin.simulate import simulate  # noqa: E402
+from twin.program.program import Options  # noqa: E402
+from twin.predict.scaling import scaling  # noqa: E402
+from twin.predict.simulate import simulate  # noqa: E402
 
 # (system, model, GPUs, published flop/s, source)
 THROUGHPUT = [

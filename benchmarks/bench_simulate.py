@@ -8,8 +8,8 @@ Each figure is a whole `twin` process (imports included), as a user runs it:
    simulated and any other that could beat them);
 3. full mode: gpt-5b on 4,096 GCDs (grid 2x2x2x512), simulated ops per second of the whole process;
 4. CPU: gpt-small on 8 ranks of the 2-core CPU system with a grid (1x1x4x2) and with grid auto, both
-   with this checkout's calibration/profiles/cpu.toml (so that both checkouts read the same figures):
-   a grid's stretch is a fixed point of simulations, each the mean of twin.spread's drawn runs;
+   with this checkout's twin/profiles/cpu.toml (so that both checkouts read the same figures):
+   a grid's stretch is a fixed point of simulations, each the mean of twin.host.spread's drawn runs;
 5. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
 Every command runs in this checkout and, with --baseline, in another one (e.g. a worktree of an older
 commit: `git worktree add /tmp/base COMMIT`), alternately, `--repeat` times; the table gives the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 # runs the CLI in a child and prints its peak resident memory (KiB) on the last line of stderr
-# (twin.cli ends a process with os._exit, skipping the interpreter's teardown: the line is printed then)
+# (twin.cli.main ends a process with os._exit, skipping the interpreter's teardown: the line is printed then)
 RUNNER = ("import os, resource, runpy, sys\n"
           "def _exit(code, _real=os._exit):\n"
           "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)\n"
@@ -47,7 +47,7 @@ RUNNER = ("import os, resource, runpy, sys\n"
           "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
           "sys.exit(code)\n")
 
-CPU_PROFILE = str(HERE / "calibration" / "profiles" / "cpu.toml")
+CPU_PROFILE = str(HERE / "twin" / "profiles" / "cpu.toml")
 CPU = ["simulate", "--system", "cpu", "--model", "gpt-small", "--gpus", "8", "--batch", "16", "--profile", CPU_PROFILE]
 CASES = [
     ("simulate frontier (grid auto)", ["simulate", "--system", "frontier", "--json"], "< 2 s (goal 1 s)"),

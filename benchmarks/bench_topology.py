@@ -19,7 +19,7 @@ import numpy as np
 from topologies.network import Network
 from topologies.routing import MODES, route
 from topologies.system import load_system
-from twin.flows import max_min_rates
+from twin.costs.flows import max_min_rates
 
 
 def timed(fn):

@@ -1,13 +1,13 @@
 """The calibration loop on this machine: bench, calibrate, then run and validate every grid.
 
     python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01g \\
-        --work /tmp/bv7/work --profile calibration/profiles/cpu.toml
+        --work /tmp/bv7/work --profile twin/profiles/cpu.toml
                         # the whole loop: gpt-small, 1-8 ranks, 35 grids x 4 repeats, 2 bench passes
     (measured: 2,227 s on the quiet 2-core VM for cpu-2026-12-01j, of which bench 435 s; a pass of
     the 35 runs about 6-7 minutes; 1,488 s for cpu-2026-12-01g with 3 repeats and one bench pass)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
     python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
-        --profile calibration/profiles/cpu.toml   # step 3 only, on runs already made (offline, seconds)
+        --profile twin/profiles/cpu.toml   # step 3 only, on runs already made (offline, seconds)
 
 1. bench and run passes, interleaved (loop_plan: R1 B1 R2 R3 B2 R4 with the defaults, --repeats 4
    --bench-passes 2; R1 B1 R2 R3 with 3 and 1, the loops before cpu-2026-12-01j):
@@ -166,7 +166,7 @@ def main() -> int:
         runs = sorted(f.parent for f in Path(a.runs).rglob("log.jsonl"))  # runs/<grid>/ or runs/<grid>/r<k>/
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
-    from backend.bench_micro import grids_of
+    from backend.bench.micro import grids_of
     grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
     if a.grids:
         grids = [g for g in grids if g in a.grids.split(",")]

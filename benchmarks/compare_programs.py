@@ -6,7 +6,7 @@ its type) of several hundred programs, hashed in each checkout (a fresh process 
 Run from this checkout's root; OTHER_CHECKOUT is e.g. a worktree of main. The programs: gpt-tiny,
 gpt-small, llama-tiny and llama-small on 7 grids (every axis alone of size 2, none, all) x 6 switch
 sets (overlaps off, no recomputation with cached layers, micro-batches, goldfish, ...), each also
-host-ordered (twin.program.host_ordered), and the default programs of gpt-5b, gpt-20b, gpt-80b,
+host-ordered (twin.program.program.host_ordered), and the default programs of gpt-5b, gpt-20b, gpt-80b,
 gpt-320b on their compare_predictions grids. A grid a model refuses contributes its error message.
 Exits non-zero when the hashes differ (for a change meant to leave programs alone: a faster builder).
 """
@@ -21,10 +21,20 @@ from pathlib import Path
 HASH = r'''
 import hashlib, itertools
 from dataclasses import fields
-from twin.common import TwinError
-from twin.grid import Grid
-from twin.model import load_model
-from twin.program import Op, Options, build_program, host_ordered
+try:
+    from topologies.common import TwinError
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.program.program import Op, Options, build_program
+    try:
+        from twin.host.order import host_ordered
+    except ImportError:
+        from twin.program.program import host_ordered
+except ImportError:  # a checkout from before the layout of issue 39
+    from twin.common import TwinError
+    from twin.grid import Grid
+    from twin.model import load_model
+    from twin.program import Op, Options, build_program, host_ordered
 h, n, ops = hashlib.sha256(), 0, 0
 names = [f.name for f in fields(Op)]
 def add(prog):

@@ -18,7 +18,7 @@ bench-*.json files the profile is fitted from; 01f was run against 01e's bench, 
 A grid's folder holds one run (01b-01f) or repeats r1, r2, ... (01g, 01h: three interleaved runs),
 pooled at their median as `twin validate` does (calibration.validate.pool_repeats).
 Over the seven loops, before and after the host time per collective issued where the ranks do not
-outnumber the cores (twin.kernels.host_times, Profile.host_issue_s): median |bias| 3.5 -> 3.4 %,
+outnumber the cores (twin.costs.kernels.host_times, Profile.host_issue_s): median |bias| 3.5 -> 3.4 %,
 grids beyond 8 %: 3 -> 2, worst 1x1x2x1 -11.4 % (now -4.7 %) -> 1x4x2x1 +9.8 % (unchanged).
 """
 
@@ -72,7 +72,7 @@ def loop_rows(runs: Path, bench: Path) -> dict[str, dict]:
             out[r["grid"]] = {"measured_s": r["iteration"]["measured_s"], "predicted_s": r["iteration"]["predicted_s"],
                               "error": r["iteration"]["error"], "op_median": r["ops"]["median_abs_error"],
                               "stretch": r["ops"]["stretch"],
-                              # the grid's own stretch (twin.cores), else the profile's pooled one
+                              # the grid's own stretch (twin.host.cores), else the profile's pooled one
                               "stretch_predicted": r["ops"]["stretch_predicted"] or r["ops"]["stretch_profile"] or 1.0,
                               "kinds": kinds}
     return out

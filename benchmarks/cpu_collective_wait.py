@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calibration.validate_measured import COLLECTIVES, _group  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.trace import read_trace  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.present.trace import read_trace  # noqa: E402
 
 
 def collective_rows(run_dir: Path) -> list[dict]:

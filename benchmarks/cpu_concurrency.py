@@ -1,6 +1,6 @@
 """What a computing rank sees of the others, offline: while a rank's compute op runs, how many of the
 other ranks compute too and how many have a collective in flight, measured on the runs' traces
-(aligned clocks) against the mean-field figures twin.cores' formula assumes, (R - 1) x their shares.
+(aligned clocks) against the mean-field figures twin.host.cores' formula assumes, (R - 1) x their shares.
 
     python benchmarks/cpu_concurrency.py RUNS_DIR --profile P [GRID ...]
 
@@ -8,7 +8,7 @@ RUNS_DIR holds one folder per grid with its runs (bench_validate's --work/runs; 
 theirs in runs.tar.xz, see benchmarks/cpu_stretch.py), P the loop's fitted profile (its node_cores
 and collective_core_load). Per grid of more ranks than cores, the median over its runs of the mean
 over its ranks of:
-- `c`, `comm`: the rank's busy shares (twin.cores.busy_shares on its own spans);
+- `c`, `comm`: the rank's busy shares (twin.host.cores.busy_shares on its own spans);
 - `others computing`: the number of other ranks in a compute op, averaged over the time the rank
   computes, seen in the trace and as the formula takes it, (R - 1) x c;
 - `others in collectives`: the same for the other ranks with a collective in flight, and
@@ -46,9 +46,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
-from twin.cores import busy_shares, core_stretch  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.profile import load_profile  # noqa: E402
+from twin.host.cores import busy_shares, core_stretch  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.costs.profile import load_profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_iteration import grid_runs  # noqa: E402

@@ -7,10 +7,10 @@ RUNS_DIR holds one folder per grid with its runs (bench_validate's --work/runs; 
 runs unpack from runs.tar.xz, see calibration/README.md), P the profile fitted from the same loop's
 bench. The twin charges every compute op `host_op_s` before it (the profile's, for the grid's rank
 count: the mean free gap of bench's recorded steps, median over its files with that many ranks), plus
-the issue time of a collective issued just before it (twin.kernels.host_times).
+the issue time of a collective issued just before it (twin.costs.kernels.host_times).
 
 Per grid, from each run's traced step, each rank's gaps between consecutive compute ops
-(twin.trace.host_gaps), pooled over the ranks and the runs:
+(twin.present.trace.host_gaps), pooled over the ranks and the runs:
 - `free`: the gaps with no collective of the rank in flight, their median and mean (ms), and the
   mean over host_op_s;
 - `AG`, `RS`: the mean (ms) of the gaps with only all-gathers (reduce-scatters) in flight and none
@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calibration.measurements import COLLECTIVES  # noqa: E402
 from calibration.validate_measured import read_run  # noqa: E402
-from twin.trace import host_gaps  # noqa: E402
+from twin.present.trace import host_gaps  # noqa: E402
 
 MIN_BUSY = 20  # gaps of one kind in flight, pooled over a grid's ranks and runs, to print their mean
-BENCH_STEPS = 4  # training steps a bench file records (backend/bench.py's default, as bench_validate runs it)
+BENCH_STEPS = 4  # training steps a bench file records (backend/bench/bench.py's default, as bench_validate runs it)
 
 
 def _ms(seconds: float | None) -> str:
@@ -122,7 +122,7 @@ def main() -> None:
         return
     if not (a.runs and a.profile):
         ap.error("give RUNS_DIR and --profile, or --bench FILES")
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     prof = load_profile(a.profile)
     print(f"{'grid':9} {'ranks':>5} {'host_op':>8} {'median':>7} {'mean':>7} {'/host':>6}  {'AG':>6} {'RS':>6} "
           f"{'short':>7}   (gaps in ms)")

@@ -78,7 +78,7 @@ def replayed_steps(bench: dict) -> float | None:
     the CPU executor issues it) through the twin's engine, every op at its measured span; None
     without recorded steps."""
     from calibration.sharing import recorded_program
-    from twin.engine import simulate_program
+    from twin.engine.engine import simulate_program
     host = next((r for r in bench.get("ops", []) if r["op"] == "host"), None)
     if not bench.get("steps") or host is None:
         return None
@@ -202,7 +202,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path)
-    ap.add_argument("--profile", default="calibration/profiles/cpu.toml")
+    ap.add_argument("--profile", default="twin/profiles/cpu.toml")
     ap.add_argument("--baseline", default=None, help="a second profile to compare (e.g. the previous fit)")
     ap.add_argument("--bench", type=Path, default=None, help="the loop's measurement folder (bench-*.json)")
     args = ap.parse_args()

@@ -11,16 +11,16 @@ the twin's engine in lockstep, every op at its mean span over the ranks (as benc
 - `plain`: as the twin times it, host_op_s before each compute op;
 - `issue`: plus the run's own mean issue time (the trace's issue_us) for each collective issued
   since the compute op before that this op does not wait for, as the twin charges it
-  (twin.kernels.host_times; the host is the device: the compute op after an issue starts that much
+  (twin.costs.kernels.host_times; the host is the device: the compute op after an issue starts that much
   later);
 - `noisy`: `issue` with each op's span drawn, per draw, from a log-normal of mean 1 and the run's own
   spread (the coefficient of variation of an op's span over the ranks, median over the compute ops
   and over the collectives; 0.6 for compute with 8 ranks on 2 cores, 0.3 with 4), mean over seeded
   draws: time-slicing makes spans vary, and the exposed part of a collective overlapped with compute
   grows with the variation (E[max(0, X - w)] > max(0, E[X] - w)).
-Printed: each replay's step over the traced one, the busy shares (twin.cores.busy_shares: the compute
+Printed: each replay's step over the traced one, the busy shares (twin.host.cores.busy_shares: the compute
 share less the host time charged, and the collective share) of the trace and of each replay, and the
-stretch twin.cores gives each at the profile's load.
+stretch twin.host.cores gives each at the profile's load.
 
 Measured on cpu-2026-12-02a (2026-12-02, its profile, 8 draws, the 30 grids of 4 and 8 ranks): the
 step over the traced one 0.83-0.99 plain, 0.86-0.99 with the issue times, 0.92-1.02 noisy. On the
@@ -30,7 +30,7 @@ grids with z = 4 (1x1x4x2, 1x2x4x1, 2x1x4x1) the shares (compute/collectives) go
 The next loop, cpu-2026-12-02b (its own profile), the same: 0.84-0.99, 0.87-0.99, 0.94-1.02.
 So the lockstep timeline's excess overlap is the issue time and the convexity of exposure, not a
 wrong stretch formula. The twin charges the issue times bench measures, and draws the spans at the
-spread bench measures per class of op, collectives only where they run beside compute (twin.spread;
+spread bench measures per class of op, collectives only where they run beside compute (twin.host.spread;
 one spread for every op, as here, was tried in it first and not kept).
 """
 
@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibration.sharing import recorded_program, replay as sharing_replay  # noqa: E402
 from calibration.validate_measured import COLLECTIVES, read_run  # noqa: E402
 from cpu_iteration import grid_runs  # noqa: E402
-from twin.cores import busy_shares, core_stretch  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.kernels import host_times  # noqa: E402
-from twin.profile import load_profile  # noqa: E402
-from twin.program import Options  # noqa: E402
+from twin.host.cores import busy_shares, core_stretch  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.costs.kernels import host_times  # noqa: E402
+from twin.costs.profile import load_profile  # noqa: E402
+from twin.program.program import Options  # noqa: E402
 
 
 def spread(values: list[float]) -> float:
@@ -75,7 +75,7 @@ def factors(prog, cv_compute: float, cv_collective: float, rng: random.Random) -
 def lockstep(meta: dict, options: Options, secs: dict[str, float], host_s: float, issue_s: float):
     """(iteration s, busy shares) of the run's program in lockstep, each op taking secs[name], as
     calibration.sharing.replay times a bench file's steps (host_s and issue_s as the twin charges
-    them, twin.kernels.host_times, and left out of the compute share)."""
+    them, twin.costs.kernels.host_times, and left out of the compute share)."""
     steps = [{"name": n, "seconds": t} for n, t in secs.items()]
     prog, res = sharing_replay({"model": meta["model"], "grid": meta["grid"], "steps": steps}, host_s, issue_s,
                                options=options)

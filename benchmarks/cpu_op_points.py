@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def rewrite(bench: dict, run_dir: Path, with_cpu: bool) -> dict:
     """`bench` with its compute step rows measured in the run at `run_dir` instead."""
     from calibration.validate_measured import COLLECTIVES
-    from twin.trace import covered_share, read_trace
+    from twin.present.trace import covered_share, read_trace
     spans = read_trace(run_dir / "trace")
     per: dict[str, list[tuple[float, float, float]]] = {}
     for rank in {s.rank for s in spans}:

@@ -24,7 +24,7 @@ niced jobs around, load 2-12):
 - Not the ranks wandering between cores: binding rank i to core i mod 2 (BACKEND_CPU_BIND=cores)
   stopped migrations (4-20/s unbound, 0 bound) but did not narrow the spread (median max/min - 1 over
   the four grids: 12 % unbound, 25 % bound, with this script's default grids). It moves the level:
-  8x1x1x1 2.95 -> 2.09 s, 1x2x2x1 0.55 -> 0.63 s. So it stays off by default (backend.launch).
+  8x1x1x1 2.95 -> 2.09 s, 1x2x2x1 0.55 -> 0.63 s. So it stays off by default (backend.launch.launcher).
 - Not the memory layout: with address space randomization off (`setarch -R`, what `--binds
   none,norand` alternates; measured before that option existed, by the same alternation of plain and
   `setarch -R` runs, 4 grids x 4 passes, medians of steps 3-6, 2026-12-01 15:10 UTC, quiet) the spread was 2-29 % (1x1x1x2 24 %, 2x1x1x1 2 %,

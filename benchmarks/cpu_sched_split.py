@@ -46,7 +46,7 @@ op boundaries:
 - `--plain` (no schedstat reads): op stretch 2.23, 2.96, 3.04, 2.72 on 1x1x1x8, 1x1x4x2, 2x2x2x1,
   8x1x1x1 against 2.34, 2.91, 3.00, 2.87 with them: the reads move it within the pass-to-pass noise.
 
-What it means for twin.cores: an op's measured stretch is the sharing of the cores less what the
+What it means for twin.host.cores: an op's measured stretch is the sharing of the cores less what the
 scheduler moves to the gaps, and that share is grid by grid. The twin charges one host time per rank
 count (bench's mean gap, its waits included) and fits one load to the ops' stretch; on the grids
 that hardly sleep (z split, x and y not: 1x1x4x2, 1x2x4x1) the waits the gaps take leave the ops'
@@ -88,8 +88,8 @@ def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, plain: boo
     from cpu_step_spread import training_rank
     step_once = training_rank(rank, world, grid_s, model, port)
     import torch.distributed as dist
-    from backend.dist import destroy
-    from backend.recorder import NULL_RECORDER, Recorder
+    from backend.runtime.dist import destroy
+    from backend.runtime.recorder import NULL_RECORDER, Recorder
 
     marks: list[tuple] = []  # ("b" or "e", wall s, CPU s, run-queue s) around each compute op
     delay = (lambda: 0.0) if plain else run_delay
@@ -194,7 +194,7 @@ def main() -> int:
                 p.join()
             print(report(f"GEMM loop, {a.control} processes", [pickle.loads(Path(o).read_bytes()) for o in outs], False))
         return 0
-    from twin.grid import Grid
+    from twin.program.grid import Grid
     print(f"{a.model}, {a.steps} recorded steps a grid; load average at the start {os.getloadavg()}", flush=True)
     for grid in a.grids:
         world = Grid.parse(grid).size

@@ -8,7 +8,7 @@ as `backend bench` records them), every other one started by a barrier (as `back
 step it traces; bench's steps start as the previous one left the ranks), and prints per kind of op
 (compute; each collective kind and axis), summed over the program's ops:
 - in windows of 4 steps (bench records 4): the upper median of a rank's 4 spans (what bench took
-  before it took the mean, `backend.bench_steps.per_step`), and the median of 4, over the mean of the 4;
+  before it took the mean, `backend.bench.steps.per_step`), and the median of 4, over the mean of the 4;
 - the steps started by a barrier against the free ones, pair by pair (median and quartiles of the
   ratio): whether aligned ranks change what ops cost, in span and (`compute on-CPU`) in the compute
   ops' on-CPU time;
@@ -35,18 +35,18 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 def training_rank(rank: int, world: int, grid_s: str, model: str, port: int):
     """Join a gloo group of `world` ranks on localhost as `rank` and build `model` on grid `grid_s`, as
-    `backend bench` records its training steps (one thread per core share, as backend.launch sets
+    `backend bench` records its training steps (one thread per core share, as backend.launch.launcher sets
     OMP_NUM_THREADS). Returns step(recorder): one training step on fresh random tokens."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from backend.dist import ParallelContext
-    from backend.model import make_model
-    from backend.optim import make_optimizer, train_step
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.program import Options, build_program
+    from backend.runtime.dist import ParallelContext
+    from backend.models.gpt import make_model
+    from backend.training.optim import make_optimizer, train_step
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.program.program import Options, build_program
     grid = Grid.parse(grid_s)
     ctx = ParallelContext.from_env(grid, backend="gloo")
     spec = load_model(model)
@@ -65,8 +65,8 @@ def training_rank(rank: int, world: int, grid_s: str, model: str, port: int):
 def _rank(rank: int, world: int, grid_s: str, model: str, steps: int, out: str, port: int) -> None:
     step_once = training_rank(rank, world, grid_s, model, port)
     import torch.distributed as dist
-    from backend.dist import destroy
-    from backend.recorder import NULL_RECORDER, Recorder
+    from backend.runtime.dist import destroy
+    from backend.runtime.recorder import NULL_RECORDER, Recorder
     res = []
     for step in range(2 + steps):
         aligned = step % 2 == 0
@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--steps", type=int, default=30, help="recorded steps (even; 4-step windows and pairs)")
     a = ap.parse_args()
-    from twin.grid import Grid
+    from twin.program.grid import Grid
     world = Grid.parse(a.grid).size
     print(f"{a.model} on {a.grid}, {a.steps} recorded steps; load average at the start {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as d:

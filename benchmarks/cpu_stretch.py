@@ -1,5 +1,5 @@
 """The stretch of CPU runs, offline: how many times its on-CPU time a compute op takes while the ranks
-time-slice the node's cores, measured against twin.cores' model, and where the model's inputs miss.
+time-slice the node's cores, measured against twin.host.cores' model, and where the model's inputs miss.
 
     python benchmarks/cpu_stretch.py RUNS_DIR --profile P
 
@@ -14,12 +14,12 @@ and -01m are committed beside their bench files (runs.tar.xz, 3 MB each):
 Per grid of 2 or more ranks, the median over its runs of:
 - `measured`: the traced step's stretch, summed wall span over summed on-CPU time of the compute ops
   (median over the ranks), which `twin validate` compares the compute ops against;
-- `real`: twin.cores.core_stretch at the profile's collective_core_load on the busy shares of the
+- `real`: twin.host.cores.core_stretch at the profile's collective_core_load on the busy shares of the
   traced step itself, each rank's own spans: whether the model's form holds given the right shares;
 - `replay`: the same on the busy shares of the run's ops at their mean over the ranks, put through
   the twin's engine in lockstep (host-ordered, host_op_s before each compute op): the timeline the
   load is fitted on (calibration.sharing replays bench's recorded steps so) and the twin predicts;
-- `twin`: the grid's predicted stretch (twin.simulate.shared_core_stretch, its own fixed point);
+- `twin`: the grid's predicted stretch (twin.predict.simulate.shared_core_stretch, its own fixed point);
 - `step`: the measured iteration (median step, s), and the lockstep replay's step over the traced
   step's.
 
@@ -45,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from calibration.validate import SKIP_STEPS, validate_run  # noqa: E402
 from calibration.sharing import replay  # noqa: E402
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run  # noqa: E402
-from twin.cores import busy_shares, core_stretch, stretch_floor  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.kernels import host_times  # noqa: E402
-from twin.profile import load_profile  # noqa: E402
-from twin.program import Options  # noqa: E402
+from twin.host.cores import busy_shares, core_stretch, stretch_floor  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.costs.kernels import host_times  # noqa: E402
+from twin.costs.profile import load_profile  # noqa: E402
+from twin.program.program import Options  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_iteration import grid_runs  # noqa: E402

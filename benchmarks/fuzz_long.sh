@@ -15,7 +15,7 @@ FUZZ_EXAMPLES="$n" python -m pytest -q -p no:cacheprovider tests/test_fuzz.py --
 rc=$?
 echo "fuzz_long: $((4 * n)) cases (4 tests x $n), $(( $(date +%s) - start )) s wall, $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)")"
 # The fuzz drives the commands in process (typer's runner); a sample through real processes (exit code,
-# stderr, timeouts): the hand-written cases of issue 12, each `python -m twin.cli/backend.cli` in its own process.
+# stderr, timeouts): the hand-written cases of issue 12, each `python -m twin.cli/backend.cli.main` in its own process.
 if [ "${FUZZ_SUBPROCESS:-1}" = 1 ]; then
   python benchmarks/bad_inputs.py || rc=$?
 fi

@@ -11,7 +11,7 @@
 # 4. `twin calibrate` of step 1's measurement into a profile (profile/h200.toml) and, where the
 #    simulator's packages are installed, `twin validate` of the two runs against it (else the command
 #    to run on the returned files). Commit measurement, profile and report under calibration/;
-# 5. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.model.ModelSpec, with and
+# 5. one JSON summary: tokens/s, achieved flop/s (reference formula of twin.program.model.ModelSpec, with and
 #    without the recomputed forward counted) and the fraction of the measured GEMM peak.
 #
 # $OUT receives three files: gpu_check.json (the summary), gpu_check.log (everything printed) and

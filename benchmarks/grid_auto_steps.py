@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/grid_auto_steps.py [--system frontier] [--baseline OTHER_CHECKOUT]
 
-Prints one line per step of `twin.simulate.choose_grid` on the system's default study: the
+Prints one line per step of `twin.predict.simulate.choose_grid` on the system's default study: the
 routing-free estimate of every grid, the quick bounds of the pool, each routed bound, each
 simulation (in full, or stopped partway by the branch and bound: its bound, the stop and the
 simulated time it stopped at), then the chosen grid and the total. With --baseline, the same in a
@@ -21,9 +21,9 @@ import time
 
 def steps(system: str) -> None:
     t0 = time.process_time()
-    import twin.engine as engine
-    import twin.simulate as sim
-    from twin.study import prepare
+    import twin.engine.engine as engine
+    import twin.predict.simulate as sim
+    from twin.predict.study import prepare
     imports = time.process_time() - t0
     log = []
     stop_at = {}

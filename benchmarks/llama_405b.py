@@ -5,7 +5,7 @@ grid's time per iteration, at sequence lengths 2,048 and 8,192.
 
 For each sequence length (global batch: `--tokens` per iteration, 4M by default, as 2,048 x 2,048):
 1. the smallest GCD count (a multiple of 8, whole nodes) for which some valid 4D grid fits in a
-   GCD's 64 GB with some number of micro-batches (twin.memory, every grid of every count checked);
+   GCD's 64 GB with some number of micro-batches (twin.predict.memory, every grid of every count checked);
 2. `twin search` (analytical ranking, best grids simulated) at that count and at `--scale` times it,
    each with the fewest micro-batches that let some grid fit, printing each best grid's iteration
    time, flop/s and memory breakdown.
@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from twin.common import TwinError  # noqa: E402
-from twin.memory import GIB, memory_per_gpu  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import Options  # noqa: E402
-from twin.search import candidate_grids  # noqa: E402
-from twin.simulate import search  # noqa: E402
-from twin.study import prepare  # noqa: E402
+from topologies.common import TwinError  # noqa: E402
+from twin.predict.memory import GIB, memory_per_gpu  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import Options  # noqa: E402
+from twin.predict.search import candidate_grids  # noqa: E402
+from twin.predict.simulate import search  # noqa: E402
+from twin.predict.study import prepare  # noqa: E402
 from topologies.system import load_system  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The twin's memory per rank (twin/memory.py) against the backend's measured peak, Llama next to GPT.
+"""The twin's memory per rank (twin/predict/memory.py) against the backend's measured peak, Llama next to GPT.
 
     python benchmarks/llama_memory.py
 
@@ -17,13 +17,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 from backend_helpers import run_on_grid  # noqa: E402
-from backend.bench import peak_memory  # noqa: E402
-from backend.model import make_model  # noqa: E402
-from backend.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.memory import memory_per_gpu  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import Options  # noqa: E402
+from backend.bench.bench import peak_memory  # noqa: E402
+from backend.models.gpt import make_model  # noqa: E402
+from backend.training.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.predict.memory import memory_per_gpu  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import Options  # noqa: E402
 
 GRIDS = [("1x1x1x1", Options()), ("2x2x1x1", Options()), ("1x2x2x1", Options()), ("1x1x2x1", Options(recompute=False))]
 

@@ -1,13 +1,13 @@
 """Does the search miss the best grid? Simulate EVERY valid grid of a few studies and compare with what
-`twin.simulate.choose_grid` (grid auto) picks (a check, not a test: minutes of CPU).
+`twin.predict.simulate.choose_grid` (grid auto) picks (a check, not a test: minutes of CPU).
 
     python benchmarks/search_exhaustive.py [--limit N] [CASE ...]
 
 One JSON line per study: the grid auto chose and how many it simulated; the fastest of all grids, with
 its rank in the exact analytical ranking and in the routing-free estimate's (grid auto bounds the top
 simulate_top + SCAN of the latter: `best_estimate_rank` must stay below `pool`); whether the lower
-bound of twin.bounds.lower_bound stayed below the simulated time of every grid (`bound_ok`, with the
-smallest simulated / bound); whether the search's routing-free bound (twin.bounds.quick_bounds, one
+bound of twin.predict.bounds.lower_bound stayed below the simulated time of every grid (`bound_ok`, with the
+smallest simulated / bound); whether the search's routing-free bound (twin.predict.bounds.quick_bounds, one
 program per class of grids) stayed below that bound on every grid (`quick_ok`, with the smallest bound / quick bound); and
 `faster_alone`: how many collective times the simulations asked under contention of other axes came
 out below the same collective alone (the property the bound rests on; must be 0).
@@ -21,11 +21,11 @@ import re
 import sys
 import time
 
-from twin.bounds import lower_bound, quick_bounds
-from twin.search import estimate_grids, rank_grids
-from twin.simulate import SCAN, choose_grid, simulate_grid
-from twin.study import prepare
-from twin.study_cache import model_for
+from twin.predict.bounds import lower_bound, quick_bounds
+from twin.predict.search import estimate_grids, rank_grids
+from twin.predict.simulate import SCAN, choose_grid, simulate_grid
+from twin.predict.study import prepare
+from twin.predict.study_cache import model_for
 
 CASES = {
     "frontier-20b-512": ("frontier", "gpt-20b", 512, None),

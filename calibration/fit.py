@@ -1,4 +1,4 @@
-"""Fitting `backend bench` measurements into a kernel profile (calibration/profiles/NAME.toml).
+"""Fitting `backend bench` measurements into a kernel profile (twin/profiles/NAME.toml).
 
 What is fitted, per count of ranks sharing a node (one measurement file per count, or several):
 - GEMMs: each measured shape and layout becomes a `[[gemm_table]]` point (flop/s per rank, with the
@@ -16,7 +16,7 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
   the cores with each other and with gloo's threads), per rank count:
   - `[[op_cost]]`: per compute kind the GEMM and attention models do not cover (elementwise,
     embedding, loss, optimizer), and per role within it (a norm over x-split features apart:
-    twin.kernels.cost_role), seconds = latency + bytes / bandwidth over the
+    twin.costs.kernels.cost_role), seconds = latency + bytes / bandwidth over the
     ops of the recorded steps (least squares on relative error; bandwidth alone when all ops have one size);
   - where bench recorded on-CPU times, every compute op's time below is its on-CPU time x the
     rank count's stretch (fluid_spans), else its span;
@@ -51,7 +51,7 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     and group sizes no recorded step ran: the axis' own factor where its collectives were recorded
     (an axis' part in the schedule sets it: 1.6-1.9 for the x all-reduces that block the next op,
     4-5 for the z all-gathers that overlap compute, about 0.8 for the data burst), else the median.
-  - node_share `host_issue_s`: the host time per collective issued (twin.kernels.host_times charges
+  - node_share `host_issue_s`: the host time per collective issued (twin.costs.kernels.host_times charges
     it to the compute op after the issue, where that op does not wait for the collective): where bench
     recorded it (`issue_s`, since 2026-12-02), the mean over the collectives no compute op waits for
     right after them (calibration.sharing.issue_measured); in older files, where the ranks do not
@@ -61,7 +61,7 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
   - node_share `span_spread` (CPU, 2 or more ranks): per class of op (compute; a collective's kind and
     axis; every collective), the coefficient of variation of its span over the ranks and steps, the
     median over the files of each file's median over its ops of the class (bench's `spread`, since
-    cpu-2026-12-02d; calibration.training.span_spread); the twin draws the spans at it (twin.spread),
+    cpu-2026-12-02d; calibration.training.span_spread); the twin draws the spans at it (twin.host.spread),
     and the collective core load is fitted on the recorded steps' replays drawn the same way;
   - node_share `comm_share`: the share of its rate a collective keeps while its rank computes (gloo's
     threads and the ranks' compute share the cores; the twin slows a collective by it while a member's
@@ -93,14 +93,14 @@ from calibration.profile_text import entry_text, quoted
 from calibration.rates import attention_lines, compute_scale, host_line, measured_rates, scale_value, square_rates
 from calibration.training import in_training
 from topologies.datafile import read_spec
-from twin.common import TwinError
-from twin.profile import PROFILES_DIR
+from topologies.common import TwinError
+from twin.costs.profile import PROFILES_DIR
 
 # what the CPU executor does (the twin issues collectives in program order where a profile says so)
-HOST_ORDERED_SOURCE = ("executor: on a CPU the host is the device, and backend/executor.py runs each op of "
+HOST_ORDERED_SOURCE = ("executor: on a CPU the host is the device, and backend/runtime/executor.py runs each op of "
                        "the program on it in program order: a collective is issued only once the compute op "
                        "before it has run, and a compute op starts only after the host waited for the "
-                       "collectives issued before it that it needs (twin.program.host_ordered)")
+                       "collectives issued before it that it needs (twin.program.program.host_ordered)")
 BASE_CPU = Path(__file__).resolve().parent / "base" / "cpu.toml"  # assumed CPU figures bench does not reach
 BASE_SCALARS = ("peak_flops", "gemm_flops", "compute_units", "tile_m", "tile_n", "k_half", "hbm_bandwidth",
                 "launch_s", "attention_fwd_efficiency", "attention_bwd_efficiency", "overlap_slowdown",
@@ -173,7 +173,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                                                else "no overlap measured with this many ranks: 1"),
                 "compute_scale = " + compute_scale(square, ranks, most, src)]
                 # the executor's host runs the compute ops on CPU only: the twin then charges host time
-                # per op and issues collectives in program order (twin.program.host_ordered); a GPU's
+                # per op and issues collectives in program order (twin.program.program.host_ordered); a GPU's
                 # host launches ahead of its kernels, so its gaps are no cost of the ops
                 + ([host_line(hosts, src)] if hosts and devices == {"cpu"} else [])
                 + attention_lines(group, ranks, base_data["peak_flops"]["value"], scale_value(square, ranks, most), src)
@@ -239,11 +239,11 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
 
 def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None) -> Fit:
     """Fit and write the profile to `out` (its name: the file's stem); checks that the twin loads it."""
-    from twin.common import write_atomic
-    from twin.profile import load_profile
+    from topologies.common import write_atomic
+    from twin.costs.profile import load_profile
     out = Path(out)
     if out.suffix != ".toml":
-        raise TwinError(f"--out {out} must be a .toml file (calibration/profiles/NAME.toml)")
+        raise TwinError(f"--out {out} must be a .toml file (twin/profiles/NAME.toml)")
     fit = fit_profile(paths, out.stem, base)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".check.toml")

@@ -1,6 +1,6 @@
 """Reading `backend bench` measurement files, with one clear line for each way a file can be wrong.
 
-A measurement file is the JSON that backend/bench.py writes (format "backend-bench/2"): a `machine`
+A measurement file is the JSON that backend/bench/bench.py writes (format "backend-bench/2"): a `machine`
 stamp, the grid and rank count, and rows of GEMM, small-op, collective and overlap timings (seconds),
 and the program's ops as recorded training steps ran them (`steps`).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from twin.common import InputError, TwinError
-from twin.schema import MEASUREMENT, MEASUREMENT_FORMAT, check
+from topologies.common import InputError, TwinError
+from topologies.schema import MEASUREMENT, MEASUREMENT_FORMAT, check
 
 FORMAT = MEASUREMENT_FORMAT
 
@@ -28,7 +28,7 @@ def _bad(path: Path, what: str) -> TwinError:
 def load_measurement(path: str | Path) -> dict:
     """Read and check one measurement file; returns its dict with `path` added. Raises TwinError.
 
-    Every key, type and range is checked by twin.schema.MEASUREMENT (one line naming the file, the key
+    Every key, type and range is checked by topologies.schema.MEASUREMENT (one line naming the file, the key
     and the rule); here only what relates keys to each other: the grid and its ranks, each
     collective's group size against its axis."""
     path = Path(path)
@@ -44,7 +44,7 @@ def load_measurement(path: str | Path) -> dict:
         raise TwinError(f"{e} (rerun `backend bench` to write a complete one)") from None
     data.setdefault("attention", [])
     data.setdefault("steps", [])
-    from twin.grid import Grid
+    from twin.program.grid import Grid
     try:
         grid = Grid.parse(data["grid"])
     except TwinError as e:

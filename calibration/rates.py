@@ -40,7 +40,7 @@ def measured_rates(by_ranks: dict[int, list[dict]], square: dict[int, dict[int, 
     roofline for shapes no measured point is near). Before, a measured rate above the assumed peak
     had the fit keep an assumed 10 Gflop/s: the roofline fallback put gpt-small's GEMMs 5.7x too slow
     (median over the 35 runs of cpu-2026-12-01c), 1.5x with the measured rate. The peak stays the
-    system's (twin.study checks they agree); where one rank alone beat it, the source says so."""
+    system's (twin.predict.study checks they agree); where one rank alone beat it, the source says so."""
     out = {}
     if square.get(most):
         size = max(square[most])

@@ -1,5 +1,5 @@
 """How ranks share a CPU node's cores, fitted from the recorded training steps: the steps replayed
-through the twin's engine, the collective core load behind each grid's stretch (twin.cores), and the
+through the twin's engine, the collective core load behind each grid's stretch (twin.host.cores), and the
 share of its rate a collective keeps while its rank computes (comm_share)."""
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ LOAD_MAX = 3.0
 @functools.lru_cache(maxsize=None)
 def recorded_program(model: str, grid: str, options=None):
     """The program a measurement file's recorded steps ran (its model and grid; `options`: the switches,
-    twin.program.Options, None for the defaults bench records with), host-ordered as the CPU executor
+    twin.program.program.Options, None for the defaults bench records with), host-ordered as the CPU executor
     issues it; built once per (model, grid, options): the fit replays each file many times. Shared:
     callers read it and do not change it."""
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.program import Options, build_program, host_ordered
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.program.program import Options, build_program, host_ordered
     return host_ordered(build_program(load_model(model), Grid.parse(grid), options or Options()))
 
 
 def replay_inputs(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, {op name: measured median span, s}, host seconds per op, compute seconds per op) of a
     measurement file's recorded steps, as replay puts them through the engine; None without steps."""
-    from twin.kernels import host_times
+    from twin.costs.kernels import host_times
     if not run.get("steps") or not run.get("model"):
         return None
     prog = recorded_program(run["model"], run["grid"], options)
@@ -48,12 +48,12 @@ def replay_inputs(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = 
 def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, engine result with spans) of a measurement file's recorded steps replayed by the
     twin's engine with every op at its measured median span (compute ops plus the host time between
-    them: host_s, and issue_s per collective issued before the op, as twin.kernels.host_times
+    them: host_s, and issue_s per collective issued before the op, as twin.costs.kernels.host_times
     charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
     collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
-    as the twin's in-training lines do. options: the program's switches (twin.program.Options; None:
+    as the twin's in-training lines do. options: the program's switches (twin.program.program.Options; None:
     the defaults, which bench records its steps with)."""
-    from twin.engine import simulate_program
+    from twin.engine.engine import simulate_program
     inputs = replay_inputs(run, host_s, issue_s, woken, options)
     if inputs is None:
         return None
@@ -122,9 +122,9 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
     """(seconds, how): the host time per collective issued (Profile.host_issue_s) as bench measured it:
     the mean `issue_s` (the host's wall time from preparing a collective's buffers to the return of
     its asynchronous call) over the collectives of the files' recorded steps that the compute op
-    after them does not wait for (twin.kernels.charged_issues, the ones host_times charges). None
+    after them does not wait for (twin.costs.kernels.charged_issues, the ones host_times charges). None
     where no file recorded it (bench before 2026-12-02)."""
-    from twin.kernels import charged_issues
+    from twin.costs.kernels import charged_issues
     times: list[float] = []
     for r in runs:
         issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
@@ -156,14 +156,14 @@ def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
 
 def sharing_point(run: dict, host_s: float, issue_s: float = 0.0, spread: dict[str, float] | None = None):
     """(grid, ranks, cores, stretch, busy shares) of one file's recorded steps for core_load: the
-    stretch of its compute ops (summed span over summed on-CPU time) and twin.cores.busy_shares of
+    stretch of its compute ops (summed span over summed on-CPU time) and twin.host.cores.busy_shares of
     their replay (host_s per compute op and issue_s per collective issued, as the twin charges them,
     left out of the compute share; with `spread`, the profile's span_spread for its rank count, the
-    mean shares of the replays with spans drawn as twin.spread draws them, as the twin times a step);
+    mean shares of the replays with spans drawn as twin.host.spread draws them, as the twin times a step);
     None where a compute op lacks its on-CPU time or the machine its core count."""
-    from twin.cores import busy_shares
-    from twin.engine import simulate_program
-    from twin.spread import drawn_runs, mean_shares
+    from twin.host.cores import busy_shares
+    from twin.engine.engine import simulate_program
+    from twin.host.spread import drawn_runs, mean_shares
     comp = [row for row in run.get("steps", []) if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     cores = run["machine"].get("cores")
     if not comp or not cores or not all("cpu_s" in row for row in comp):
@@ -183,13 +183,13 @@ def sharing_point(run: dict, host_s: float, issue_s: float = 0.0, spread: dict[s
 
 
 def core_load(points: list[tuple[str, int, int, float, tuple]], src: str) -> list[str]:
-    """The top-level lines node_cores and collective_core_load (twin.cores): the load (share of a
+    """The top-level lines node_cores and collective_core_load (twin.host.cores): the load (share of a
     core a collective in flight keeps busy) whose model stretch best matches the recorded steps'
     measured stretch (summed span over summed on-CPU time of the compute ops), least squares on
     the log of the ratio, over the files with 2 or more ranks; the busy shares from the steps'
     replay through the twin's engine. points: (grid, ranks, cores, stretch, shares). [] without
     points, or where the files disagree on the node's cores."""
-    from twin.cores import core_stretch
+    from twin.host.cores import core_stretch
     cores = {c for _, _, c, _, _ in points}
     if not points or len(cores) != 1:
         return []
@@ -204,7 +204,7 @@ def core_load(points: list[tuple[str, int, int, float, tuple]], src: str) -> lis
     worst = max(res, key=lambda t: abs(t[1]))
     return ["node_cores = " + entry_text(cores.pop(), f"measured: os.cpu_count() of the bench machine, {src}"),
             "collective_core_load = " + entry_text(load, (
-                f"fitted: the share of a core a collective in flight keeps busy (twin.cores) that reproduces the "
+                f"fitted: the share of a core a collective in flight keeps busy (twin.host.cores) that reproduces the "
                 f"stretch (summed span over summed on-CPU time of the compute ops) of the recorded training steps "
                 f"of {len(points)} grids of 2 or more ranks, from their busy shares replayed through the engine; "
                 f"least squares on log(model/measured), median |residual| "
@@ -237,8 +237,8 @@ def comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, float
     squared residual relative to the squared times (a scale-free criterion: taking time away shrinks
     the residuals too). 1 when no recorded collective had compute beside it. `share`: a measured one
     (bench's overlap rows), used as it is."""
-    from twin.grid import Grid
-    from twin.program import ACT_BYTES
+    from twin.program.grid import Grid
+    from twin.program.program import ACT_BYTES
     pts: dict[tuple, list[tuple[int, float, float, float]]] = {}
     for r, row in rows:
         if row["kind"] not in COLLECTIVES:

@@ -14,7 +14,7 @@ from calibration.measurements import COLLECTIVES, COVERED, MODELED, describe
 from calibration.profile_text import entry_text, number_text, quoted
 from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, issue_cost, issue_measured, measured_share,
                                  replayed_overlap, sharing_point)
-from twin.profile import load_profile
+from twin.costs.profile import load_profile
 
 
 def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], share_at: dict[int, int],
@@ -29,9 +29,9 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         path = Path(d) / "partial.toml"
         path.write_text(toml)
         micro = load_profile(str(path))  # the profile as the microbenchmarks alone fit it
-    from twin.grid import Grid
-    from twin.kernels import KernelModel
-    from twin.program import ACT_BYTES
+    from twin.program.grid import Grid
+    from twin.costs.kernels import KernelModel
+    from twin.program.program import ACT_BYTES
     costs: list[str] = []
     trained: list[str] = []
     pooled = pooled_cpu_lines(by_ranks)
@@ -227,11 +227,11 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
 
 def span_spread(runs: list[dict]) -> dict[str, float]:
     """Per class of op, how much its span varies over the ranks and steps of the files' recorded steps
-    (bench's `spread`, a coefficient of variation; twin.spread draws spans at it): "compute", each
-    collective's kind and axis ("all_gather_z", twin.spread.spread_key) and "collective" (all of
+    (bench's `spread`, a coefficient of variation; twin.host.spread draws spans at it): "compute", each
+    collective's kind and axis ("all_gather_z", twin.host.spread.spread_key) and "collective" (all of
     them); the median over the files of each file's median over its ops of the class. {} where no
     op recorded a spread (files from before bench recorded it)."""
-    from twin.spread import spread_key
+    from twin.host.spread import spread_key
     per: dict[str, list[float]] = {}
     for r in runs:
         mine: dict[str, list[float]] = {}
@@ -313,11 +313,11 @@ def cpu_level(line: tuple, rows: list[dict]) -> float:
 
 def cost_roles(run: dict) -> dict[str, str]:
     """Per op name of a measurement file's program, the role its measured cost line is keyed by
-    (twin.kernels.cost_role: a norm over x-split features has its own); {} without a model."""
-    from twin.grid import Grid
-    from twin.kernels import cost_role
-    from twin.model import load_model
-    from twin.program import Options, build_program
+    (twin.costs.kernels.cost_role: a norm over x-split features has its own); {} without a model."""
+    from twin.program.grid import Grid
+    from twin.costs.kernels import cost_role
+    from twin.program.model import load_model
+    from twin.program.program import Options, build_program
     if not run.get("steps") or not run.get("model"):
         return {}
     prog = build_program(load_model(run["model"]), Grid.parse(run["grid"]), Options())
@@ -333,7 +333,7 @@ def same_shape_slowdown(gemms: list[tuple[dict, dict]], span) -> tuple[float, in
     all-reduce of the input gradient behind the weight-gradient GEMM), and the ratio of each group's
     time to the microbenchmarks' model mixed that model's error per shape into the slowdown.
     Taken where bench recorded on-CPU times (span: on-CPU time x the pooled stretch, so the ratio is
-    the kernel's own slowdown; the cores the collectives take are in the stretch, twin.cores).
+    the kernel's own slowdown; the cores the collectives take are in the stretch, twin.host.cores).
     Within one file, not across files: bench files of one rank count are recorded minutes apart, at
     the machine's speed of their moment (a grid's GEMMs took 0.82-1.20x the on-CPU time, summed, in
     its second bench file than in its first, in cpu-2026-12-02h to -02j), and a shape overlapped in one

@@ -10,7 +10,7 @@ program's layout as the backend runs them) on a system with a kernel profile, an
   error = predicted / measured - 1, summarized per kind as the median and 90th percentile of |error|.
   Like is compared with like:
   - a compute op: the twin shares the node's cores among its ranks as a fluid, every op of a rank
-    `stretch` times slower (the grid's own, twin.cores, reported as `stretch_predicted` beside the
+    `stretch` times slower (the grid's own, twin.host.cores, reported as `stretch_predicted` beside the
     measured `stretch`; where the profile has no model of it, the pooled `stretch_profile`); the scheduler time-slices them instead, and a descheduled rank's wall
     span lands on whichever op it was running (one op of 1 ms takes 10 ms, the next 1 ms). So the
     measured figure is the op's on-CPU time (the trace's `cpu_us`; in a trace without it, the
@@ -19,7 +19,7 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     kept, spread over its ops as a fluid share would. The wall and on-CPU medians are reported too.
     The twin's predicted span holds the host time before the op (the profile's host_op_s, and its
     host_issue_s per collective issued just before the op that it does not wait for:
-    twin.kernels.host_times), the measured span only the kernel: the host time is taken off before
+    twin.costs.kernels.host_times), the measured span only the kernel: the host time is taken off before
     comparing;
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
@@ -41,7 +41,7 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     compared from its last member's arrival: predicted span less the excess against measured span
     less the peer wait (`error_from_last_arrival`, per kind `median_abs_error_from_last_arrival`),
     beside the whole span's error, which stays the headline (the iteration pays the wait).
-    Where the trace recorded it (`issue_us`, backend/comm.py), each collective's `issue_s` is the
+    Where the trace recorded it (`issue_us`, backend/runtime/comm.py), each collective's `issue_s` is the
     host's wall time issuing it (mean over ranks; per kind, the mean over its collectives), beside
     `host_issue_predicted_s`, what the twin charges the compute op after an issue.
     `completed_with_previous_share`: the share of a kind's spans (all ranks) that completed no later
@@ -64,9 +64,9 @@ from pathlib import Path
 from calibration.noise import noise_floor
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run
 from calibration.validate_summary import _by_kind, pool_repeats, spearman, targets_for
-from twin.common import TwinError
-from twin.grid import Grid
-from twin.program import Options
+from topologies.common import TwinError
+from twin.program.grid import Grid
+from twin.program.program import Options
 
 SKIP_STEPS = 2  # warm-up steps left out of the measured iteration time
 
@@ -75,8 +75,8 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
     """Per collective of the study's program (name -> seconds): what the profile's line inside training
     gives beyond its line measured alone (the per-op excess of calibration/fit.py's `_excess_line`),
     at the op's bytes; {} where the profile has no measured collectives."""
-    from twin.profile_types import CollectiveTable
-    from twin.simulate import program_for
+    from twin.costs.profile_types import CollectiveTable
+    from twin.predict.simulate import program_for
     table = study.profile.collectives()
     if table is None:
         return {}
@@ -93,18 +93,18 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
 
 def _host_of(study, grid: Grid) -> dict[str, float]:
     """Per op name of the study's program, the host time the twin charges before it (seconds;
-    twin.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it that
+    twin.costs.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it that
     it does not wait for)."""
-    from twin.kernels import host_times
-    from twin.simulate import program_for
+    from twin.costs.kernels import host_times
+    from twin.predict.simulate import program_for
     prog = program_for(study, grid)
     return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, study.kernels.profile.host_op_s, study.kernels.profile.host_issue_s))}
 
 
 def _predicted_stretch(study, grid: Grid) -> float | None:
-    """The twin's stretch of this grid's compute ops (twin.simulate.shared_core_stretch), or None."""
-    from twin.program import host_ordered
-    from twin.simulate import model_for, program_for, shared_core_stretch
+    """The twin's stretch of this grid's compute ops (twin.predict.simulate.shared_core_stretch), or None."""
+    from twin.program.program import host_ordered
+    from twin.predict.simulate import model_for, program_for, shared_core_stretch
     prog = program_for(study, grid)
     if study.profile.host_ordered:
         prog = host_ordered(prog)
@@ -113,10 +113,10 @@ def _predicted_stretch(study, grid: Grid) -> float | None:
 
 def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None = None) -> dict:
     """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
-    from twin.memory import memory_per_gpu
-    from twin.model import load_model
-    from twin.simulate import simulate_grid
-    from twin.study import prepare
+    from twin.predict.memory import memory_per_gpu
+    from twin.program.model import load_model
+    from twin.predict.simulate import simulate_grid
+    from twin.predict.study import prepare
 
     run = read_run(run_dir)
     meta, steps = run["meta"], run["steps"]
@@ -172,7 +172,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             z[1] += sp.duration_s < 1e-7
     per_kind = _by_kind(ops, zero)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
-    from twin.trace import trace_breakdown
+    from twin.present.trace import trace_breakdown
     idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
     mem_pred = memory_per_gpu(spec, grid, options, batch, spec.seq_len, study.profile.activation_bytes)
     peaks = run["summary"].get("memory_peak_bytes")
@@ -197,7 +197,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 # with this many ranks; None where not measured): compute ops come out about
                 # stretch_profile / stretch of the measured, whatever their on-CPU cost
                 "stretch_profile": study.kernels.profile.stretch or None,
-                # this grid's own stretch as the twin predicts it (twin.cores: the ranks share the
+                # this grid's own stretch as the twin predicts it (twin.host.cores: the ranks share the
                 # node's cores with each other and with gloo's threads); None where the profile has
                 # no model of it (every grid then at stretch_profile)
                 "stretch_predicted": _predicted_stretch(study, grid),
@@ -216,7 +216,7 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
     runs are the same job when model, grid, batch and switches agree), in the order of their first
     run; plus the grid ranking over the entries (Spearman, predicted vs measured) and, where a grid
     ran twice or more, what the runs' own noise allows (calibration.noise.noise_floor; else None).
-    progress(what, done, total) is called before each run (twin.progress.Steps)."""
+    progress(what, done, total) is called before each run (twin.present.progress.Steps)."""
     if not run_dirs:
         raise TwinError("twin validate needs at least one run directory (from `backend run --out DIR`)")
     groups: dict[str, list[dict]] = {}

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from twin.common import TwinError
-from twin.grid import Grid
+from topologies.common import TwinError
+from twin.program.grid import Grid
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def read_run(run_dir: str | Path) -> dict:
     """What a run wrote: metadata, step times, memory peaks, spans. Raises TwinError, one line."""
-    from twin.trace import read_metadata, read_trace, trace_files
+    from twin.present.trace import read_metadata, read_trace, trace_files
     d = Path(run_dir)
     trace, log = d / "trace", d / "log.jsonl"
     if not trace.exists() and (d / "trace.json").exists():
@@ -39,7 +39,7 @@ def read_run(run_dir: str | Path) -> dict:
         raise TwinError(f"{trace}: trace metadata lacks {', '.join(missing)} (write it with `backend run`)")
     if not steps:
         raise TwinError(f"{log}: no step times (each line needs step_time_s)")
-    from twin.schema import RUN_LOG_RECORD, RUN_SUMMARY, check
+    from topologies.schema import RUN_LOG_RECORD, RUN_SUMMARY, check
     for i, record in enumerate(steps, 1):
         check(record, RUN_LOG_RECORD, f"{log} line {i}", "run log")
     check(summary, RUN_SUMMARY, d / "summary.json", "run summary")

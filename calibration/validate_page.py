@@ -101,15 +101,15 @@ HOW_TO_READ = [
     "(the rank's wall time over its on-CPU time, summed over its compute ops). A collective's is its span "
     "from its issue to its completion, waiting for the group's last member included.",
     "Stretch: how many times its on-CPU time a compute op takes while ranks share the cores, measured and as "
-    "the twin predicts it for the grid (twin/cores.py). Memory: torch's peak per rank against the twin's.",
+    "the twin predicts it for the grid (twin/host/cores.py). Memory: torch's peak per rank against the twin's.",
     "Shaded cells are past the target. The JSON report (--json) holds every op of every run.",
 ]
 
 
 def validation_html(report: dict, targets: Targets | None = None) -> str:
     """The page of a validation report (calibration.validate_runs' result)."""
-    from twin.page import Page, html_table
-    from twin.plots import iteration_validation_figure, validation_figure
+    from twin.present.page import Page, html_table
+    from twin.present.plots import iteration_validation_figure, validation_figure
     runs = report["runs"]
     first = runs[0]
     t = targets or targets_for(report)

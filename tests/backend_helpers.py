@@ -9,14 +9,14 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
-# imported once, before the ranks fork, as backend.launch_spawn does: torch.optim and autograd.grad
+# imported once, before the ranks fork, as backend.launch.spawn does: torch.optim and autograd.grad
 # import it (and sympy) lazily, which cost each of 8 forked ranks seconds (an 8-rank test: 20 s -> 2 s)
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backend.dist import ParallelContext
-from twin.grid import Grid
+from backend.runtime.dist import ParallelContext
+from twin.program.grid import Grid
 
 
 def _free_port() -> int:

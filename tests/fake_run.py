@@ -10,10 +10,10 @@ from pathlib import Path
 
 def fake_run(folder: Path, grid: str = "2x1x1x1", step_time_s: float = 0.05, steps: int = 4,
              peaks: list[int] | None = None) -> Path:
-    from twin.grid import Grid
-    from twin.program import Options
-    from twin.simulate import simulate
-    from twin.trace import write_trace
+    from twin.program.grid import Grid
+    from twin.program.program import Options
+    from twin.predict.simulate import simulate
+    from twin.present.trace import write_trace
 
     r = simulate("cpu", "gpt-tiny", Grid.parse(grid).size, grid, record=True)
     write_trace(folder / "trace", r.spans, {"model": "gpt-tiny", "grid": grid, "options": dataclasses.asdict(Options())})

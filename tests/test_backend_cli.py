@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backend import checkpoint  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.trace import read_trace  # noqa: E402
+from backend.training import checkpoint  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.present.trace import read_trace  # noqa: E402
 
 TIMEOUT = 60
 
@@ -100,7 +100,7 @@ def test_bench_writes_a_table(tmp_path):
 
 
 def test_fabric_plugin_warning(monkeypatch, tmp_path):
-    from backend.launch_env import fabric_warning
+    from backend.launch.env import fabric_warning
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("NCCL_NET_PLUGIN", raising=False)
@@ -117,8 +117,8 @@ def test_fabric_plugin_warning(monkeypatch, tmp_path):
 def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
     import torch
 
-    from backend.train import check_run_flags
-    from twin.common import TwinError
+    from backend.training.train import check_run_flags
+    from topologies.common import TwinError
 
     for var in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
@@ -134,8 +134,8 @@ def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
 def test_backend_needs_no_simulator_packages():
     """The GPU check runs where only torch, numpy, typer and rich are sure to be (an H200 image):
     the backend must not import the simulator's simpy, plotly or networkx."""
-    code = ("import sys, backend.cli, backend.train, backend.replay, backend.bench, backend.launch, "
-            "backend.model, backend.optim, backend.checkpoint, backend.data, twin.trace; "
+    code = ("import sys, backend.cli.main, backend.training.train, backend.bench.replay, backend.bench.bench, backend.launch.launcher, "
+            "backend.models.gpt, backend.training.optim, backend.training.checkpoint, backend.training.data, twin.present.trace; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('simpy', 'plotly', 'networkx')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
@@ -145,16 +145,16 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
     """The ranks' bytes (the twin's memory model + a rank's own overhead) against the memory available."""
     from typer.testing import CliRunner
 
-    import backend.launch
-    import backend.launch_env
-    from backend.cli import app
-    from backend.launch_env import RANK_OVERHEAD_BYTES, check_memory
-    from twin.program import build_program
+    import backend.launch.launcher
+    import backend.launch.env
+    from backend.cli.main import app
+    from backend.launch.env import RANK_OVERHEAD_BYTES, check_memory
+    from twin.program.program import build_program
 
     big = tmp_path / "big.toml"
     big.write_text('name = "big"\nlayers = 16\nhidden = 16384\nheads = 16\nvocab = 256\nseq_len = 32\n'
                    'global_batch = 8\n')  # ~52 G parameters: ~770 GiB of fp32 state
-    monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(backend.launch.launcher, "launch", lambda *a, **k: pytest.fail("ranks started"))
     r = CliRunner().invoke(app, ["run", "--model", str(big), "--steps", "1", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     line, = r.stderr.strip().splitlines()
@@ -163,12 +163,12 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
     assert r.exit_code == 2 and "needs about" in r.stderr, r.output
     # 8 ranks of gpt-small fit in 1 GiB more than they need, not in 1 GiB less
     program = build_program(load_model("gpt-small"), Grid.parse("2x2x2x1"))
-    from twin.memory import memory_per_gpu
+    from twin.predict.memory import memory_per_gpu
     need = 8 * (memory_per_gpu(program.model, program.grid, program.options, activation_bytes=4).total
                 + RANK_OVERHEAD_BYTES)
-    monkeypatch.setattr(backend.launch_env, "available_memory", lambda: need + 2**30)
+    monkeypatch.setattr(backend.launch.env, "available_memory", lambda: need + 2**30)
     check_memory(program, "cpu", 4)
-    monkeypatch.setattr(backend.launch_env, "available_memory", lambda: need - 2**30)
+    monkeypatch.setattr(backend.launch.env, "available_memory", lambda: need - 2**30)
     with pytest.raises(Exception, match="x 8 rank"):
         check_memory(program, "cpu", 4)
 
@@ -179,11 +179,11 @@ def test_a_model_too_big_for_memory_is_one_line_before_any_allocation(tmp_path, 
 def test_output_paths_are_checked_before_the_ranks_start(args, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import backend.launch
-    from backend.cli import app
+    import backend.launch.launcher
+    from backend.cli.main import app
 
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(backend.launch.launcher, "launch", lambda *a, **k: pytest.fail("ranks started"))
     argv = [a.format(f=tmp_path / "file", d=tmp_path) for a in args]
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 2, r.output

@@ -11,13 +11,13 @@ from backend_helpers import run_on_grid  # noqa: E402
 from test_backend_grads import _batch  # noqa: E402
 from test_programfile import edited  # noqa: E402
 
-from backend.model import GPT  # noqa: E402
-from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
-from backend.optim import local_batch, reduce_gradients  # noqa: E402
-from backend.recorder import Recorder  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import STREAMS, Options, build_program  # noqa: E402
+from backend.models.gpt import GPT  # noqa: E402
+from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
+from backend.training.optim import local_batch, reduce_gradients  # noqa: E402
+from backend.runtime.recorder import Recorder  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import STREAMS, Options, build_program  # noqa: E402
 
 GRID, BATCH = "1x2x2x1", 8
 

@@ -12,15 +12,15 @@ torch = pytest.importorskip("torch")
 
 from backend_helpers import run_on_grid  # noqa: E402
 
-from backend.layers import IGNORE  # noqa: E402
-from backend.model import GPT  # noqa: E402
-from backend.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
-from backend.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
+from backend.runtime.layers import IGNORE  # noqa: E402
+from backend.models.gpt import GPT  # noqa: E402
+from backend.models.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
+from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                            reduce_gradients, train_step)
-from backend.recorder import Recorder  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import Options, build_program  # noqa: E402
+from backend.runtime.recorder import Recorder  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import Options, build_program  # noqa: E402
 
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.5
 
@@ -147,7 +147,7 @@ def test_gpu_bf16_one_rank(tmp_path) -> None:
     """On one GPU (NCCL, bf16, GEMM layout tuning, CUDA-event timing): close to the fp32 reference."""
     import torch.distributed as dist
 
-    from backend.dist import ParallelContext
+    from backend.runtime.dist import ParallelContext
     from backend_helpers import _free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)

@@ -14,14 +14,14 @@ import torch.distributed as dist  # noqa: E402
 
 from backend_helpers import fake_grid, run_on_grid  # noqa: E402
 
-from backend.dist import ParallelContext, _first_host  # noqa: E402
-from backend.model import GPT  # noqa: E402
-from backend.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
-from backend.recorder import Recorder  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import STREAMS, Options, build_program  # noqa: E402
-from twin.trace import read_trace, write_trace  # noqa: E402
+from backend.runtime.dist import ParallelContext, _first_host  # noqa: E402
+from backend.models.gpt import GPT  # noqa: E402
+from backend.training.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
+from backend.runtime.recorder import Recorder  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import STREAMS, Options, build_program  # noqa: E402
+from twin.present.trace import read_trace, write_trace  # noqa: E402
 
 
 def _key(op, full: bool) -> tuple:
@@ -119,7 +119,7 @@ def test_slurm_first_host() -> None:
 
 
 def test_gemm_layout_tuning_keeps_results() -> None:
-    from backend.gemm import GemmTuner
+    from backend.runtime.gemm import GemmTuner
 
     tuner = GemmTuner(enabled=True, repeats=1)
     a, b = torch.randn(64, 32), torch.randn(48, 32)
@@ -139,7 +139,7 @@ def test_gemm_layout_tuning_keeps_results() -> None:
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_init_from_env(monkeypatch, launcher: str) -> None:
-    from backend.dist import destroy, init_from_env
+    from backend.runtime.dist import destroy, init_from_env
     from backend_helpers import _free_port
 
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "SLURM_LOCALID",

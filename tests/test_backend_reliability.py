@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backend import checkpoint  # noqa: E402
-from twin.common import TwinError  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
+from backend.training import checkpoint  # noqa: E402
+from topologies.common import TwinError  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
 
 GRID, MODEL = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
 RUN = [sys.executable, "-m", "backend.cli", "run", "--model", "gpt-tiny", "--warmup", "1"]

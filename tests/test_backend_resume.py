@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backend import checkpoint  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
+from backend.training import checkpoint  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
 
 GRID = "1x1x2x2"  # data sharded over z and data; weights sharded over z
 ARGS = ["run", "--model", "gpt-tiny", "--grid", GRID, "--steps", "6", "--warmup", "2", "--lr", "3e-3"]

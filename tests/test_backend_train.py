@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import Options, build_program  # noqa: E402
-from twin.trace import read_trace  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import Options, build_program  # noqa: E402
+from twin.present.trace import read_trace  # noqa: E402
 
 GRID = "2x1x2x1"
 STEPS = 6
@@ -62,11 +62,11 @@ def test_run_trains_logs_and_traces(tmp_path):
 
 
 def test_fresh_interpreter_ranks(tmp_path):
-    """The launch path that GPUs take (each rank a new `python -m backend.launch`), here on CPU."""
+    """The launch path that GPUs take (each rank a new `python -m backend.launch.launcher`), here on CPU."""
     from dataclasses import asdict
 
-    from backend.launch_spawn import spawn
-    from backend.train import TrainConfig
+    from backend.launch.spawn import spawn
+    from backend.training.train import TrainConfig
 
     cfg = TrainConfig(model="gpt-tiny", grid="1x1x1x2", steps=2, warmup=1, out=str(tmp_path / "run"))
     assert spawn("run", asdict(cfg), 2, fork=False) == 0
@@ -78,7 +78,7 @@ def test_recorder_cuda_event_branch(monkeypatch):
     """The recorder's GPU timing (CUDA events, resolved when spans are read) with a stand-in event."""
     import torch
 
-    from backend.recorder import Recorder
+    from backend.runtime.recorder import Recorder
 
     clock = iter(range(100))
 

@@ -11,8 +11,8 @@ import pytest
 from calibration.fit import fit_line, fit_profile
 from calibration.measurements import load_measurement
 from calibration.validate_summary import spearman
-from twin.common import TwinError
-from twin.profile import load_profile
+from topologies.common import TwinError
+from twin.costs.profile import load_profile
 
 MEASUREMENT = {
     "format": "backend-bench/2", "grid": "2x1x1x1", "ranks": 2, "ranks_per_node": 2, "dtype": "fp32",
@@ -77,9 +77,9 @@ def test_fitted_profile_drives_the_twin(tmp_path):
     assert table.time("all_reduce", "data", 2, 1 << 20) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
     assert table.time("all_reduce", "x", 4, 1 << 20) is None  # not measured: the flow model answers
     assert all("m.json (testhost" in src for k, src in prof.sources.items() if k.startswith(("collective", "gemm_table")))
-    from twin.simulate import simulate_grid
-    from twin.study import prepare
-    from twin.grid import Grid
+    from twin.predict.simulate import simulate_grid
+    from twin.predict.study import prepare
+    from twin.program.grid import Grid
     study = prepare("cpu", "gpt-tiny", 2, profile=str(prof_path), gemm_tuning=False)
     assert study.profile.ranks == 2
     r = simulate_grid(study, Grid(2, 1, 1, 1))
@@ -87,8 +87,8 @@ def test_fitted_profile_drives_the_twin(tmp_path):
 
 
 def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
-    from twin.kernels import KernelModel
-    from twin.program import Op
+    from twin.costs.kernels import KernelModel
+    from twin.program.program import Op
     data = with_host_row(MEASUREMENT)
     prof = load_profile(fitted(tmp_path, data, "cpu-host"))
     assert prof.host_op_s == pytest.approx(2e-4) and prof.for_ranks(2).host_op_s == pytest.approx(2e-4)
@@ -111,16 +111,16 @@ def test_executor_host_time_is_fitted_and_charged_per_compute_op(tmp_path):
 
 
 def test_program_order_issue_is_an_explicit_sourced_profile_field(tmp_path):
-    """The twin issues collectives in program order (twin.program.host_ordered) where the profile says
+    """The twin issues collectives in program order (twin.program.program.host_ordered) where the profile says
     the executor's host runs each op in order (`host_ordered`, which calibration writes for CPU
     measurements with its source), not wherever a host time per op happens to be measured."""
-    from twin.common import TwinError
-    from twin.grid import Grid
-    from twin.simulate import simulate_grid
-    from twin.study import prepare
+    from topologies.common import TwinError
+    from twin.program.grid import Grid
+    from twin.predict.simulate import simulate_grid
+    from twin.predict.study import prepare
     data = with_host_row(MEASUREMENT)
     prof = load_profile(fitted(tmp_path, data, "cpu-order"))
-    assert prof.host_ordered and "backend/executor.py" in prof.sources["host_ordered"]
+    assert prof.host_ordered and "backend/runtime/executor.py" in prof.sources["host_ordered"]
     assert "m.json (testhost" in prof.sources["host_ordered"]
     gpu = copy.deepcopy(data)
     gpu["machine"]["device"] = "cuda:0"
@@ -133,7 +133,7 @@ def test_program_order_issue_is_an_explicit_sourced_profile_field(tmp_path):
     # the shipped CPU profile without the field: the same host time per op, collectives issued as
     # soon as their inputs are ready, a different iteration
     shipped = load_profile("cpu")
-    from twin.profile import PROFILES_DIR
+    from twin.costs.profile import PROFILES_DIR
     text = (PROFILES_DIR / "cpu.toml").read_text()
     free = tmp_path / "cpu-free.toml"
     free.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("host_ordered =")))
@@ -165,7 +165,7 @@ def _steps_rows(micro_gemm_s: float, iso_ar_s) -> list[dict]:
 def _with_training_steps(tmp_path):
     """The fit of MEASUREMENT alone (2 ranks), its 64^3 GEMM time (s), its collective table, and a
     copy of MEASUREMENT with recorded training steps built from them."""
-    from twin.kernels import KernelModel
+    from twin.costs.kernels import KernelModel
     micro = load_profile(str(_written_fit(tmp_path, MEASUREMENT, "micro"))).for_ranks(2)
     g = KernelModel(micro, tuning=False).gemm_time(64, 64, 64, "NN")
     table = micro.collectives()
@@ -175,8 +175,8 @@ def _with_training_steps(tmp_path):
 
 
 def test_costs_inside_training_are_fitted_and_used(tmp_path):
-    from twin.kernels import KernelModel
-    from twin.program import Op
+    from twin.costs.kernels import KernelModel
+    from twin.program.program import Op
     micro, g, table, data = _with_training_steps(tmp_path)
     load_measurement(write(tmp_path, data, "steps.json"))  # the rows pass the file check
     prof = load_profile(str(_written_fit(tmp_path, data, "steps"))).for_ranks(2)
@@ -215,8 +215,8 @@ def test_in_training_ops_are_on_cpu_time_times_the_pooled_stretch(tmp_path):
     """With on-CPU times recorded (cpu_s), a compute op costs its on-CPU time x the stretch of all the
     recorded steps (summed span over summed on-CPU time), not its own span: one GEMM descheduled in
     the middle (span 3x its on-CPU time) does not set its shape's rate."""
-    from twin.kernels import KernelModel
-    from twin.program import Op
+    from twin.costs.kernels import KernelModel
+    from twin.program.program import Op
     micro, g, table, data = _with_training_steps(tmp_path)
     comp = [row for row in data["steps"] if row["stream"] == "compute"]
     for row in comp:
@@ -277,10 +277,10 @@ def test_the_roofline_gemm_rate_is_the_measured_square_gemm(tmp_path):
 def test_a_norm_over_x_split_features_has_its_own_cost_line(tmp_path):
     """With x > 1 a norm reads its statistics all-reduced over x and the backend runs its several-pass
     kernel instead of torch's fused one: its measured line is keyed apart (cost role `layer_norm+x`)."""
-    from twin.grid import Grid
-    from twin.kernels import KernelModel, cost_role
-    from twin.model import load_model
-    from twin.program import Options, build_program
+    from twin.program.grid import Grid
+    from twin.costs.kernels import KernelModel, cost_role
+    from twin.program.model import load_model
+    from twin.program.program import Options, build_program
     ops = {op.name: op for op in build_program(load_model("gpt-tiny"), Grid.parse("2x1x1x1"), Options()).ops}
     plain = {op.name: op for op in build_program(load_model("gpt-tiny"), Grid.parse("1x1x1x2"), Options()).ops}
     assert cost_role(ops["L0.ln1.fwd"]) == "layer_norm+x" and cost_role(ops["L0.ln1.bwd"]) == "layer_norm_bwd+x"

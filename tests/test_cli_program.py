@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from backend.cli import app as backend_app
-from twin.cli import app
+from backend.cli.main import app as backend_app
+from twin.cli.main import app
 
 runner = CliRunner()
 
@@ -71,7 +71,7 @@ def test_twin_never_imports_torch_or_backend():
     """A user on a laptop simulates Frontier with the twin alone: no torch, no backend."""
     import subprocess
     import sys
-    code = ("import sys, twin.cli, twin.simulate, twin.search, twin.engine, twin.collectives, twin.plots, "
+    code = ("import sys, twin.cli.main, twin.predict.simulate, twin.predict.search, twin.engine.engine, twin.costs.collectives, twin.present.plots, "
             "topologies.network, topologies.routing; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'backend', 'calibration')]; "
             "assert not bad, bad")

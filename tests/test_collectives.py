@@ -5,9 +5,9 @@ import math
 import pytest
 
 from topologies.system import load_system
-from twin.collectives import CollectiveModel
-from twin.common import TwinError
-from twin.grid import Grid
+from twin.costs.collectives import CollectiveModel
+from topologies.common import TwinError
+from twin.program.grid import Grid
 
 # ../shared/reference/collective-bandwidth.md (GB/s), by stride s and group size p ("p>8" read at p=16)
 MEASURED = {
@@ -172,8 +172,8 @@ def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
     import numpy as np
 
     from topologies.routing import Routes
-    from twin.flows import _max_min
-    from twin.flowsets import _sharing_links
+    from twin.costs.flows import _max_min
+    from twin.costs.flowsets import _sharing_links
 
     cm = CollectiveModel(load_system(name), grid)
     axes = frozenset(a for a in ("x", "y", "z", "data") if grid.axis_size(a) > 1)

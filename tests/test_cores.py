@@ -1,8 +1,8 @@
-"""twin.cores: how the ranks of a CPU node share its cores (the stretch of their compute ops)."""
+"""twin.host.cores: how the ranks of a CPU node share its cores (the stretch of their compute ops)."""
 
 import pytest
 
-from twin.cores import busy_shares, core_stretch, fixed_point, stretch_floor
+from twin.host.cores import busy_shares, core_stretch, fixed_point, stretch_floor
 
 
 def test_busy_shares_of_a_timeline():

@@ -13,7 +13,7 @@ import pytest
 from calibration.fit import fit_profile
 from calibration.lines import collective_line, excess_line
 from calibration.validate_summary import spearman
-from twin.profile_types import CollectivePoint, CollectiveTable
+from twin.costs.profile_types import CollectivePoint, CollectiveTable
 
 LOOPS = Path(__file__).resolve().parent.parent / "calibration" / "measurements"
 
@@ -118,7 +118,7 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     15 %, worst 25 % (1x4x1x1), Spearman 0.96. With a role recorded at one size per rank count taking
     the on-CPU line pooled over the rank counts (calibration.training.pooled_cpu_lines; the whole-feature
     norms of the y-split grids): 7.6 %, 32 within 15 %, worst 21 % (1x4x1x1), Spearman 0.96. With each
-    grid's own stretch (twin.cores, fitted from the bench steps' stretch: collective_core_load 0.40):
+    grid's own stretch (twin.host.cores, fitted from the bench steps' stretch: collective_core_load 0.40):
     7.0 %, 30 within 15 %, worst 21 % (2x2x1x2; 1x1x4x1 20 %, whose bench steps ran 1.6x the on-CPU
     time of its run), Spearman 0.968. With overlap_slowdown measured shape against shape
     (calibration.training.same_shape_slowdown): 6.6 %, 30 within 15 %, Spearman 0.966, but worst
@@ -131,7 +131,7 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     cpu-2026-12-01e (the committed profile's files; the first loop whose bench costs an op in training
     as its mean over the recorded steps, taken with each grid's own stretch in the twin; quiet, load 0.9
     at the start): measured 6.9 %, 29 within 15 %, worst 22 % (1x1x2x4), Spearman 0.96. With the stretch
-    bench measured as the floor where the ranks do not outnumber the cores (twin.cores.stretch_floor):
+    bench measured as the floor where the ranks do not outnumber the cores (twin.host.cores.stretch_floor):
     6.3 %, 29, worst 22 %, Spearman 0.959 (benchmarks/cpu_bias.py); asserted: median under 7 %, at
     least 28, worst under 24 %, Spearman at least 0.94.
 
@@ -152,7 +152,7 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     15 %, worst 22 % (2x1x4x1), Spearman 0.98; every grid but 1x1x1x2 predicted short (mean -9.4 %):
     the runs took 1.10x (median over the 13 benched grids, 0.95-1.23x) the iteration their grid's
     recorded bench steps imply, while the twin reproduced those steps at 0.90-1.08x. With the issue
-    time charged only where the next compute op does not wait (twin.kernels.host_times, 2026-12-02;
+    time charged only where the next compute op does not wait (twin.costs.kernels.host_times, 2026-12-02;
     these files fit it at 2 ranks): 10.98 %, 32, 22 %, 0.978; asserted: median under 11.5 %, at least
     31 within 15 %, worst under 24 %, Spearman at least 0.96.
 
@@ -215,7 +215,7 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     median 18 %): measured 4.05 %, all 35 within 15 %, worst 14.7 % (1x4x2x1), Spearman 0.980;
     asserted: median under 4.5 %, all 35 within 15 %, worst under 15 %, Spearman at least 0.96.
 
-    With spans drawn at the spread bench measured (twin.spread; the four loops above whose bench
+    With spans drawn at the spread bench measured (twin.host.spread; the four loops above whose bench
     records it, 2026-12-02): 02d 3.9 %, 34 within 15 %, worst 18.2 % (1x4x2x1), Spearman 0.967; 02e
     3.4 %, 35, 13.5 % (4x1x1x2), 0.979; 02f 4.9 %, 35, 11.9 % (1x2x2x1), 0.978; 02g 3.5 %, 34, 16.8 %
     (1x4x2x1 +14.7 -> +16.8 %), 0.981. Asserted: 02d worst under 19 %, 02f worst under 12.5 %, 02g
@@ -257,11 +257,11 @@ def test_the_committed_cpu_loop_is_reproduced_offline(loop, median, within, wors
     pass ran in a slow stretch), Spearman 0.917; the shipped profile (03a's fit, benched four hours
     earlier) on the same runs: 5.9 %, 30 within 15 %, per-op 35 within 20 %, Spearman 0.95.
     Asserted: median under 15 %, at least 18 within 15 %, worst under 57 %, Spearman at least 0.90."""
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.program import Options
-    from twin.simulate import simulate_grid
-    from twin.study import prepare
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.program.program import Options
+    from twin.predict.simulate import simulate_grid
+    from twin.predict.study import prepare
     import tempfile
     report = json.loads((LOOPS / loop / "report.json").read_text())
     with tempfile.TemporaryDirectory() as d:
@@ -288,7 +288,7 @@ def test_the_stretch_model_holds_on_each_ranks_shares_not_on_the_lockstep_ones(t
     """benchmarks/cpu_stretch.py on the committed runs of cpu-2026-12-01m (runs.tar.xz), four 8-rank
     grids, four runs each, against the profile fitted from that loop's bench files.
 
-    Measured (medians over the runs): twin.cores' formula on each rank's own busy shares of the
+    Measured (medians over the runs): twin.host.cores' formula on each rank's own busy shares of the
     traced step gives 3.12, 2.97, 2.51, 2.22 against the measured stretch 3.06, 2.79, 2.60, 2.23
     (1x1x4x2, 2x1x4x1, 4x2x1x1, 1x8x1x1: within 7 %); on the shares of the same ops at their mean
     over the ranks in lockstep, 3.58 and 3.30 on the two grids with z = 4 (+17 %, +18 %), 2.57 and
@@ -334,7 +334,7 @@ def test_issue_times_and_varying_spans_close_the_lockstep_gap(tmp_path):
     with tarfile.open(LOOPS / "cpu-2026-12-02a" / "runs.tar.xz") as tar:
         members = [m for m in tar.getmembers() if m.name.split("/")[1:2] and m.name.split("/")[1] in grids]
         tar.extractall(tmp_path, members=members, filter="data")
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     prof = tmp_path / "cpu.toml"
     prof.write_text(_fitted("cpu-2026-12-02a"))
     host_s = load_profile(str(prof)).for_ranks(8).host_op_s
@@ -356,7 +356,7 @@ def test_wake_up_and_mean_host_gap_are_fitted(tmp_path):
     mean gap (free_mean_s), and axis_slowdown the axis' summed time inside training over alone."""
     import copy
     from test_calibration import MEASUREMENT, write
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     data = copy.deepcopy(MEASUREMENT)
     data["ops"].append({"op": "host", "numel": 0, "bytes": 0, "model": "gpt-tiny", "ops": 90,
                         "seconds": 2e-4, "mean_s": 9e-4, "free_mean_s": 3e-4})
@@ -383,8 +383,8 @@ def test_a_collective_issued_costs_the_host_of_the_compute_op_after_it():
     gloo's thread takes its core as it wakes): each compute op pays host_op_s plus host_issue_s per
     collective issued since the compute op before it that it does not wait for (the wait holds the
     issue of one it waits for)."""
-    from twin.kernels import host_times
-    from twin.program import Op
+    from twin.costs.kernels import host_times
+    from twin.program.program import Op
     ops = [Op(0, "ag0", "all_gather", "z", axis="z"), Op(1, "ag1", "all_gather", "z", axis="z"),
            Op(2, "gemm0", "gemm", "compute"), Op(3, "gemm1", "gemm", "compute"),
            Op(4, "rs", "reduce_scatter", "z", axis="z"), Op(5, "norm", "elementwise", "compute")]
@@ -403,7 +403,7 @@ def test_the_issue_cost_is_fitted_where_the_ranks_do_not_outnumber_the_cores():
     replay misses between compute ops: bench measured 0.57 ms per such issue in cpu-2026-12-02b).
     With 4 and 8 ranks on 2 cores these files give no issue cost."""
     import tempfile
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "cpu.toml"
         path.write_text(_fitted("cpu-2026-12-01g"))
@@ -419,7 +419,7 @@ def test_the_issue_cost_is_measured_where_bench_recorded_it():
     ran collectives (measured 0.57, 0.69 and 0.73 ms with 2, 4 and 8 ranks on 2 cores); one rank
     issues none."""
     import tempfile
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "cpu.toml"
         path.write_text(_fitted("cpu-2026-12-02b"))
@@ -437,7 +437,7 @@ def test_bench_takes_an_ops_mean_over_the_recorded_steps():
     """The twin sums ops into an iteration, so bench gives each op its mean over the recorded steps
     (the mean of a sum is the sum of the means); the upper median of 4 it took before gave one step
     run 5x long no weight at all, and 4 alike steps' upper one otherwise (benchmarks/cpu_step_spread.py)."""
-    from backend.bench_steps import per_step
+    from backend.bench.steps import per_step
     assert per_step([1e-3, 1e-3, 1e-3, 5e-3]) == pytest.approx(2e-3)
     assert per_step([1e-3, 2e-3, 3e-3, 4e-3]) == pytest.approx(2.5e-3)
 
@@ -449,9 +449,9 @@ def test_a_role_recorded_at_one_size_takes_the_pooled_on_cpu_line(tmp_path):
     norms 2x their measured time)."""
     import copy
     from test_calibration import MEASUREMENT, write
-    from twin.kernels import KernelModel
-    from twin.profile import load_profile
-    from twin.program import Op
+    from twin.costs.kernels import KernelModel
+    from twin.costs.profile import load_profile
+    from twin.program.program import Op
 
     def cost(b):  # on-CPU seconds of a layer norm of b bytes
         return 1e-4 + b * 1e-9
@@ -473,19 +473,19 @@ def test_a_role_recorded_at_one_size_takes_the_pooled_on_cpu_line(tmp_path):
 
 
 def test_each_grid_takes_its_own_stretch_from_the_twins_timeline(tmp_path):
-    """On CPU a compute op takes its on-CPU time x its grid's stretch (twin.cores), from the busy
+    """On CPU a compute op takes its on-CPU time x its grid's stretch (twin.host.cores), from the busy
     shares of the twin's own timeline (a fixed point), with node_cores and collective_core_load
     fitted from bench's recorded steps. Ranks blocked in collectives leave their cores to the
     others: 1x8x1x1, whose ranks wait long on blocking y all-reduces, stretches less than 1x1x8x1,
     whose z all-gathers run beside compute (measured 2.25 against 2.99 in cpu-2026-12-01d's runs,
     1.83 against 2.95 in -01c's; the pooled stretch gave both 2.64)."""
-    from twin.cores import busy_shares, core_stretch
-    from twin.grid import Grid
-    from twin.model import load_model
-    from twin.profile import load_profile
-    from twin.program import host_ordered
-    from twin.simulate import model_for, program_for, shared_core_stretch, simulate_grid
-    from twin.study import prepare
+    from twin.host.cores import busy_shares, core_stretch
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.costs.profile import load_profile
+    from twin.program.program import host_ordered
+    from twin.predict.simulate import model_for, program_for, shared_core_stretch, simulate_grid
+    from twin.predict.study import prepare
     path = tmp_path / "cpu.toml"
     path.write_text(_fitted("cpu-2026-12-01d"))
     prof = load_profile(str(path))
@@ -527,9 +527,9 @@ def test_grid_auto_on_cpu_picks_the_fastest_grid():
     its on-CPU time (the stretch is at least 1). At the pooled stretch the bound of 1x1x1x4 (its own
     stretch 1.50 against 1.66) ruled it out, and gpt-small on 4 ranks chose 1x1x2x2 at 0.512 s over
     1x1x1x4 at 0.490 s."""
-    from twin.search import rank_grids
-    from twin.simulate import choose_grid, simulate_grid
-    from twin.study import prepare
+    from twin.predict.search import rank_grids
+    from twin.predict.simulate import choose_grid, simulate_grid
+    from twin.predict.study import prepare
     study = prepare("cpu", "gpt-small", 4)
     best, _ = choose_grid(study)
     every = [c.grid for c in rank_grids(study, None, keep=1000)]
@@ -628,7 +628,7 @@ def test_a_gemm_timed_by_several_bench_passes_takes_their_median(tmp_path):
 
 
 def load_profile_text(tmp_path, text: str):
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     path = tmp_path / "p.toml"
     path.write_text(text)
     return load_profile(str(path))
@@ -682,10 +682,10 @@ def test_ranks_are_pinned_round_robin_when_asked():
     import os
     import subprocess
     import sys
-    from backend.launch_rank import bind_cores
+    from backend.launch.rank import bind_cores
     assert [bind_cores(r, [0, 1]) for r in range(4)] == [{0}, {1}, {0}, {1}]
     cores = sorted(os.sched_getaffinity(0))
-    code = "import sys; from backend.launch_rank import bind_rank; print(sorted(bind_rank(int(sys.argv[1]))))"
+    code = "import sys; from backend.launch.rank import bind_rank; print(sorted(bind_rank(int(sys.argv[1]))))"
     for bind, want in (("cores", [cores[1 % len(cores)]]), ("none", cores)):
         env = {**os.environ, "BACKEND_CPU_BIND": bind, "BACKEND_CPU_BIND_CORES": ",".join(map(str, cores))}
         out = subprocess.run([sys.executable, "-c", code, "1"], env=env, cwd=LOOPS.parent.parent,
@@ -694,11 +694,11 @@ def test_ranks_are_pinned_round_robin_when_asked():
 
 
 def test_host_gaps_tell_free_gaps_from_gaps_beside_a_collective():
-    """twin.trace.host_gaps, which backend bench and benchmarks/cpu_host_gaps.py read the host's gaps
+    """twin.present.trace.host_gaps, which backend bench and benchmarks/cpu_host_gaps.py read the host's gaps
     with: a gap with no collective in flight, one beside an all-gather with none issued or completed
     in it (quiet), one in which the all-gather completes (the op after it waited for it), one in
     which a reduce-scatter is issued."""
-    from twin.trace import Span, host_gaps
+    from twin.present.trace import Span, host_gaps
     comp = [Span(0, n, "gemm", "compute", s, d) for n, s, d in
             (("z", -1.0, 0.4), ("a", 0.0, 1.0), ("b", 1.2, 1.0), ("c", 2.6, 0.4), ("d", 3.3, 0.2))]
     ag = Span(0, "ag", "all_gather", "z", 0.5, 2.0)
@@ -729,7 +729,7 @@ def test_the_twin_leaves_out_host_time_on_1x1x1x8(tmp_path):
                        filter="data")
     prof = tmp_path / "cpu.toml"
     prof.write_text(_fitted("cpu-2026-12-02g"))
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     p = load_profile(str(prof))
     runs = sorted(f.parent for f in (tmp_path / "runs" / "1x1x1x8").rglob("log.jsonl"))
     assert len(runs) == 4
@@ -738,7 +738,7 @@ def test_the_twin_leaves_out_host_time_on_1x1x1x8(tmp_path):
 
 
 def test_spans_drawn_at_their_spread_bring_the_z4_stretch_toward_the_runs(tmp_path):
-    """twin.spread on cpu-2026-12-02g's runs of 1x1x4x2 (z all-gathers prefetched beside compute):
+    """twin.host.spread on cpu-2026-12-02g's runs of 1x1x4x2 (z all-gathers prefetched beside compute):
     the profile fitted from its bench records each class's spread (8 ranks: compute 0.69, z
     all-gathers 0.65); with it the predicted stretch is 3.32 (3.60 with every op at its mean span,
     the same profile less its span_spread; 3.52 as the loop was fitted before, collective_core_load
@@ -747,7 +747,7 @@ def test_spans_drawn_at_their_spread_bring_the_z4_stretch_toward_the_runs(tmp_pa
     the measured one, the per-op median error lower by at least 4 points."""
     import tarfile
     from calibration.validate import validate_runs
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     loop = LOOPS / "cpu-2026-12-02g"
     with tarfile.open(loop / "runs.tar.xz") as tar:
         tar.extractall(tmp_path, members=[m for m in tar.getmembers() if m.name.split("/")[1:2] == ["1x1x4x2"]],

@@ -6,12 +6,12 @@ other axes communicate), so these tests check the engine, not the network model.
 
 import pytest
 
-from twin.profile import load_profile
-from twin.engine import simulate_program
-from twin.grid import Grid
-from twin.kernels import KernelModel
-from twin.model import load_model
-from twin.program import Op, Options, Program, build_program
+from twin.costs.profile import load_profile
+from twin.engine.engine import simulate_program
+from twin.program.grid import Grid
+from twin.costs.kernels import KernelModel
+from twin.program.model import load_model
+from twin.program.program import Op, Options, Program, build_program
 
 
 class AlphaBeta:
@@ -189,7 +189,7 @@ def test_collective_slows_while_its_rank_computes():
 
 
 def test_host_ordered_issues_collectives_in_program_order():
-    from twin.program import host_ordered
+    from twin.program.program import host_ordered
     # c0; x all-reduce (no deps); y all-reduce after it; c1: the host issues ax after c0 and waits
     # for ax before issuing ay, so c1 starts after ax too
     ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", axis="x"),
@@ -202,7 +202,7 @@ def test_host_ordered_issues_collectives_in_program_order():
 
 
 def test_comm_share_agrees_symmetric_and_rank_by_rank():
-    from twin.program import host_ordered
+    from twin.program.program import host_ordered
     prog = host_ordered(build_program(load_model("gpt-tiny"), Grid.parse("2x2x2x1"), Options()))
     compute = [0.0 if op.is_collective else 1e-3 for op in prog.ops]
 
@@ -228,7 +228,7 @@ GOLDEN = {
 
 def golden_digest(case: str) -> str:
     import hashlib
-    from twin.program import host_ordered
+    from twin.program.program import host_ordered
     g = Grid.parse("2x2x2x2")
     prog = build_program(load_model("gpt-tiny"), g, Options())
     if case == "comm_share":
@@ -277,8 +277,8 @@ def test_by_size_asks_each_distinct_collective_once():
 
 
 def test_plan_is_shared_by_programs_alike_and_only_by_them():
-    from twin import engine_plan
-    from twin.program import host_ordered, regrid
+    from twin.engine import plan as engine_plan
+    from twin.program.program import host_ordered, regrid
     a, b = Grid.parse("2x2x2x4"), Grid.parse("2x2x4x2")  # class-mates: the same streams and deps, other sizes
     pa = build_program(load_model("gpt-tiny"), a, Options(), batch=16)
     pb = regrid(pa, b)

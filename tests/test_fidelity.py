@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from topologies.system import load_system
-from twin.cli import app
-from twin.scaling import WEAK_SERIES, scaling, scaling_html, series_points
-from twin.sensitivity import sensitivity
+from twin.cli.main import app
+from twin.predict.scaling import WEAK_SERIES, scaling, scaling_html, series_points
+from twin.predict.sensitivity import sensitivity
 
 runner = CliRunner()
 
@@ -71,8 +71,8 @@ def test_default_study_batch_from_the_system_file():
     """Every system whose default study is one of the large GPT models (documented batch 2,048) follows
     the one rule its file states: 2,048 sequences, or the smallest multiple of the node count above it (so that x*y can stay in a node)."""
     from topologies.system import list_systems, load_system
-    from twin.model import load_model
-    from twin.study import prepare
+    from twin.program.model import load_model
+    from twin.predict.study import prepare
     for name in list_systems():
         s = load_system(name)
         if load_model(s.default_model).global_batch != 2048:   # cpu, h200: small models, their own batch
@@ -88,10 +88,10 @@ def test_default_study_batch_from_the_system_file():
 def test_analytical_estimate_counts_only_what_overlap_cannot_hide():
     """With OAR, ORS and OAG off every collective is exposed: the estimate is compute plus all the
     communication. With them on, it is smaller but never below compute plus the exposed part."""
-    from twin.grid import Grid
-    from twin.program import Options
-    from twin.search import Bandwidth, analytical
-    from twin.study import prepare
+    from twin.program.grid import Grid
+    from twin.program.program import Options
+    from twin.predict.search import Bandwidth, analytical
+    from twin.predict.study import prepare
     grid = Grid(2, 2, 2, 2)
     on = prepare("perlmutter", "gpt-small", 16)
     off = prepare("perlmutter", "gpt-small", 16, options=Options(oar=False, ors=False, oag=False))

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from backend.data import DataError
-from backend.finetune import (IGNORE, ByteTokenizer, Examples, ExampleLoader, default_lr, default_warmup,
+from backend.training.data import DataError
+from backend.training.finetune import (IGNORE, ByteTokenizer, Examples, ExampleLoader, default_lr, default_warmup,
                               encode_examples, read_examples, split_held_out)
 
 PAIRS = [("What is 2+2? ", "4."), ("Say hi: ", "hi there"), ("", "no prompt at all"),
@@ -69,11 +69,11 @@ def test_defaults_and_held_out_split():
 def _masked_step(ctx, arch: str) -> dict:
     import torch
 
-    from backend.model import GPT
-    from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference
-    from backend.optim import make_optimizer, train_step
-    from twin.model import load_model
-    from twin.program import Options
+    from backend.models.gpt import GPT
+    from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference
+    from backend.training.optim import make_optimizer, train_step
+    from twin.program.model import load_model
+    from twin.program.program import Options
 
     spec = load_model(f"{arch}-tiny")
     rng = np.random.default_rng(5)
@@ -87,7 +87,7 @@ def _masked_step(ctx, arch: str) -> dict:
         model = GPT(spec, ctx, Options(micro_batches=2))
         load_from_reference(model, ref.state_dict())
     else:
-        from backend.llama import Llama, ReferenceLlama, gather_hf, load_hf
+        from backend.models.llama import Llama, ReferenceLlama, gather_hf, load_hf
         ref = ReferenceLlama(spec, seed=2)
         model = Llama(spec, ctx, Options(micro_batches=2))
         load_hf(model, ref.state_dict().__getitem__)
@@ -120,7 +120,7 @@ def test_a_tokenizer_json_next_to_the_weights_is_used(tmp_path):
     """A model directory's tokenizer.json (read offline with `tokenizers`) encodes the examples and
     its end-of-text id closes each response; without one, bytes."""
     tokenizers = pytest.importorskip("tokenizers")
-    from backend.finetune import HFTokenizer, tokenizer_for
+    from backend.training.finetune import HFTokenizer, tokenizer_for
 
     vocab = {c: i for i, c in enumerate(["<eos>", "[UNK]"] + list("0123456789+=; "))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))

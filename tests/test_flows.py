@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from twin.flows import max_min_rates
+from twin.costs.flows import max_min_rates
 
 
 def test_single_bottleneck_is_shared_equally():
@@ -133,7 +133,7 @@ def test_rates_equal_the_definition_with_most_flows_at_one_cap():
 
 
 def test_first_round_of_mostly_capped_flows_equals_the_definition():
-    """The first round worked out on the uncapped or tight flows only (twin.flows._first_round): links
+    """The first round worked out on the uncapped or tight flows only (twin.costs.flows._first_round): links
     that carry both flows frozen at their cap and flows frozen at a tight link's share, and flows left
     for later rounds, must give exactly the definition's rates (sums in the same order)."""
     rng = np.random.default_rng(13)
@@ -166,7 +166,7 @@ def test_first_round_of_mostly_capped_flows_equals_the_definition():
 def test_first_round_bottleneck_just_above_the_top_cap():
     """A flow on a narrow link (share just below the easy flows' cap c) whose bottleneck is a link
     whose share is c itself, within rtol of the flow's rate: the first round must look at that link's
-    flows too (twin.flows._first_round's `more` links), or the flow waits for a later round."""
+    flows too (twin.costs.flows._first_round's `more` links), or the flow waits for a later round."""
     for eps in (1e-12, 1e-11, 3e-10):
         for n_easy in (4, 9):
             # links: A (narrow: share 1 - eps), C (tight for flow 1), B (share exactly 1), roomy ones

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from twin.common import InputError
+from topologies.common import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
@@ -127,7 +127,7 @@ def twin_argv(draw):
 @FUZZ
 @given(argv=twin_argv())
 def test_twin_command_line(argv, tmp_path_factory, monkeypatch):
-    from twin.cli import app
+    from twin.cli.main import app
 
     tmp = tmp_path_factory.mktemp("twin")
     monkeypatch.chdir(tmp)  # a relative output path lands in a temporary folder, never in the checkout
@@ -168,10 +168,10 @@ def backend_argv(draw):
 def test_backend_command_line(argv, tmp_path_factory, monkeypatch):
     """Everything up to starting the ranks (which is stubbed: training is tested elsewhere)."""
     pytest.importorskip("torch")
-    import backend.launch
-    from backend.cli import app
+    import backend.launch.launcher
+    from backend.cli.main import app
 
-    monkeypatch.setattr(backend.launch, "launch", lambda *a, **k: 0)
+    monkeypatch.setattr(backend.launch.launcher, "launch", lambda *a, **k: 0)
     tmp = tmp_path_factory.mktemp("backend")
     monkeypatch.chdir(tmp)
     argv = materialize(argv, tmp)
@@ -259,7 +259,7 @@ def small_measurement() -> dict:
 
 
 SPECS = {"system": load_base("topologies/systems/perlmutter.toml"), "model": load_base("twin/models/gpt-tiny.toml"),
-         "profile": load_base("calibration/profiles/a100.toml"), "measurement": small_measurement()}
+         "profile": load_base("twin/profiles/a100.toml"), "measurement": small_measurement()}
 
 
 def load(kind: str, path: str):
@@ -271,17 +271,17 @@ def load(kind: str, path: str):
         from topologies.system import load_system
         return load_system(path)
     if kind == "model":
-        from twin.model import load_model
+        from twin.program.model import load_model
         return load_model(path)
-    from twin.profile import load_profile
+    from twin.costs.profile import load_profile
     return load_profile(path)
 
 
 def use(kind: str, spec, path: str) -> None:
     """Use a loaded spec the way a command would (cheaply): whatever it finds is one line."""
-    from twin.grid import Grid
-    from twin.memory import memory_per_gpu
-    from twin.program import build_program
+    from twin.program.grid import Grid
+    from twin.predict.memory import memory_per_gpu
+    from twin.program.program import build_program
 
     if kind == "measurement":
         from calibration.fit import fit_profile
@@ -297,8 +297,8 @@ def use(kind: str, spec, path: str) -> None:
         memory_per_gpu(spec, Grid(1, 1, 1, 1))
         spec.parameters(), spec.reference_flops()
     else:
-        from twin.kernels import KernelModel
-        from twin.model import load_model
+        from twin.costs.kernels import KernelModel
+        from twin.program.model import load_model
         km = KernelModel(spec)
         for op in build_program(load_model("gpt-tiny"), Grid(1, 1, 1, 1)).ops:
             t = 0.0 if op.is_collective else km.op_time(op)
@@ -328,7 +328,7 @@ def test_spec_files(kind, data, tmp_path_factory):
 @given(data=st.data())
 def test_system_file_through_the_command_line(data, tmp_path_factory):
     """A mutated system through `twin simulate --json`: one line or standard JSON."""
-    from twin.cli import app
+    from twin.cli.main import app
 
     spec = data.draw(mutated(load_base("topologies/systems/cpu.toml")))
     path = tmp_path_factory.mktemp("sys") / "fuzz.toml"

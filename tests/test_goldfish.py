@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backend.goldfish import IGNORE, drop_mask, mask_rows, mask_targets, window_hash
-from twin.common import TwinError
-from twin.grid import Grid
-from twin.model import load_model
-from twin.program import Options, build_program
+from backend.training.goldfish import IGNORE, drop_mask, mask_rows, mask_targets, window_hash
+from topologies.common import TwinError
+from twin.program.grid import Grid
+from twin.program.model import load_model
+from twin.program.program import Options, build_program
 
 
 def test_about_one_token_in_k_is_dropped():
@@ -66,7 +66,7 @@ def test_targets_and_bad_arguments():
 def test_loader_masks_by_position_in_the_source_on_every_shard():
     """Every shard's targets equal the mask of the whole source at the windows' positions: the
     same tokens are dropped whatever the shard count (grid) or where a window starts."""
-    from backend.data import ShardedLoader, TokenSource
+    from backend.training.data import ShardedLoader, TokenSource
 
     tokens = np.random.default_rng(2).integers(0, 256, size=5_000)
     source = TokenSource(tokens, "test")
@@ -100,11 +100,11 @@ def test_program_counts_the_mask_without_flops():
 def _goldfish_step(ctx, k: int, h: int) -> dict:
     import torch
 
-    from backend.data import ShardedLoader, TokenSource
-    from backend.evaluate import held_out_loss
-    from backend.model import GPT
-    from backend.reference import ReferenceGPT, gather_full_grads, load_from_reference
-    from backend.optim import reduce_gradients
+    from backend.training.data import ShardedLoader, TokenSource
+    from backend.training.evaluate import held_out_loss
+    from backend.models.gpt import GPT
+    from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference
+    from backend.training.optim import reduce_gradients
 
     spec = load_model("gpt-tiny")
     tokens = np.random.default_rng(3).integers(0, spec.vocab, size=4_000)

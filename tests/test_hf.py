@@ -20,10 +20,10 @@ pytest.importorskip("safetensors")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from backend.cli import app  # noqa: E402
-from backend.hf import HFCheckpoint  # noqa: E402
-from backend.hf_config import HFError, read_config  # noqa: E402
-from backend.hf_export import IndexView, export  # noqa: E402
+from backend.cli.main import app  # noqa: E402
+from backend.hf.load import HFCheckpoint  # noqa: E402
+from backend.hf.config import HFError, read_config  # noqa: E402
+from backend.hf.export import IndexView, export  # noqa: E402
 
 VOCAB, SEQ = 300, 16  # 300: padded to 384 by every grid, so export must drop the padding rows
 
@@ -103,9 +103,9 @@ class Recorder:
 def _import_on_grid(ctx, model_dir: str, tokens, targets, ckpt_dir: str) -> dict:
     from safetensors import safe_open
 
-    from backend import checkpoint
-    from backend.hf import load_into
-    from backend.llama import Llama, gather_hf
+    from backend.training import checkpoint
+    from backend.hf.load import load_into
+    from backend.models.llama import Llama, gather_hf
 
     spec = HFCheckpoint(model_dir).spec()
     model = Llama(spec, ctx)
@@ -147,7 +147,7 @@ def test_import_on_a_grid_computes_what_transformers_computes_and_exports_back(t
 
 
 def test_reference_llama_has_the_logits_of_transformers(tiny):
-    from backend.llama import ReferenceLlama
+    from backend.models.llama import ReferenceLlama
 
     ref = ReferenceLlama(HFCheckpoint(tiny["single"]).spec())
     ref.load_state_dict(tiny["state"])
@@ -167,7 +167,7 @@ def _examples(n: int, seed: int) -> list[dict]:
 
 
 def test_finetune_from_hugging_face_on_2x2x2x1_lowers_the_loss_and_exports(tiny, tmp_path):
-    from backend.finetune import ByteTokenizer, ExampleLoader, encode_examples
+    from backend.training.finetune import ByteTokenizer, ExampleLoader, encode_examples
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text("".join(json.dumps(e) + "\n" for e in _examples(64, 0)))

@@ -4,10 +4,10 @@ import tomllib
 
 import pytest
 
-from twin.profile import PROFILES_DIR, list_profiles, load_profile, profile_for_gpu
-from twin.common import TwinError
-from twin.kernels import KernelModel
-from twin.program import Op
+from twin.costs.profile import PROFILES_DIR, list_profiles, load_profile, profile_for_gpu
+from topologies.common import TwinError
+from twin.costs.kernels import KernelModel
+from twin.program.program import Op
 
 
 def test_every_profile_loads_and_every_number_has_a_source():
@@ -103,7 +103,7 @@ def test_one_peak_per_machine():
     import dataclasses
 
     from topologies.system import list_systems, load_system
-    from twin.study import prepare
+    from twin.predict.study import prepare
 
     for name in list_systems():
         study = prepare(name)

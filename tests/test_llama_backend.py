@@ -16,15 +16,15 @@ torch = pytest.importorskip("torch")
 
 from backend_helpers import fake_grid, run_on_grid  # noqa: E402
 
-from backend.layers import IGNORE  # noqa: E402
-from backend.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
-from backend.model import make_model  # noqa: E402
-from backend.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
+from backend.runtime.layers import IGNORE  # noqa: E402
+from backend.models.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
+from backend.models.gpt import make_model  # noqa: E402
+from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                            reduce_gradients, train_step)
-from backend.recorder import Recorder  # noqa: E402
-from twin.grid import Grid  # noqa: E402
-from twin.model import load_model  # noqa: E402
-from twin.program import STREAMS, Options, build_program  # noqa: E402
+from backend.runtime.recorder import Recorder  # noqa: E402
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import STREAMS, Options, build_program  # noqa: E402
 
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.5
 

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from twin import Grid, Options, build_program, load_model
-from twin.cli import app
-from twin.common import TwinError
-from twin.memory import memory_per_gpu
+from twin.cli.main import app
+from topologies.common import TwinError
+from twin.predict.memory import memory_per_gpu
 
 runner = CliRunner()
 

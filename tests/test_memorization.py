@@ -10,12 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.generate import Weights, forward, generate, load_weights  # noqa: E402
-from backend.memorization import (check_lengths, lcs_length, load_sequences, measure, rouge_l,  # noqa: E402
+from backend.models.generate import Weights, forward, generate, load_weights  # noqa: E402
+from backend.studies.memorization import (check_lengths, lcs_length, load_sequences, measure, rouge_l,  # noqa: E402
                                   score)
-from backend.reference import ReferenceGPT  # noqa: E402
-from twin.common import TwinError  # noqa: E402
-from twin.model import load_model  # noqa: E402
+from backend.models.reference import ReferenceGPT  # noqa: E402
+from topologies.common import TwinError  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -86,10 +86,10 @@ def test_decoder_is_the_reference_model_and_the_cache_is_exact():
 
 
 def _save_sharded(ctx, ref_state: dict, ckpt_dir: str) -> None:
-    from backend import checkpoint
-    from backend.model import GPT
-    from backend.reference import load_from_reference
-    from twin.program import Options
+    from backend.training import checkpoint
+    from backend.models.gpt import GPT
+    from backend.models.reference import load_from_reference
+    from twin.program.program import Options
 
     spec = load_model("gpt-tiny")
     model = GPT(spec, ctx, Options())
@@ -128,7 +128,7 @@ def test_checkpoint_of_a_4d_grid_decodes_like_one_process(tmp_path, monkeypatch)
     with pytest.raises(TwinError, match="no checkpoint"):
         load_weights(tmp_path)
     # a checkpoint whose tensors are not the model's (say, written by another version of the code)
-    from backend import checkpoint
+    from backend.training import checkpoint
     good = tmp_path / "ckpt2"
     run_on_grid("1x1x1x1", _save_sharded, state, str(good))
     real = checkpoint.read_rank
@@ -159,7 +159,7 @@ def test_a_png_without_a_browser_is_one_line_and_the_html_chart_stays(tmp_path, 
     pytest.importorskip("playwright")
     pytest.importorskip("plotly")
     import playwright.sync_api as api
-    from backend.study import NoBrowser, chart
+    from backend.studies.study import NoBrowser, chart
 
     class Chromium:
         def launch(self, **_):

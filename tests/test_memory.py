@@ -4,7 +4,7 @@ with the source table of shared/reference/models.md (A100 40 GB, 4,096 GPUs)."""
 import pytest
 
 from twin import Grid, Options, TwinError, list_models, load_model
-from twin.memory import GIB, check_fits, memory_per_gpu
+from twin.predict.memory import GIB, check_fits, memory_per_gpu
 
 POW2 = [1, 2, 4, 8, 16]
 
@@ -66,7 +66,7 @@ def test_check_fits_says_by_how_much():
 
 
 def test_what_the_executor_holds_at_the_backward_peak():
-    """Term by term (twin/memory.py): the GELU-output gradient with the last block's stash; on G_z > 1
+    """Term by term (twin/predict/memory.py): the GELU-output gradient with the last block's stash; on G_z > 1
     the block's gathered weights, the prefetch, mlp_down's full wgrad and gloo's copy of it."""
     m = load_model("gpt-small")
     tokens, ffn, h = 16 * 128, m.ffn, m.hidden

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 @pytest.mark.parametrize("command", [["run"], ["bench", "--grid", "1x1x2x1"], ["replay"], ["generate", "--checkpoint", "c"]])
 def test_backend_without_torch_is_one_line(command, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
-    from backend.cli import app
+    from backend.cli.main import app
     r = CliRunner().invoke(app, command)
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     line, = r.stderr.strip().splitlines()

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from browser import SHOTS, assert_drew, close_browser, render_page
 from fake_run import fake_run
-from twin.cli import app
+from twin.cli.main import app
 
 runner = CliRunner()
 
@@ -30,7 +30,7 @@ SMALL = ["--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch
 def report(tmp_path_factory):
     """A report of a job that crosses dragonfly groups (32 nodes of 16-node groups, so the data axis'
     rings leave their group), built once."""
-    from twin.report import build_report
+    from twin.present.report import build_report
     from topologies.system import load_system
     import dataclasses
 
@@ -86,8 +86,8 @@ def test_simulate_timeline_and_topology_pages(tmp_path):
 def test_full_run_timeline_stays_drawable(tmp_path):
     """64 ranks in full mode: the timeline draws a few ranks (the first, the straggler, the waiting)
     and the ranks chart every rank."""
-    from twin.plots import MAX_RANKS, pick_ranks, ranks_figure, timeline_html
-    from twin.simulate import simulate
+    from twin.present.plots import MAX_RANKS, pick_ranks, ranks_figure, timeline_html
+    from twin.predict.simulate import simulate
     r = simulate("perlmutter", "gpt-1b", 64, "2x2x4x4", batch=64, full=True, slowdown={5: 1.3}, record=True)
     shown = pick_ranks(r.spans)
     assert len(shown) == MAX_RANKS and 0 in shown and 5 in shown

@@ -154,7 +154,7 @@ def test_cache_and_recompute_change_gathers():
 
 def test_json_roundtrip():
     prog = build_program(load_model("gpt-tiny"), Grid.parse("2x2x2x1"))
-    from twin.programfile import program_json
+    from twin.program.programfile import program_json
 
     data = json.loads(program_json(prog))
     assert data["summary"]["ops"] == len(data["ops"]) == len(prog.ops)
@@ -165,13 +165,13 @@ def test_json_roundtrip():
     ("gpt-tiny", 64, {}), ("gpt-tiny", 64, {"cache_layers": 1, "micro_batches": 2, "grad_clip": False}),
     ("gpt-tiny", 48, {"oag": False, "ors": False, "recompute": False}), ("llama-tiny", 64, {"goldfish_h": 3})])
 def test_regrid_gives_the_built_program(model, gpus, options):
-    """A program made from a class-mate's (twin.program.regrid, as the search does) equals the one
+    """A program made from a class-mate's (twin.program.program.regrid, as the search does) equals the one
     build_program makes, on every pair of grids of a class; other pairs are refused."""
     from itertools import permutations
 
-    from twin.common import TwinError
-    from twin.program import regrid, same_ops_but_shards
-    from twin.search import candidate_grids
+    from topologies.common import TwinError
+    from twin.program.program import regrid, same_ops_but_shards
+    from twin.predict.search import candidate_grids
     m, opts = load_model(model), Options(**options)
     built = {}
     for g in candidate_grids(gpus):
@@ -193,7 +193,7 @@ def test_builder_ops_equal_dataclass_ops_and_refuse_unknown_fields():
     fields (same fields, in order), and an unknown field is refused as __init__ would refuse it."""
     from dataclasses import fields
 
-    from twin.ops import Builder, Op
+    from twin.program.ops import Builder, Op
     prog = build_program(load_model("llama-tiny"), Grid.parse("2x2x2x1"), Options(micro_batches=2))
     names = [f.name for f in fields(Op)]
     for op in prog.ops:
@@ -206,7 +206,7 @@ def test_builder_ops_equal_dataclass_ops_and_refuse_unknown_fields():
         b.collective("y", "all_reduce", "x", 4, index=3)
     from dataclasses import replace
 
-    from twin.ops import changed
+    from twin.program.ops import changed
     op = prog.ops[7]
     new = changed(op, bytes=5, writes=("a",))
     assert new == replace(op, bytes=5, writes=("a",)) and list(vars(new)) == names and op.bytes != 5

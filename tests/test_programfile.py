@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from twin.common import InputError
-from twin.grid import Grid
-from twin.model import load_model
-from twin.program import Options, Program, build_program
-from twin.programfile import load_program, program_json, save_program, validate_program
+from topologies.common import InputError
+from twin.program.grid import Grid
+from twin.program.model import load_model
+from twin.program.program import Options, Program, build_program
+from twin.program.programfile import load_program, program_json, save_program, validate_program
 
 
 def _prog(grid: str = "1x2x2x1", **opts) -> Program:
@@ -90,7 +90,7 @@ def test_malformed_files(tmp_path):
 
 def test_simulate_an_edited_program(tmp_path):
     """The twin simulates the file as edited: waiting for an all-reduce cannot make the step faster."""
-    from twin.simulate import simulate
+    from twin.predict.simulate import simulate
 
     prog = _prog("2x2x2x1")
     slow = wait_for(prog, "L1.mlp_up.bwd.wgrad", "L1.mlp_up.bwd.ar_y")

@@ -9,17 +9,17 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import twin.progress
-from twin.cli import app
+import twin.present.progress
+from twin.cli.main import app
 
 
 @pytest.fixture()
 def bar(monkeypatch):
     """What the progress bars draw, as on a terminal (stderr is not one under the test runner)."""
     shown = io.StringIO()
-    monkeypatch.setattr(twin.progress, "quiet_default", lambda json_out, quiet: json_out or quiet)
-    monkeypatch.setattr(twin.progress, "SHOW_AFTER_S", 0)  # these commands take less than the 1 s a bar waits
-    monkeypatch.setattr(twin.progress, "Console",
+    monkeypatch.setattr(twin.present.progress, "quiet_default", lambda json_out, quiet: json_out or quiet)
+    monkeypatch.setattr(twin.present.progress, "SHOW_AFTER_S", 0)  # these commands take less than the 1 s a bar waits
+    monkeypatch.setattr(twin.present.progress, "Console",
                         lambda **kw: Console(file=shown, force_terminal=True, width=120, **{k: v for k, v in kw.items()
                                                                                           if k != "stderr"}))
     return shown
@@ -62,12 +62,12 @@ def test_a_quick_command_shows_no_bar_and_a_slow_one_shows_it_late(monkeypatch):
     """A bar appears SHOW_AFTER_S after the command starts, from the state the command has reached."""
     import time
     shown = io.StringIO()
-    monkeypatch.setattr(twin.progress, "Console", lambda **kw: Console(file=shown, force_terminal=True, width=120))
-    monkeypatch.setattr(twin.progress, "SHOW_AFTER_S", 0.2)
-    with twin.progress.Stages([("one", 1.0), ("two", 1.0)]) as stage:
+    monkeypatch.setattr(twin.present.progress, "Console", lambda **kw: Console(file=shown, force_terminal=True, width=120))
+    monkeypatch.setattr(twin.present.progress, "SHOW_AFTER_S", 0.2)
+    with twin.present.progress.Stages([("one", 1.0), ("two", 1.0)]) as stage:
         stage("one")
     assert shown.getvalue() == ""
-    with twin.progress.Steps() as steps:
+    with twin.present.progress.Steps() as steps:
         steps("point 1", 0, 2)
         time.sleep(0.5)
         steps("point 2", 1, 2)

@@ -1,6 +1,6 @@
 """Max-min rates and collective times pinned to the bit: a checksum of what the flow model computed at
-c4ff7fb (before twin.flows and the flow sets of twin.collectives were made faster) for problems that take
-every path of twin.flows (the all-capped shortcut, the first round's split with mixed links, later rounds,
+c4ff7fb (before twin.costs.flows and the flow sets of twin.costs.collectives were made faster) for problems that take
+every path of twin.costs.flows (the all-capped shortcut, the first round's split with mixed links, later rounds,
 renumbering). Faster must never mean different: a change that moves one bit fails here."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from topologies.routing import Routes
 from topologies.system import load_system
-from twin.collectives import CollectiveModel
-from twin.flows import _max_min, max_min_rates
-from twin.grid import AXES, Grid
+from twin.costs.collectives import CollectiveModel
+from twin.costs.flows import _max_min, max_min_rates
+from twin.program.grid import AXES, Grid
 
 PINNED = {
     ("frontier", (2, 32, 64, 8)): "83c86c0b9fa4992d1d8bae6f3d225fdc",

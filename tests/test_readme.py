@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from twin.cli import app
+from twin.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -60,8 +60,8 @@ BACKEND = [
     ("backend run --program prog.json", "backend run --program prog.json --steps 2 --out runs/prog"),
     ("backend run --model gpt-tiny --grid 2x2x2x1 --steps 50 --device cpu --out runs/tiny",
      "backend run --model gpt-tiny --grid 2x2x2x1 --steps 2 --device cpu --out runs/tiny"),
-    ("cat README.md twin/*.py backend/*.py > input.txt",
-     "cat {root}/README.md {root}/twin/*.py {root}/backend/*.py > input.txt"),
+    ("cat README.md twin/*/*.py backend/*/*.py > input.txt",
+     "cat {root}/README.md {root}/twin/*/*.py {root}/backend/*/*.py > input.txt"),
     ("backend run --model gpt-small --grid 1x1x2x2 --steps 200 --data input.txt --out runs/text --ckpt-dir ckpt/small "
      "--ckpt-every 50",
      "backend run --model gpt-small --grid 1x1x2x2 --steps 2 --data input.txt --out runs/text --ckpt-dir ckpt/small "
@@ -72,7 +72,7 @@ BACKEND = [
     ("backend bench --grid 1x1x2x2", "backend bench --grid 1x1x2x2 " + " ".join(TINY_BENCH) + " --out bench.json"),
     ("backend bench --model gpt-small --grid 2x2x2x1 --all-grids --out m.json",
      "backend bench --model gpt-tiny --grid 2x1x1x1 --all-grids --out m.json " + " ".join(TINY_BENCH)),
-    ("twin calibrate m.json --out calibration/profiles/mycpu.toml", "twin calibrate m.json --out mycpu.toml"),
+    ("twin calibrate m.json --out twin/profiles/mycpu.toml", "twin calibrate m.json --out mycpu.toml"),
     ("backend run --model gpt-small --grid 2x2x2x1 --steps 6 --out runs/small",
      "backend run --model gpt-tiny --grid 2x1x1x1 --steps 4 --out runs/small"),
     ("twin validate runs/small --profile mycpu --json v.json --html v.html",
@@ -113,7 +113,7 @@ i = BACKEND.index((None, None))
 BACKEND[i:i + 1] = FINETUNE
 ELSEWHERE = {
     "python benchmarks/bench_validate.py --out calibration/measurements/cpu-$(date +%F) "
-    "--profile calibration/profiles/cpu.toml":
+    "--profile twin/profiles/cpu.toml":
         "tests/test_calibration.py::test_the_loop_end_to_end runs benchmarks/bench_validate.py (--ci: 2 grids)",
     "twin scaling --json": "a fragment (where `twin report --scaling FILE` comes from): tests/test_pages.py "
                            "runs `twin scaling --system cpu --series strong --json` into a report",
@@ -172,8 +172,8 @@ def test_twin_program_file_examples(tmp_path, monkeypatch):
 CHILD = r"""
 import json, subprocess, sys, time
 from typer.testing import CliRunner
-from twin.cli import app as twin
-from backend.cli import app as backend
+from twin.cli.main import app as twin
+from backend.cli.main import app as backend
 for step in json.loads(sys.argv[1]):
     cmd, t0 = step["run"], time.perf_counter()
     if cmd.startswith(("twin ", "backend ")):

@@ -1,5 +1,5 @@
-"""The flows of one ring step as the library lays them out (twin.collectives.CollectiveModel._ring_channels),
-against a plain ring-by-ring layout of the rules in twin.collectives' docstring: the same rows in the same
+"""The flows of one ring step as the library lays them out (twin.costs.collectives.CollectiveModel._ring_channels),
+against a plain ring-by-ring layout of the rules in twin.costs.collectives' docstring: the same rows in the same
 order, for rings of every shape (members on one node, runs of several lengths, runs split across the ring's
 wrap-around, one member per node)."""
 
@@ -9,7 +9,7 @@ import types
 
 import numpy as np
 
-from twin.collectives import CollectiveModel
+from twin.costs.collectives import CollectiveModel
 
 
 def ring_channels_by_definition(gpus: np.ndarray, gpn: int, channel_cap: float) -> list[list]:

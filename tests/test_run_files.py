@@ -1,5 +1,5 @@
 """The files of a run that `twin validate` reads (log.jsonl, summary.json) are checked by the schema of
-twin/schema.py like every spec file: a bad value is one line naming the file, the key and the rule."""
+topologies/schema.py like every spec file: a bad value is one line naming the file, the key and the rule."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fake_run import fake_run
-from twin.cli import app
+from twin.cli.main import app
 
 GOOD = {"step": 3, "step_time_s": 0.05, "tokens_per_s": 5120.0, "loss": 5.5}
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from twin.common import TwinError
-from twin.grid import Grid
-from twin.search import Bandwidth, analytical, candidate_grids, estimate_grids, rank_grids
-from twin.simulate import choose_grid, search
-from twin.study import prepare
+from topologies.common import TwinError
+from twin.program.grid import Grid
+from twin.predict.search import Bandwidth, analytical, candidate_grids, estimate_grids, rank_grids
+from twin.predict.simulate import choose_grid, search
+from twin.predict.study import prepare
 
 
 class FlatBandwidth:
@@ -50,8 +50,8 @@ def test_analytical_terms_follow_the_ring_volumes():
 
 
 def test_search_simulates_the_best_and_auto_picks_the_fastest():
-    import twin.simulate as sim_mod
-    from twin.bounds import lower_bound
+    import twin.predict.simulate as sim_mod
+    from twin.predict.bounds import lower_bound
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     cands = search(study, top=3, simulate_top=3)
     assert len(cands) >= 3 and all(c.simulated_s is not None for c in cands)
@@ -73,10 +73,10 @@ def test_lower_bound_is_below_every_simulation(system, model, gpus, batch):
     """The bound that rules grids out stays below the simulated time of every valid grid (Alps: groups
     crossing its 4-GPU nodes; Frontier: 8 GCDs per node), and contention sped no collective up by
     more than the search's slack."""
-    from twin.simulate import BOUND_SLACK
-    from twin.bounds import lower_bound
-    from twin.study_cache import model_for
-    from twin.simulate import simulate_grid
+    from twin.predict.simulate import BOUND_SLACK
+    from twin.predict.bounds import lower_bound
+    from twin.predict.study_cache import model_for
+    from twin.predict.simulate import simulate_grid
     study = prepare(system, model, gpus, batch=batch)
     grids = [c.grid for c in rank_grids(study)]
     assert len(grids) >= 10
@@ -116,8 +116,8 @@ def test_branch_and_bound_keeps_the_best_and_bounds_the_rest():
 def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     """search, --grid auto, scaling and sensitivity share ranked probes, bounds and simulations: asking
     again for an equal study (a new Study object) simulates and bounds nothing again."""
-    import twin.bounds as bounds_mod
-    import twin.simulate as sim_mod
+    import twin.predict.bounds as bounds_mod
+    import twin.predict.simulate as sim_mod
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     first, _ = choose_grid(study)
     cands = search(study, top=3, simulate_top=2)  # simulates the exact top 2 for its table too
@@ -133,15 +133,15 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
 
 @pytest.mark.parametrize("system,model,gpus,batch", [("frontier", "gpt-1b", 32, 32), ("cpu", "gpt-tiny", 8, 8)])
 def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch, tmp_path):
-    """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.bounds.tail_ns)
+    """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.predict.bounds.tail_ns)
     passes stop_s: the bound it keeps lies between stop_s and the simulated time; a run that ends
     before stop_s is the plain run. The CPU case takes the shipped profile without its span_spread: a
-    grid whose spans are drawn (twin.spread) is the mean of several runs, which no single run's bound
+    grid whose spans are drawn (twin.host.spread) is the mean of several runs, which no single run's bound
     holds, so it is never stopped (test_a_drawn_cpu_simulation_is_never_stopped)."""
     import re
-    import twin.simulate as sim_mod
-    from twin.profile import PROFILES_DIR
-    from twin.simulate import simulate_grid, stopped_bound
+    import twin.predict.simulate as sim_mod
+    from twin.costs.profile import PROFILES_DIR
+    from twin.predict.simulate import simulate_grid, stopped_bound
     profile = None
     if system == "cpu":
         profile = tmp_path / "cpu.toml"
@@ -168,10 +168,10 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
 
 
 def test_a_drawn_cpu_simulation_is_never_stopped():
-    """The shipped CPU profile draws the spans of a step (twin.spread): a stop below its time still
+    """The shipped CPU profile draws the spans of a step (twin.host.spread): a stop below its time still
     gives the whole result, the mean over the draws."""
-    import twin.simulate as sim_mod
-    from twin.simulate import simulate_grid
+    import twin.predict.simulate as sim_mod
+    from twin.predict.simulate import simulate_grid
     study = prepare("cpu", "gpt-tiny", 8, batch=8)
     assert study.profile.for_ranks(8).span_spread
     g = rank_grids(study)[0].grid
@@ -186,8 +186,8 @@ def test_grid_auto_simulates_in_full_only_grids_that_could_win():
     """The analytical top is not simulated for its rank alone: on the default Frontier study every grid
     grid auto simulates in full could still beat the fastest by its lower bound, and the analytical
     top two (1x32x32x32, 1x32x16x64), which their bounds rule out, are not simulated."""
-    from twin.bounds import lower_bound
-    from twin.simulate import BOUND_SLACK, _auto
+    from twin.predict.bounds import lower_bound
+    from twin.predict.simulate import BOUND_SLACK, _auto
     study = prepare("frontier")
     looked = _auto(study, 2, None)
     sims = [c for c in looked if c.simulated_s is not None]

@@ -5,9 +5,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from twin.cli import app
-from twin.simulate import simulate
-from twin.trace import read_trace
+from twin.cli.main import app
+from twin.predict.simulate import simulate
+from twin.present.trace import read_trace
 
 runner = CliRunner()
 SMALL = ["--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16"]
@@ -63,7 +63,7 @@ def test_human_output_and_trace_and_html(tmp_path):
 
 def test_overlap_switches_through_the_api():
     base = dict(system="perlmutter", model="gpt-1b", gpus=16, grid="2x4x2x1", batch=16)
-    from twin.program import Options
+    from twin.program.program import Options
     on = simulate(**base)
     off = simulate(**base, options=Options(oar=False, ors=False, oag=False))
     assert off.iteration_time_s >= on.iteration_time_s
@@ -116,8 +116,8 @@ def test_frontier_default_study():
 
 
 def test_timeline_figure_bars_and_segments():
-    from twin.plots import MAX_BARS, timeline_figure
-    from twin.trace import Span
+    from twin.present.plots import MAX_BARS, timeline_figure
+    from twin.present.trace import Span
     spans = [Span(0, "a", "gemm", "compute", 0.0, 1.0), Span(0, "b", "all_reduce", "x", 0.5, 0.25)]
     fig = timeline_figure(spans)
     assert {t.type for t in fig.data} == {"bar"}
@@ -128,7 +128,7 @@ def test_timeline_figure_bars_and_segments():
 
 
 def test_an_impossible_full_trace_is_refused_before_the_grid_search(tmp_path, monkeypatch):
-    import twin.simulate as sim
+    import twin.predict.simulate as sim
 
     def no_search(*a, **k):
         raise AssertionError("the grid search ran before the trace was refused")

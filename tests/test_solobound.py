@@ -1,13 +1,13 @@
-"""twin.solobound: lower bounds on a collective's time alone, without routing, and the search's use of them."""
+"""twin.costs.solobound: lower bounds on a collective's time alone, without routing, and the search's use of them."""
 
 import pytest
 
-from twin.bounds import lower_bound, quick_bound
-from twin.grid import Grid
-from twin.search import rank_grids
-from twin.solobound import SoloBound
-from twin.study import prepare
-from twin.study_cache import model_for, program_for
+from twin.predict.bounds import lower_bound, quick_bound
+from twin.program.grid import Grid
+from twin.predict.search import rank_grids
+from twin.costs.solobound import SoloBound
+from twin.predict.study import prepare
+from twin.predict.study_cache import model_for, program_for
 
 STUDIES = [("alps", "gpt-1b", 32, 32, "contiguous"), ("frontier", "gpt-1b", 32, 32, "contiguous"),
            ("perlmutter", "gpt-1b", 32, 32, "scattered")]
@@ -46,8 +46,8 @@ def test_solo_bound_rate_is_the_routed_rate_inside_a_group():
 def test_quick_bound_is_below_the_bound_and_both_below_the_simulation():
     """quick_bound <= routed_bound <= lower_bound <= the simulated time; routed_bound routes nothing
     and reaches lower_bound once the grid's axes are routed."""
-    import twin.bounds as bounds_mod
-    from twin.simulate import simulate_grid
+    import twin.predict.bounds as bounds_mod
+    from twin.predict.simulate import simulate_grid
     study = prepare("alps", "gpt-1b", 32, batch=32)
     grids = [c.grid for c in rank_grids(study)[:6]]
     for g in grids:
@@ -65,7 +65,7 @@ def test_quick_bound_is_below_the_bound_and_both_below_the_simulation():
 
 
 def test_the_ranking_bound_is_below_every_exact_estimate():
-    """rank_grids' branch and bound estimates the grids it does not probe exactly with twin.solobound's
+    """rank_grids' branch and bound estimates the grids it does not probe exactly with twin.costs.solobound's
     figures (at least the bandwidth, at most the latency): never above the exact estimate."""
     study = prepare("frontier", "gpt-1b", 32, batch=32)
     exact = {str(c.grid): c.analytical_s for c in rank_grids(study)}
@@ -80,9 +80,9 @@ def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
     G_z every op at most the grid's own (data all-reduces of gradient shards scaled as _longest_path
     scales them); with a smaller G_z only the optimizer's ops are larger (_longest_path counts them
     as 0). Either way the longest path is at most the grid's own."""
-    from twin.program import Options
-    from twin.bounds import program_class
-    from twin.search import candidate_grids
+    from twin.program.program import Options
+    from twin.predict.bounds import program_class
+    from twin.predict.search import candidate_grids
     study = prepare("frontier", model, gpus, batch=64, options=Options(**options))
     km = study.kernels
     grids = [g for g in candidate_grids(gpus) if g.x * g.y <= 4]
@@ -109,7 +109,7 @@ def test_a_program_stands_for_its_class_with_smaller_ops(model, gpus, options):
         def time(self, kind, axis, nbytes, concurrent=frozenset()):
             return 1e-5 + nbytes / 1e10
 
-    from twin.bounds import _longest_path
+    from twin.predict.bounds import _longest_path
     for gs in classes.values():
         for g in gs:
             own = _longest_path(study, g, Flat())

@@ -1,4 +1,4 @@
-"""twin.spread: spans drawn at the spread bench measured (CPU ranks time-slicing their node's cores)."""
+"""twin.host.spread: spans drawn at the spread bench measured (CPU ranks time-slicing their node's cores)."""
 
 import math
 import statistics
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from twin.grid import Grid
-from twin.model import load_model
-from twin.program import build_program, host_ordered
-from twin.spread import DRAWS, draws, drawn_runs, factors, mean_result, op_spreads, spread_key
+from twin.program.grid import Grid
+from twin.program.model import load_model
+from twin.program.program import build_program, host_ordered
+from twin.host.spread import DRAWS, draws, drawn_runs, factors, mean_result, op_spreads, spread_key
 
 
 def _program(grid: str):
@@ -69,7 +69,7 @@ def test_drawn_runs_time_each_op_by_its_factor_and_keep_the_host_time():
 
 
 def test_the_mean_result_keeps_the_timeline_of_mean_spans():
-    from twin.engine import EngineResult
+    from twin.engine.engine import EngineResult
     plain = EngineResult(1.0, 0.6, {"z": 0.3}, 0.1, 10, 1, spans=[(0, 0, 0.0, 1.0)])
     runs = [EngineResult(1.2, 0.6, {"z": 0.5}, 0.1, 10, 1), EngineResult(1.0, 0.6, {"z": 0.3}, 0.1, 10, 1)]
     got = mean_result(plain, runs)
@@ -83,10 +83,10 @@ def test_the_mean_result_keeps_the_timeline_of_mean_spans():
     ('span_spread = { compute = 0.5 }', "span_spread.source is missing")])
 def test_a_malformed_span_spread_gets_one_line(tmp_path, line, match):
     from pathlib import Path
-    from twin.common import TwinError
-    from twin.profile import load_profile
+    from topologies.common import TwinError
+    from twin.costs.profile import load_profile
     import re
-    text = (Path(__file__).resolve().parent.parent / "calibration" / "profiles" / "cpu.toml").read_text()
+    text = (Path(__file__).resolve().parent.parent / "twin" / "profiles" / "cpu.toml").read_text()
     text = re.sub(r"(?m)^span_spread = .*\n", "", text)  # the shipped profile's own, measured
     good = text.replace("[[node_share]]\nranks = 8\n",
                         '[[node_share]]\nranks = 8\nspan_spread = { compute = 0.7, all_gather_z = 0.6, source = "bench" }\n', 1)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from backend.cli import app
-from backend.study import StudyConfig, check, lexicon, pseudo_text, sequences
-from twin.common import TwinError
+from backend.cli.main import app
+from backend.studies.study import StudyConfig, check, lexicon, pseudo_text, sequences
+from topologies.common import TwinError
 
 
 def test_pseudo_text_is_a_seeded_language():
@@ -75,11 +75,11 @@ def test_tiny_study_end_to_end(tmp_path):
 
 def test_memorization_command_on_a_checkpoint(tmp_path):
     torch = pytest.importorskip("torch")
-    from backend import checkpoint
-    from backend.dist import ParallelContext
-    from backend.model import GPT
-    from twin.grid import Grid
-    from twin.model import load_model
+    from backend.training import checkpoint
+    from backend.runtime.dist import ParallelContext
+    from backend.models.gpt import GPT
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
 
     spec, grid = load_model("gpt-tiny"), Grid.parse("1x1x1x1")
     model = GPT(spec, ParallelContext(grid, 0, torch.device("cpu"), "gloo", {}), seed=3)

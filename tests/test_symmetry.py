@@ -1,4 +1,4 @@
-"""Full mode simulates each class of ranks that behave alike once (twin.symmetry): the classes are
+"""Full mode simulates each class of ranks that behave alike once (twin.engine.symmetry): the classes are
 right, and the merged run gives every rank what the rank-by-rank run gives it."""
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 
 from test_engine import COMM_HEAVY, run
-from twin.grid import AXES, Grid
-from twin.symmetry import axis_groups, rank_classes
+from twin.program.grid import AXES, Grid
+from twin.engine.symmetry import axis_groups, rank_classes
 
 
 def check_partition(grid: Grid, slowdown: dict[int, float]):
@@ -67,7 +67,7 @@ def test_full_mode_without_stragglers_is_the_symmetric_run():
 @pytest.mark.parametrize("grid,slowdown,share", [("2x2x2x4", {5: 1.5}, 1.0), ("2x2x4x1", {0: 1.2, 7: 1.3}, 1.0),
                                                  ("1x4x2x2", {1: 1.1, 2: 1.1}, 1.0), ("2x2x2x4", {5: 1.5}, 0.5)])
 def test_merged_classes_give_every_rank_its_rank_by_rank_result(grid, slowdown, share, monkeypatch):
-    import twin.engine as engine
+    import twin.engine.engine as engine
     plain = engine.simulate_program  # share: collectives slowed while a member computes (comm_share)
     monkeypatch.setattr("test_engine.simulate_program", lambda *a, **k: plain(*a, comm_share=share, **k))
     merged = run(grid=grid, full=True, slowdown=slowdown, record=True)

@@ -18,9 +18,9 @@ from rich.table import Table
 from rich.text import Text
 from typer.testing import CliRunner
 
-import twin.cli_common
-from twin.cli import app
-from twin.tables import human_bytes, human_flops, table
+import twin.cli.common
+from twin.cli.main import app
+from twin.present.tables import human_bytes, human_flops, table
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 @pytest.fixture()
 def run80(monkeypatch):
     """Run a twin command as in a terminal 80 columns wide; returns its stdout after checking it."""
-    monkeypatch.setattr(twin.cli_common.console, "width", 80)
+    monkeypatch.setattr(twin.cli.common.console, "width", 80)
 
     def run(*args: str) -> str:
         r = CliRunner().invoke(app, list(args))
@@ -137,17 +137,17 @@ def test_the_layout_is_rich_s_at_our_widths():
 
 def test_printing_a_result_does_not_import_rich():
     """rich (about 0.05 s to import) is for progress bars: a command's tables and lines are ours."""
-    code = ("import sys, twin.cli\n"
-            "twin.cli.leave = lambda code: None  # stay, to look at the modules\n"
+    code = ("import sys, twin.cli.main\n"
+            "twin.cli.main.leave = lambda code: None  # stay, to look at the modules\n"
             "sys.argv = ['twin', 'simulate', '--system', 'cpu', '--model', 'gpt-tiny', '--grid', '2x2x2x1']\n"
-            "twin.cli.app()\n"
+            "twin.cli.main.app()\n"
             "print('rich imported' if any(m.split('.')[0] == 'rich' for m in sys.modules) else 'no rich')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
     assert "iteration time" in out and out.splitlines()[-1] == "no rich", out
 
 
 def test_a_process_leaves_with_its_output_and_exit_code():
-    """`twin` ends without tearing the interpreter down (twin.cli.leave): all its output still comes out,
+    """`twin` ends without tearing the interpreter down (twin.cli.main.leave): all its output still comes out,
     with the command's exit code."""
     def twin(*args):
         return subprocess.run([sys.executable, "-m", "twin.cli", *args], cwd=ROOT, capture_output=True, text=True,

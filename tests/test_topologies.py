@@ -11,9 +11,9 @@ from topologies.network import GLOBAL, GPU_GPU, LOCAL, NIC_SW, Network, build_ne
 from topologies.placement import place
 from topologies.routing import MODES, minimal, route, valiant
 from topologies.system import list_systems, load_system
-from twin.cli import app
-from twin.common import TwinError
-from twin.grid import Grid
+from twin.cli.main import app
+from topologies.common import TwinError
+from twin.program.grid import Grid
 
 runner = CliRunner()
 GB = 1e9

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from calibration.validate_measured import measured_ops
-from twin.grid import Grid
-from twin.trace import Span
+from twin.program.grid import Grid
+from twin.present.trace import Span
 
 
 def test_a_compute_span_carries_its_on_cpu_time():
     """A compute op that is off the CPU for part of its span (here: asleep, as a descheduled rank
     is) records less CPU time than wall time; a collective records none (it runs on gloo's thread)."""
-    from backend.recorder import Recorder
+    from backend.runtime.recorder import Recorder
 
     rec = Recorder()
     with rec.op("L0.gelu.fwd", "elementwise"):
@@ -92,8 +92,8 @@ def test_the_twins_excess_over_a_collective_alone_is_known_per_op():
     (the wait for the last member among it): validate takes that excess off the predicted span to
     compare from the last member's arrival. The committed CPU profile, 8 ranks, grid 2x2x2x1."""
     from calibration.validate import _excess_of
-    from twin.profile_types import CollectiveTable
-    from twin.study import prepare
+    from twin.costs.profile_types import CollectiveTable
+    from twin.predict.study import prepare
     grid = Grid(2, 2, 2, 1)
     study = prepare("cpu", "gpt-small", 8, 16, None, profile="cpu", gemm_tuning=False)
     excess = _excess_of(study, grid)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from twin.common import InputError
+from topologies.common import InputError
 
 
 def shipped(folder: Path) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topologies.system import SystemSpec
-from twin.common import InputError
+from topologies.common import InputError
 
 PLACEMENTS = ("contiguous", "scattered")
 

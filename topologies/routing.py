@@ -25,7 +25,7 @@ import numpy as np
 from topologies.adaptive import _HOPS, adaptive
 from topologies.memo import Memo, array_key, digest
 from topologies.network import Network, same_block
-from twin.common import InputError
+from topologies.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
 _ROWS = 16384  # rows of a path matrix compacted at once

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from topologies.datafile import read_spec, shipped
-from twin.common import InputError
-from twin.schema import SYSTEM, check
+from topologies.common import InputError
+from topologies.schema import SYSTEM, check
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 GIB = 2 ** 30

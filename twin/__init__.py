@@ -3,16 +3,16 @@
 Data flows one way: model spec + grid + options -> program (the schedule of one rank)
 -> simulation on a system -> result -> traces and plots. Nothing here imports torch.
 
-The names below are loaded on first use, so that importing one module of the twin (twin.common, which
+The names below are loaded on first use, so that importing one module of the twin (topologies.common, which
 topologies uses) does not import the rest.
 """
 
 import importlib
 
 _EXPORTS = {
-    "TwinError": "twin.common", "Grid": "twin.grid", "ModelSpec": "twin.model", "load_model": "twin.model",
-    "list_models": "twin.model", "Op": "twin.program", "Options": "twin.program", "Program": "twin.program",
-    "build_program": "twin.program",
+    "TwinError": "topologies.common", "Grid": "twin.program.grid", "ModelSpec": "twin.program.model", "load_model": "twin.program.model",
+    "list_models": "twin.program.model", "Op": "twin.program.program", "Options": "twin.program.program", "Program": "twin.program.program",
+    "build_program": "twin.program.program",
 }
 __all__ = list(_EXPORTS)
 

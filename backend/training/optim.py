@@ -1,0 +1,89 @@
+"""One training step of the 4D algorithm: micro-batches, gradient reductions, clipping, AdamW.
+
+    opt = make_optimizer(model, lr=3e-4)
+    loss = train_step(model, opt, [(tokens, targets), ...])   # one (tokens, targets) per micro-batch
+
+Every op of the step is the program's, run by the executor (backend/runtime/executor.py): the forward and
+backward of each micro-batch, the gradient reductions at the end of the step, clipping by the
+global norm and the optimizer's step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.models.gpt import GPT, sum_over_batch_shards
+from backend.models.reference import ReferenceGPT
+from backend.runtime.recorder import Recorder
+
+
+def make_optimizer(model: GPT, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
+                   weight_decay: float = 0.1, eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over this rank's shards: weight decay on the sharded matrices, none on layer norms.
+    On GPU the fused (single-kernel) implementation; the same update."""
+    groups = [{"params": model.sharded_parameters(), "weight_decay": weight_decay},
+              {"params": model.norm_parameters(), "weight_decay": 0.0}]
+    fused = model.ctx.device.type == "cuda" or None
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def make_reference_optimizer(ref: ReferenceGPT, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
+                             weight_decay: float = 0.1, eps: float = 1e-8) -> torch.optim.AdamW:
+    """The same AdamW for the ReferenceGPT (decay on matrices, none on layer norms)."""
+    mats = [p for p in ref.parameters() if p.dim() == 2]
+    norms = [p for p in ref.parameters() if p.dim() == 1]
+    return torch.optim.AdamW([{"params": mats, "weight_decay": weight_decay},
+                              {"params": norms, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+
+def reduce_gradients(model: GPT) -> None:
+    """The program's end-of-step gradient reductions (data for every shard, z and data for layer norms)."""
+    model.executor.reduce_gradients()
+
+
+def train_step(model: GPT, optimizer: torch.optim.Optimizer,
+               batches: list[tuple[torch.Tensor, torch.Tensor]], recorder: Recorder | None = None,
+               max_norm: float = 1.0) -> float:
+    """One iteration: forward and backward of each micro-batch, gradient reductions, clipping (if
+    the program clips), AdamW. batches: this rank's (tokens, targets) [seqs, s] per micro-batch
+    (len = options.micro_batches); targets IGNORE (-100) are left out of the loss. Returns the mean
+    loss over the counted tokens of the global batch (the same on every rank).
+
+    Outside the program (not recorded): one all-reduce over z and data of [loss sum, counted
+    tokens] after the gradient reductions; the gradients, computed with the scale 1/(all tokens),
+    are then rescaled to 1/(counted tokens) (exact: the gradient is linear in the scale).
+    """
+    if recorder is not None:
+        model.recorder = recorder
+    n = model.options.micro_batches
+    if len(batches) != n:
+        raise ValueError(f"{len(batches)} micro-batches given, options.micro_batches is {n}")
+    device = model.ctx.device
+    exe = model._executor_for(*batches[0][0].shape)
+    optimizer.zero_grad(set_to_none=True)
+    all_tokens = sum(t.numel() for t, _ in batches) * model.ctx.batch_shards
+    sums = torch.zeros(2, dtype=torch.float32, device=device)  # loss sum, counted tokens
+    for j, (tokens, targets) in enumerate(batches):
+        tokens, targets = tokens.to(device), targets.to(device)
+        sums[0] += exe.forward(j, tokens, targets, 1.0 / all_tokens).detach()
+        exe.backward(j)
+        sums[1] += (targets >= 0).sum()  # a tensor add: no host sync
+    exe.reduce_gradients()
+    sums = sum_over_batch_shards(sums, model.ctx)  # outside the program: loss and token count
+    factor = all_tokens / max(float(sums[1]), 1.0)
+    if factor != 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    exe.optimizer_step(optimizer, max_norm)
+    return float(sums[0]) * factor
+
+
+def micro_batches(tokens: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split this rank's sequences into n micro-batches of whole sequences."""
+    return list(zip(tokens.chunk(n), targets.chunk(n)))
+
+
+def local_batch(tokens: torch.Tensor, model: GPT) -> torch.Tensor:
+    """This rank's sequences of a global batch [B, ...]: shard z + G_z*d of G_z*G_data."""
+    return tokens.chunk(model.ctx.batch_shards)[model.ctx.batch_shard]

@@ -1,0 +1,73 @@
+"""`twin calibrate` and `validate`: fit a kernel profile to `backend bench` measurements, and check the
+twin against what `backend run` measured."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from twin.cli.common import ProfileOpt, QuietOpt, SystemOpt, console, handles_errors
+from topologies.common import write_atomic
+from twin.program.flags import output_file
+from twin.present.tables import table
+
+
+@handles_errors
+def calibrate_cmd(
+    measurements: Annotated[list[str], typer.Argument(help="Measurement files of `backend bench` (JSON).")],
+    out: Annotated[str, typer.Option(help="Profile to write: twin/profiles/NAME.toml.", callback=output_file)],
+    base: Annotated[Optional[str], typer.Option(help="Profile (name or .toml) for what bench does not measure (default: calibration/base/cpu.toml).")] = None,
+) -> None:
+    """Fit a kernel profile to `backend bench` measurements and print the fit's residuals."""
+    from calibration.fit import calibrate
+    fit = calibrate([str(m) for m in measurements], out, base)
+    t = table("fit", "points", "median |residual|", "worst |residual|", right=("points", "median |residual|", "worst |residual|"),
+              title=f"residuals of the fits (rank counts {', '.join(map(str, fit.ranks))})")
+    for r in fit.residuals:
+        t.add_row(r.what, str(r.points), f"{100 * r.median:.1f} %", f"{100 * r.worst:.1f} %")
+    console.print(t)
+    console.print(f"wrote {out}")
+
+
+@handles_errors
+def validate_cmd(
+    run_dirs: Annotated[list[str], typer.Argument(help="Directories written by `backend run --out DIR`.")],
+    system: SystemOpt = "cpu",
+    profile: ProfileOpt = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write the report as one page here: summary, tables per grid and per kind, scatters per grid and per op.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Simulate what `backend run` ran and compare: iteration, per op by kind, memory, grid ranking."""
+    import json
+
+    from calibration.validate import validate_runs
+    from calibration.validate_page import validation_html
+    from twin.present.progress import Steps, quiet_default
+    with Steps(quiet_default(False, quiet)) as steps:
+        rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
+    cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "spread (runs)", "per-op median |err|",
+            "compute |err|", "memory (MiB)", "predicted (MiB)")
+    t = table(*cols, title="twin vs backend (a grid's runs: their median, spread max/min - 1)",
+              keep=("grid",), right=cols[1:])
+    for r in rep["runs"]:
+        it, ops, mem = r["iteration"], r["ops"], r["memory"]
+        pct = (lambda v: "-" if v is None else f"{100 * v:.0f} %")  # noqa: E731
+        t.add_row(r["grid"], f"{it['measured_s']:.4f}", f"{it['predicted_s']:.4f}", f"{100 * it['error']:+.0f} %",
+                  f"{pct(it['spread'])} ({r['repeats']})" if r["repeats"] > 1 else "- (1)",
+                  pct(ops["median_abs_error"]), pct(ops["compute_median_abs_error"]),
+                  "-" if mem["measured_bytes"] is None else f"{mem['measured_bytes'] / 2**20:.1f}",
+                  f"{mem['predicted_bytes'] / 2**20:.1f}")
+    console.print(t)
+    if rep["spearman"] is not None:
+        console.print(f"grid ranking: Spearman {rep['spearman']:.2f} over {len(rep['runs'])} grids ({rep['repeats']} runs)")
+    if rep["noise"] is not None:
+        from calibration.noise import noise_line
+        console.print(noise_line(rep["noise"]))
+    if json_out is not None:
+        write_atomic(json_out, json.dumps(rep, indent=1))
+        console.print(f"wrote {json_out}")
+    if html is not None:
+        write_atomic(html, validation_html(rep))
+        console.print(f"wrote {html}")

@@ -1,0 +1,301 @@
+"""`twin simulate`, `report`, `search`, `scaling` and `sensitivity`: what an iteration costs, which
+grid is best, how it scales and what the prediction hangs on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from twin.cli.common import (AutoGridOpt, FullOpt, GpusOpt, PlacementOpt, ProfileOpt, QuietOpt, SlowdownOpt,
+                             StudyModelOpt, SystemOpt, console, handles_errors)
+from topologies.common import TwinError, finite_json, write_atomic
+from twin.program.flags import (BatchOpt, CacheOpt, MicroOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
+                        options_from_flags, output_file, output_folder)
+from twin.program.programfile import load_program
+from twin.present.tables import human_bytes, human_flops, table
+
+
+def _parse_slowdown(text: str | None) -> dict[int, float] | None:
+    """'RANK:FACTOR,RANK:FACTOR' -> {rank: factor}."""
+    if not text:
+        return None
+    try:
+        return {int(r): float(f) for r, f in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise TwinError(f"--slowdown {text!r} is not of the form RANK:FACTOR[,RANK:FACTOR...], e.g. 3:1.2") from None
+
+
+def _print_result(r) -> None:
+    """A simulation result as tables (seconds, PF/s, GiB)."""
+    it = r.iteration_time_s
+    head = table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode",
+                 keep=("system", "model", "GPUs", "grid XxYxZxD"))
+    head.add_row(r.system, r.model, str(r.gpus), r.grid_str, f"{r.global_batch} x {r.seq_len}",
+                 f"{r.mode} ({r.simulated_ranks} rank{'s' if r.simulated_ranks > 1 else ''})")
+    console.print(head)
+    if r.grid_choice != "given":
+        console.print(f"grid {r.grid_str} chosen by {r.grid_choice}")
+    t = table("", "value", title="one iteration", keep=("", "value"))
+    t.add_row("iteration time", f"{it:.4f} s")
+    t.add_row("flop/s (all GPUs)", human_flops(r.flops_per_s))
+    t.add_row("flop/s per GPU", human_flops(r.flops_per_s_per_gpu))
+    t.add_row("of advertised peak", f"{r.percent_of_peak:.1f} %")
+    t.add_row("memory per GPU", human_bytes(r.memory_per_gpu_bytes))
+    t.add_row("simulated ops", f"{r.simulated_ops:,}")
+    t.add_row("wall time", f"{r.wall_time_s:.2f} s")
+    console.print(t)
+    b = table("where the time goes", "seconds", "share", title="breakdown (adds up to the iteration)",
+              keep=("where the time goes", "seconds", "share"), right=("seconds", "share"))
+    rows = [("compute", r.breakdown_s["compute"])]
+    rows += [(f"exposed comm {a}", v) for a, v in r.breakdown_s["exposed_comm"].items()]
+    rows.append(("idle", r.breakdown_s["idle"]))
+    for name, v in rows:
+        b.add_row(name, f"{v:.4f}", f"{100 * v / it:.1f} %")
+    console.print(b)
+    console.print(f"flops per iteration {r.flops_per_iteration:.4g}: {r.flops_convention}")
+
+
+@handles_errors
+def simulate_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    grid: AutoGridOpt = "auto",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    oar: OarOpt = True,
+    ors: OrsOpt = True,
+    oag: OagOpt = True,
+    cache_layers: CacheOpt = 0,
+    recompute: RecomputeOpt = True,
+    micro_batches: MicroOpt = 1,
+    gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
+    profile: ProfileOpt = None,
+    full: FullOpt = False,
+    slowdown: SlowdownOpt = None,
+    simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
+    trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Simulate one training iteration of a model on a system and say where the time goes."""
+    from twin.present.progress import Stages, quiet_default
+    from twin.predict.simulate import simulate
+
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    prog = None
+    if program is not None:
+        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
+            raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
+        prog = load_program(program)
+    with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
+        r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                     slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
+                     record=bool(trace or html), simulate_top=simulate_top, program=prog, progress=stage)
+        if trace is not None or html is not None:
+            stage("writing the trace and timeline")
+    if trace is not None:
+        from twin.present.trace import write_trace
+        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
+    if html is not None:
+        from twin.present.plots import timeline_html
+        write_atomic(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
+                                                f"{r.iteration_time_s:.3f} s per iteration"))
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    _print_result(r)
+    if slowdown and r.mode == "full":
+        console.print("stragglers: " + ", ".join(f"rank {k} (compute x{v:g})" for k, v in _parse_slowdown(slowdown).items())
+                      + f"; every rank waits for them: {r.breakdown_s['idle'] + sum(r.breakdown_s['exposed_comm'].values()):.4f} s "
+                      "of the iteration is not compute on the average rank")
+    for what, path in (("trace", trace), ("timeline", html)):
+        if path is not None:
+            console.print(f"wrote {what} {path}")
+
+
+@handles_errors
+def report_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    grid: AutoGridOpt = "auto",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    oar: OarOpt = True,
+    ors: OrsOpt = True,
+    oag: OagOpt = True,
+    cache_layers: CacheOpt = 0,
+    recompute: RecomputeOpt = True,
+    micro_batches: MicroOpt = 1,
+    profile: ProfileOpt = None,
+    full: FullOpt = False,
+    slowdown: SlowdownOpt = None,
+    top: Annotated[int, typer.Option(help="Grids to rank for the search section (0 with a given grid: skip it).")] = 8,
+    simulate_top: Annotated[int, typer.Option(help="How many of the ranked grids to simulate.")] = 2,
+    run: Annotated[Optional[list[Path]], typer.Option(help="A `backend run --out` folder to validate the twin against (repeatable).")] = None,
+    scaling: Annotated[Optional[Path], typer.Option(help="A JSON list of scaling points {gpus, flops_per_s, ...} to draw.")] = None,
+    out: Annotated[str, typer.Option("--out", "-o", help="The HTML page to write.", callback=output_file)] = "report.html",
+    quiet: QuietOpt = False,
+) -> None:
+    """One self-contained page: where an iteration's time goes and why (breakdown, timeline with
+    exposed communication and the critical path, traffic between dragonfly groups, the job's rings,
+    the grid search, scaling and validation when given)."""
+    from twin.present.report import build_report, read_scaling_points, write_report
+
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    if top < 0 or simulate_top < 0:
+        raise TwinError("--top and --simulate-top must be at least 0")
+    points = None if scaling is None else read_scaling_points(scaling)
+    for r in run or []:
+        if not r.is_dir():
+            raise TwinError(f"--run {r}: not a folder (give the --out folder of `backend run`)")
+    from twin.present.progress import Stages, quiet_default
+    plan = [("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full), ("tracing", 0.2), ("measuring", 0.5),
+            ("validating", 1.0), ("drawing", 0.3)]
+    with Stages(plan, quiet_default(False, quiet)) as stage:
+        rep = build_report(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
+                           slowdown=_parse_slowdown(slowdown), profile=profile, top=top, simulate_top=simulate_top,
+                           runs=run, scaling=points, progress=stage)
+    write_report(out, rep)
+    for line in rep.summary:
+        console.print(line)
+    console.print(f"wrote {out}")
+
+
+@handles_errors
+def search_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    top: Annotated[int, typer.Option(help="How many grids to print.")] = 10,
+    simulate_top: Annotated[int, typer.Option(help="How many of the best to simulate (default: all printed).")] = -1,
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
+    from twin.predict.simulate import search
+    from twin.predict.study import prepare
+
+    if top < 1:
+        raise TwinError(f"--top must be at least 1, got {top}")
+    study = prepare(system, model, gpus, batch, seq, placement=placement)
+    from twin.present.progress import Stages, quiet_default
+    with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:
+        stage("ranking and simulating grids")
+        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
+    if json_out:
+        typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
+                                "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
+                                "simulated_s": c.simulated_s} for c in cands], indent=1))
+        return
+    cols = ("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)", "simulated (s)", "memory")
+    t = table(*cols, title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: best grids",
+              keep=("#", "memory"), right=cols[2:])
+    for i, c in enumerate(cands, 1):
+        if i == top + 1:
+            t.add_section()  # the rows below are beyond --top (see the line after the table)
+        t.add_row(str(i), str(c.grid), f"{c.analytical_s:.3f}", f"{c.compute_s:.3f}",
+                  "/".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
+                  "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", human_bytes(c.memory_bytes))
+    console.print(t)
+    sims = [c for c in cands if c.simulated_s is not None]
+    if sims:
+        best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+        console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
+                      "the estimate ranks grids, the simulation (overlap, contention) decides")
+    if len(cands) > top:
+        console.print(f"rows {top + 1}-{len(cands)}: beyond the {top} asked for, simulated because their lower "
+                      "bound could beat the fastest simulated grid")
+    if len(cands) < top:
+        console.print(f"only {len(cands)} grids divide the model and fit in memory on {study.gpus} GPUs")
+
+
+@handles_errors
+def scaling_cmd(
+    system: SystemOpt,
+    series: Annotated[str, typer.Option(help="weak (AxoNN's model table, ~9.8 M parameters per GPU) or strong (the default model on 1/8..1 of the default GPUs).")] = "weak",
+    gpus: Annotated[Optional[str], typer.Option(help="Keep only these GPU counts, e.g. 512,8192,16384.")] = None,
+    batch: BatchOpt = None,
+    simulate_top: Annotated[int, typer.Option(help="Per point: look at this many of the analytical best grids and 16 more; each is simulated unless its lower bound rules it out.")] = 4,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the series as one JSON object.")] = False,
+    html: Annotated[Optional[str], typer.Option(help="Write a plotly chart (percent of peak, efficiency) here.", callback=output_file)] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Predict a weak or strong scaling series: per point the best grid, time, flop/s, % of peak, efficiency."""
+    from twin.predict.scaling import scaling, scaling_html
+
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    try:
+        counts = [int(v) for v in gpus.split(",")] if gpus else None
+    except ValueError:
+        raise TwinError(f"--gpus must be comma-separated GPU counts, e.g. 512,8192; got {gpus!r}") from None
+    from twin.present.progress import Steps, quiet_default
+    with Steps(quiet_default(json_out, quiet)) as steps:
+        r = scaling(system, series, batch=batch, simulate_top=simulate_top, gpus=counts, progress=steps)
+    if html is not None:
+        write_atomic(html, scaling_html(r))
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    cols = ("model", "GPUs", "batch", "grid", "iteration (s)", "flop/s", "% of peak", "efficiency %")
+    t = table(*cols, title=f"{r.series} scaling on {r.system} (efficiency: flop/s per GPU against the first point)",
+              keep=("model", "GPUs", "batch", "grid", "flop/s"), right=("GPUs", "batch", "iteration (s)", "flop/s", "% of peak",
+                                                              "efficiency %"))
+    for p in r.points:
+        t.add_row(p.model, str(p.gpus), str(p.batch), p.grid, f"{p.iteration_s:.3f}", human_flops(p.flops_per_s),
+                  f"{p.percent_of_peak:.1f}", f"{p.efficiency:.1f}")
+    console.print(t)
+    for why in r.skipped:
+        console.print(f"left out: {why}")
+    if html is not None:
+        console.print(f"wrote {html}")
+
+
+@handles_errors
+def sensitivity_cmd(
+    system: SystemOpt,
+    model: StudyModelOpt = None,
+    gpus: GpusOpt = None,
+    grid: Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD, or auto (chosen once, then kept).")] = "auto",
+    batch: BatchOpt = None,
+    seq: SeqOpt = None,
+    placement: PlacementOpt = "contiguous",
+    step: Annotated[float, typer.Option(help="Relative move of each parameter (0.1 = +-10%).")] = 0.1,
+    simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """How the predicted iteration time moves when each system and profile parameter moves by +-10%."""
+    from twin.predict.sensitivity import sensitivity
+
+    if simulate_top < 1:
+        raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
+    from twin.present.progress import Steps, quiet_default
+    with Steps(quiet_default(json_out, quiet)) as steps:
+        r = sensitivity(system, model, gpus, grid, batch, seq, placement=placement, step=step,
+                        simulate_top=simulate_top, progress=steps)
+    if json_out:
+        typer.echo(r.to_json())
+        return
+    cols = ("parameter", "value", "low / high", "time at low", "time at high")
+    t = table(*cols, title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
+                           f"{r.base_s:.3f} s per iteration, and how it changes (profile.*: kernel profile; others: system file)",
+              keep=("parameter", "time at low", "time at high"), right=("time at low", "time at high"))
+    for row in r.rows:
+        t.add_row(row.parameter, row.base, f"{row.low} / {row.high}" if row.high else row.low,
+                  "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
+                  "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
+    console.print(t)

@@ -1,0 +1,237 @@
+"""What a kernel profile holds: the `Profile` dataclass and the measured points and tables in it.
+
+`Profile` is one GPU's (or CPU rank's) kernel performance, with the measured GEMM points, node-share
+figures, op costs and collective lines that replace the models where they were measured;
+`Profile.for_ranks` picks the figures of a rank count and `CollectiveTable.time` looks a collective up.
+twin.costs.profile loads a profile from its TOML file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+LAYOUTS = ("NN", "NT", "TN")
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    """One measured GEMM: C[m,n] = A[m,k] B[k,n] in `layout`, reaching `flops` flop/s per rank while
+    `ranks` ranks shared the node (0: not recorded, applies to any count). `training`: measured inside
+    recorded training steps (its span, everything included), not by a microbenchmark."""
+
+    m: int
+    n: int
+    k: int
+    layout: str
+    flops: float
+    ranks: int = 0
+    training: bool = False
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """What one rank gets while `ranks` ranks share a node (fitted from `backend bench` on that many
+    ranks): per-op overhead (s), memory bandwidth per rank (bytes/s), compute slowdown under overlap."""
+
+    ranks: int
+    launch_s: float
+    hbm_bandwidth: float
+    overlap_slowdown: float
+    compute_scale: float = 1.0  # a rank's GEMM rate relative to the profile's own (peak_flops, gemm_flops)
+    attention_fwd_efficiency: float = 0.0  # measured, of the scaled peak (0: the profile's own)
+    attention_bwd_efficiency: float = 0.0
+    host_op_s: float = 0.0  # measured host time per compute op of the executor (0: the profile's own)
+    # measured inside recorded training steps (`backend bench`): GEMMs and attention ran this many
+    # times slower than their microbenchmarks while no collective overlapped them (the ranks share the
+    # cores with each other and with gloo's threads), and collectives this many times slower than
+    # alone, the median over the recorded ones (1, 1: not measured)
+    compute_contention: float = 1.0
+    collective_slowdown: float = 1.0
+    # the same per axis, where training steps recorded collectives of it: {axis: factor}
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # a collective progresses at this share of its rate while its rank's compute runs (fitted from
+    # the recorded training steps: gloo's threads and the compute share the cores; 1: not measured)
+    comm_share: float = 1.0
+    # how much longer than their on-CPU time the compute ops of the recorded steps took (summed span
+    # over summed on-CPU time: the rank's fluid share of the cores, inverted), which the in-training
+    # op times hold (0: not measured)
+    stretch: float = 0.0
+    # host time per collective the executor issues, charged to the compute op after it (twin.costs.kernels.host_times)
+    host_issue_s: float = 0.0
+    # how much an op's span varies over the ranks and steps (coefficient of variation), per class:
+    # "compute", a collective's "kind_axis", "collective" (twin.host.spread; {}: not measured)
+    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """A compute op kind (and role; "" for every role) the GEMM and attention models do not cover,
+    measured inside recorded training steps while `ranks` ranks shared the node:
+    seconds = latency_s + op bytes / bandwidth (bytes as twin.program.program counts them, bytes/s)."""
+
+    kind: str
+    role: str
+    ranks: int
+    latency_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class CollectivePoint:
+    """A measured collective: seconds = latency_s + bytes / bandwidth (real payload bytes, bytes/s),
+    for `kind` over groups of `group_size` (rank stride `stride`) while `ranks` ranks share the node.
+    `axis`: the grid axis it was measured on inside training ("" when measured alone, or any axis):
+    each axis plays its own part in the schedule (x all-reduces block the next GEMM, z all-gathers are
+    prefetched, data all-reduces leave in one burst at the end), which changes what it costs."""
+
+    kind: str
+    group_size: int
+    ranks: int
+    latency_s: float
+    bandwidth: float
+    stride: int = 0
+    axis: str = ""
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """Measured collective costs (the `[[collective_table]]` rows of a profile) for one rank count.
+
+    Payloads are counted as the program counts them (twin.program.program: activations ACT_BYTES per element,
+    data-axis gradients GRAD_AR_BYTES); on a device whose activations are `activation_bytes` wide (4 on
+    CPU, fp32) the real payload of a non-data collective is bytes x activation_bytes / ACT_BYTES.
+    """
+
+    points: tuple[CollectivePoint, ...]
+    activation_bytes: int = 2
+    training: tuple[CollectivePoint, ...] = ()  # measured inside recorded training steps: preferred
+    slowdown: float = 1.0   # a point measured alone counts this many times its time inside training
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
+
+    def time(self, kind: str, axis: str, group_size: int, nbytes: float, stride: int = 0) -> float | None:
+        """Seconds for one collective, or None when no point of this kind and group size was measured:
+        the line measured inside training where there is one (of this axis first, then of another
+        tensor axis; the nearest stride among them), else the line measured alone x slowdown (the
+        nearest stride), of the axis' own slowdown where training steps recorded collectives of the
+        axis. A data-axis collective never takes a tensor axis' training line, nor the reverse: the
+        data all-reduces leave in one burst at the end of the step, where gloo overlaps them with
+        each other, while a tensor axis' all-reduce blocks the op after it."""
+        from twin.program.program import ACT_BYTES
+        real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
+
+        def role(p: CollectivePoint) -> int:
+            return 0 if p.axis in ("", axis) else 1 if "data" not in (p.axis, axis) else 2
+
+        for points, factor in ((self.training, 1.0), (self.points, self.axis_slowdown.get(axis, self.slowdown))):
+            pts = [p for p in points if p.kind == kind and p.group_size == group_size and role(p) < 2]
+            if pts:
+                pt = min(pts, key=lambda p: (role(p), p.stride != stride, abs(p.stride - stride)))
+                return factor * (pt.latency_s + real / pt.bandwidth)
+        return None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Kernel performance of one GPU (or GCD). Units: flop/s, bytes/s, seconds; factors are ratios."""
+
+    name: str
+    gpus: tuple[str, ...]
+    peak_flops: float               # advertised dense bf16 peak (flop/s)
+    gemm_flops: float               # reached by large bf16 GEMMs (flop/s)
+    compute_units: int              # SMs or CUs: tiles run in waves over these
+    tile_m: int                     # GEMM output tile (rows)
+    tile_n: int                     # GEMM output tile (columns)
+    k_half: int                     # inner size at which a GEMM reaches half its large-GEMM rate
+    hbm_bandwidth: float            # reached memory bandwidth, bytes read plus written (bytes/s)
+    launch_s: float                 # fixed cost per kernel (s)
+    attention_fwd_efficiency: float  # flash attention forward, fraction of peak_flops
+    attention_bwd_efficiency: float  # flash attention backward, fraction of peak_flops
+    overlap_slowdown: float         # compute runs this many times slower while communication overlaps it
+    layout_large_flops: float       # GEMMs of at least this many flop get `layout_penalty` (flop)
+    layout_penalty: dict[str, float]        # time factor per layout, large GEMMs
+    layout_penalty_small: dict[str, float]  # time factor per layout, smaller GEMMs
+    gemm_table: tuple[GemmPoint, ...] = ()
+    activation_bytes: int = 2       # bytes per activation element the device computes in (4: fp32 CPU)
+    node_share: tuple[NodeShare, ...] = ()           # per count of ranks sharing a node (measured)
+    collective_table: tuple[CollectivePoint, ...] = ()  # measured collectives (replace the flow model)
+    # host time per compute op between kernels (s): the executor's Python dispatch, bookkeeping and
+    # collective issues, measured by `backend bench`; 0 where not measured (GPU profiles: hidden
+    # behind the asynchronous kernel queue)
+    host_op_s: float = 0.0
+    # the executor's host runs each op in program order, so the twin issues collectives in program
+    # order too (twin.program.program.host_ordered): a CPU executor, whose host is the device; False where the
+    # host only launches kernels ahead of a device (GPU profiles)
+    host_ordered: bool = False
+    op_cost: tuple[OpCost, ...] = ()  # measured costs of op kinds inside training (replace the roofline)
+    compute_contention: float = 1.0   # GEMM and attention times x this (measured inside training)
+    collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
+    collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
+    axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
+    comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
+    stretch: float = 0.0  # compute ops' span over on-CPU time that the in-training op times hold (CPU; 0: none)
+    # host time per collective the executor issues (CPU: the buffers it fills, gloo's thread taking the
+    # issuing rank's core), charged to the compute op after it (twin.costs.kernels.host_times); 0: none
+    host_issue_s: float = 0.0
+    # how much an op's span varies over the ranks and steps while ranks time-slice a CPU node's cores,
+    # per class (twin.host.spread draws the spans at it; {}: every op at its mean span)
+    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # how the ranks share a CPU node's cores (twin.host.cores; 0: not measured, every grid at `stretch`):
+    # the node's cores, and the share of a core a collective in flight keeps busy (gloo's threads)
+    node_cores: int = 0
+    collective_core_load: float = 0.0
+    ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def for_ranks(self, ranks: int) -> "Profile":
+        """This profile as one rank sees it while `ranks` ranks share its node: the measured node-share
+        figures and GEMM points of the nearest measured rank count (on a log scale) replace the
+        defaults. Unchanged when the profile has no per-rank-count measurements."""
+        counts = sorted({s.ranks for s in self.node_share} | {g.ranks for g in self.gemm_table if g.ranks}
+                        | {c.ranks for c in self.collective_table} | {c.ranks for c in self.op_cost}
+                        | {c.ranks for c in self.collective_training})
+        if not counts:
+            return self
+        r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))
+        kw: dict = {"ranks": r,
+                    "gemm_table": tuple(g for g in self.gemm_table if g.ranks in (0, r)),
+                    "collective_table": tuple(c for c in self.collective_table if c.ranks == r),
+                    "op_cost": tuple(c for c in self.op_cost if c.ranks == r),
+                    "collective_training": tuple(c for c in self.collective_training if c.ranks == r)}
+        share = next((s for s in self.node_share if s.ranks == r), None)
+        if share is not None:
+            kw.update(launch_s=share.launch_s, hbm_bandwidth=share.hbm_bandwidth,
+                      overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
+                      gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
+                      collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
+                      comm_share=share.comm_share, stretch=share.stretch, host_issue_s=share.host_issue_s,
+                      span_spread=share.span_spread)
+            if share.host_op_s:
+                kw.update(host_op_s=share.host_op_s)
+            if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
+                kw.update(attention_fwd_efficiency=share.attention_fwd_efficiency,
+                          attention_bwd_efficiency=share.attention_bwd_efficiency)
+        return replace(self, **kw)
+
+    def collectives(self) -> CollectiveTable | None:
+        """The measured collective table (after for_ranks), or None when the profile has none."""
+        if not self.collective_table and not self.collective_training:
+            return None
+        return CollectiveTable(self.collective_table, self.activation_bytes, self.collective_training,
+                               self.collective_slowdown, self.axis_slowdown)
+
+    def op_cost_for(self, kind: str, role: str, exact: bool = False) -> OpCost | None:
+        """The measured cost line of an op kind and role (after for_ranks), else (unless `exact`) of
+        the kind, else None."""
+        best = None
+        for c in self.op_cost:
+            if c.kind == kind and c.role == role:
+                return c
+            if c.kind == kind and c.role == "" and not exact:
+                best = c
+        return best
+
+    @property
+    def gemm_efficiency(self) -> float:
+        """Ceiling of GEMM efficiency: reached large-GEMM flop/s over the advertised peak."""
+        return self.gemm_flops / self.peak_flops

@@ -1,0 +1,130 @@
+"""The 4D grid G_x x G_y x G_z x G_data: rank <-> coordinates, groups of each axis, validation.
+
+Rank order: x varies fastest, then y, then z, then data:
+    rank = x + G_x * (y + G_y * (z + G_z * d))
+so the members of an x-group are consecutive ranks and sit inside a node first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from topologies.common import TwinError
+from twin.program.model import ModelSpec
+
+AXES = ("x", "y", "z", "data")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A 4D decomposition; written x`x`y`x`z`x`data on the command line, e.g. 8x8x4x128."""
+
+    x: int
+    y: int
+    z: int
+    data: int
+
+    def __post_init__(self) -> None:
+        for a in AXES:
+            v = getattr(self, a)
+            if not isinstance(v, int) or v < 1:
+                raise TwinError(f"grid: G_{a} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Grid":
+        """Parse 'XxYxZxD' (four positive integers joined by 'x')."""
+        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)x(\d+)\s*", text)
+        if not m:
+            raise TwinError(f"grid {text!r} is not of the form XxYxZxD (four positive integers, "
+                            "x fastest, e.g. 8x8x4x128)")
+        return cls(*(int(g) for g in m.groups()))
+
+    def __str__(self) -> str:
+        return f"{self.x}x{self.y}x{self.z}x{self.data}"
+
+    @property
+    def size(self) -> int:
+        """Number of GPUs (ranks)."""
+        return self.x * self.y * self.z * self.data
+
+    @property
+    def tensor_size(self) -> int:
+        """x*y*z: the GPUs that share one copy of the model."""
+        return self.x * self.y * self.z
+
+    def axis_size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between consecutive members of a group of `axis`."""
+        return {"x": 1, "y": self.x, "z": self.x * self.y, "data": self.x * self.y * self.z}[axis]
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(x, y, z, data) coordinates of a rank."""
+        if not 0 <= rank < self.size:
+            raise TwinError(f"rank {rank} is outside a grid of {self.size} GPUs")
+        x, r = rank % self.x, rank // self.x
+        y, r = r % self.y, r // self.y
+        z, d = r % self.z, r // self.z
+        return x, y, z, d
+
+    def rank(self, x: int, y: int, z: int, data: int) -> int:
+        return x + self.x * (y + self.y * (z + self.z * data))
+
+    def group(self, rank: int, axis: str) -> list[int]:
+        """The ranks of `axis`'s group that contains `rank`, in axis order."""
+        c = list(self.coords(rank))
+        i = AXES.index(axis)
+        members = []
+        for v in range(self.axis_size(axis)):
+            c[i] = v
+            members.append(self.rank(*c))
+        return members
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of `axis`, each a list of ranks; together they partition the ranks."""
+        n, s = self.axis_size(axis), self.stride(axis)
+        return [[base + j * s for j in range(n)]
+                for base in range(self.size) if (base // s) % n == 0]
+
+    def validate(self, model: ModelSpec, gpus: int | None = None, batch: int | None = None,
+                 micro_batches: int = 1, seq_len: int | None = None) -> None:
+        """Raise TwinError if this grid cannot run `model` on `gpus` GPUs with `batch` sequences."""
+        if gpus is not None and self.size != gpus:
+            raise TwinError(f"grid {self} has {self.size} GPUs but --gpus is {gpus}: "
+                            f"make G_x*G_y*G_z*G_data equal the GPU count")
+        for what, v in (("global batch", batch), ("sequence length", seq_len)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise TwinError(f"{what} must be a positive integer, got {v!r}")
+        h, name = model.hidden, model.name
+        for axis in ("x", "y"):
+            g = self.axis_size(axis)
+            if h % g:
+                raise TwinError(f"hidden size {h} of {name} is not divisible by G_{axis}={g}")
+        if model.heads % self.y:
+            raise TwinError(f"{model.heads} heads of {name} are not divisible by G_y={self.y} "
+                            "(attention heads are split over y)")
+        if model.n_kv_heads % self.y:
+            raise TwinError(f"{model.n_kv_heads} key/value heads of {name} are not divisible by G_y={self.y} "
+                            f"(q, k and v heads are split over y): use a G_y that divides {model.n_kv_heads}")
+        if model.ffn % self.y:
+            raise TwinError(f"MLP width {model.ffn} of {name} is not divisible by G_y={self.y}")
+        s = model.seq_len if seq_len is None else seq_len
+        if s % self.y:
+            raise TwinError(f"sequence length {s} is not divisible by G_y={self.y}")
+        b = model.global_batch if batch is None else batch
+        shards = self.z * self.data
+        if b % shards:
+            raise TwinError(f"global batch {b} is not divisible by G_z*G_data={shards}: "
+                            f"choose a batch that is a multiple of {shards}")
+        if micro_batches < 1 or (b // shards) % micro_batches:
+            raise TwinError(f"{b // shards} sequences per rank are not divisible into "
+                            f"{micro_batches} micro-batches")
+        vocab = model.padded_vocab(self.y)
+        extra = [("token embedding", vocab, h, False)]
+        extra += [("output head", vocab, h, False)] if model.is_llama else [("position embedding", s, h, False)]
+        for lname, k, n, _ in model.linear_shapes() + extra:
+            if (k * n // self.x // self.y) % self.z:
+                raise TwinError(f"{lname} shard of {k}x{n}/(G_x*G_y) is not divisible by G_z={self.z}")
+
