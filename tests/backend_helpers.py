@@ -3,7 +3,6 @@ one process on a fake process group of any size."""
 
 from __future__ import annotations
 
-import socket
 import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -15,14 +14,9 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backend.launch.spawn import free_port
 from backend.runtime.dist import ParallelContext
 from twin.program.grid import Grid
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, grid: Grid, fn: Callable, args: tuple, queue) -> None:
@@ -48,7 +42,7 @@ def run_on_grid(grid: Grid | str, fn: Callable, *args, timeout_s: float = 120.0)
     grid = Grid.parse(grid) if isinstance(grid, str) else grid
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, grid.size, port, grid, fn, args, queue), daemon=True)
              for r in range(grid.size)]
     for p in procs:

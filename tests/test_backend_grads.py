@@ -148,9 +148,9 @@ def test_gpu_bf16_one_rank(tmp_path) -> None:
     import torch.distributed as dist
 
     from backend.runtime.dist import ParallelContext
-    from backend_helpers import _free_port
+    from backend_helpers import free_port
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ctx = ParallelContext.build(Grid.parse("1x1x1x1"))
         assert ctx.device.type == "cuda" and ctx.compute_dtype == torch.bfloat16

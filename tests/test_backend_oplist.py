@@ -14,7 +14,7 @@ import torch.distributed as dist  # noqa: E402
 
 from backend_helpers import fake_grid, run_on_grid  # noqa: E402
 
-from backend.runtime.dist import ParallelContext, _first_host  # noqa: E402
+from backend.runtime.dist import ParallelContext, first_host  # noqa: E402
 from backend.models.gpt import GPT  # noqa: E402
 from backend.training.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
 from backend.runtime.recorder import Recorder  # noqa: E402
@@ -113,9 +113,9 @@ def test_spans_write_a_trace(tmp_path) -> None:
 
 
 def test_slurm_first_host() -> None:
-    assert _first_host("nid[001234-001240,001300]") == "nid001234"
-    assert _first_host("a01,a02") == "a01"
-    assert _first_host("node7") == "node7"
+    assert first_host("nid[001234-001240,001300]") == "nid001234"
+    assert first_host("a01,a02") == "a01"
+    assert first_host("node7") == "node7"
 
 
 def test_gemm_layout_tuning_keeps_results() -> None:
@@ -140,12 +140,12 @@ def test_gemm_layout_tuning_keeps_results() -> None:
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_init_from_env(monkeypatch, launcher: str) -> None:
     from backend.runtime.dist import destroy, init_from_env
-    from backend_helpers import _free_port
+    from backend_helpers import free_port
 
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_PROCID", "SLURM_LOCALID",
                 "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     if launcher == "torchrun":
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("LOCAL_RANK", "0")

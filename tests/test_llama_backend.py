@@ -18,7 +18,7 @@ from backend_helpers import fake_grid, run_on_grid  # noqa: E402
 
 from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.models.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
-from backend.models.gpt import make_model  # noqa: E402
+from backend.models.build import make_model  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                            reduce_gradients, train_step)
 from backend.runtime.recorder import Recorder  # noqa: E402

@@ -16,8 +16,7 @@ One JSON measurement file (the input of `twin calibrate`) holds:
   compute op, the median (and mean: free_mean_s) gap between consecutive compute ops with no
   collective in flight, in a few training steps of the model on the grid (what the rank's Python
   spends between kernels: dispatch, buffer bookkeeping, issuing collectives), and step_s, the mean
-  wall time of those steps (what the ops' replay through the twin's engine is checked against:
-  benchmarks/cpu_iteration.py --bench);
+  wall time of those steps (what the ops' replay through the twin's engine is checked against);
 - `collectives` rows {axis, kind, group_size, stride, bytes, seconds, algbw_gbps, busbw_gbps}, run
   through backend.runtime.comm exactly as training runs them (gloo's reduce-scatter is an all-reduce);
   bytes are the real payload (all-gather: the gathered output), every group of the axis at once;

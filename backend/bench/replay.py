@@ -75,7 +75,7 @@ def main(config: dict) -> None:
     """The `replay` job of one rank (see backend.launch.launcher)."""
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import check_world_size
-    from backend.models.gpt import make_model
+    from backend.models.build import make_model
     from backend.training.optim import make_optimizer, micro_batches, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
     from twin.present.trace import write_trace

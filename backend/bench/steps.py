@@ -23,10 +23,7 @@ def per_step(values: list[float]) -> float:
     """What an op costs per step, from its times in the recorded steps: their mean. The twin sums its
     ops into an iteration, and the mean of a sum is the sum of the means, whatever the shape of each
     op's spread (a run's iteration, the median of its step times, each a sum of hundreds of ops, is
-    close to their mean). The upper median of 4 that bench took before is not: summed over a kind's
-    ops, it came out 1.02-1.14x the mean of the same 4 steps with gpt-small on 2x2x2x1 and 2x2x1x1
-    at load 8-16, and 0.58-0.90x at load 12-18, where a few steps ran 2-4x long
-    (`python benchmarks/cpu_step_spread.py GRID` prints it; loaded machine)."""
+    close to their mean); a median of a few steps is not, where a few steps run long."""
     return sum(values) / len(values)
 
 
@@ -45,12 +42,9 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       (what they sum to per op: a few are long, when more ranks than cores time-slice);
       busy_mean_s: the mean of the gaps during which a collective of the rank was in flight and none
       was issued or completed (free_mean_s where a rank has fewer than 5), busy_gaps their count per
-      rank: with more ranks than cores the host's dispatch runs longer beside gloo's threads (the
-      runs of cpu-2026-12-02e, 8 ranks: 1.95 ms against 1.47 ms free, pooled over the grids);
+      rank: with more ranks than cores the host's dispatch runs longer beside gloo's threads;
       busy_by_kind_s, busy_by_kind_gaps: the same per kind of collective, over the gaps during which
-      collectives of that kind alone were in flight (free_mean_s where a rank has fewer than 5): the
-      runs of cpu-2026-12-02f, over each grid's free mean, 1.17-2.23 beside a z all-gather,
-      0.69-1.69 beside a z reduce-scatter;
+      collectives of that kind alone were in flight (free_mean_s where a rank has fewer than 5);
       all_gaps_s: the median of every gap; mean_s: the mean gap; step_s: the wall time of a recorded
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
       outside the program), mean over steps (`per_step`) and over ranks;
@@ -69,13 +63,12 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       `issue_s` (collectives): the host's wall time issuing it, from preparing its buffers to the
       return of the asynchronous call (the recorder's issue_us, backend/runtime/comm.py). `spread`: the
       coefficient of variation of its span over the ranks and the steps (standard deviation over
-      mean): where ranks time-slice the cores, spans vary far more than their means show (with 8
-      ranks on 2 cores 0.5-0.7 in the runs of cpu-2026-12-02a), and a collective overlapped with
-      compute is exposed by more than its mean span implies.
+      mean): where ranks time-slice the cores, spans vary far more than their means show, and a
+      collective overlapped with compute is exposed by more than its mean span implies.
     (None, []) when the backend has no program executor."""
     try:
         import backend.runtime.executor  # noqa: F401  (the program executor: before it, no such gaps to measure)
-        from backend.models.gpt import make_model
+        from backend.models.build import make_model
         from backend.training.optim import make_optimizer, train_step
         from backend.runtime.recorder import NULL_RECORDER, Recorder
     except ImportError:

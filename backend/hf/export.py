@@ -80,7 +80,7 @@ def _rank_states(ckpt: Path, meta: dict, grid) -> list[dict]:
     out = []
     for r in range(grid.size):
         file = ckpt / checkpoint.rank_file_name(r)
-        if not file.is_file() or checkpoint._sha256(file) != meta["files"][file.name]["sha256"]:
+        if not file.is_file() or checkpoint.file_sha256(file) != meta["files"][file.name]["sha256"]:
             raise HFError(f"checkpoint {file} is missing or does not match its checksum (damaged)")
         try:
             state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)

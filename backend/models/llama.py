@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.runtime.layers import IGNORE, rope_tables
-from backend.models.gpt import GPT, _Params, add_linears
+from backend.models.gpt import GPT, Params, add_linears
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
 from twin.program.program import EMBEDDING_AXES, NORM_AXIS, embedding_dims
@@ -61,16 +61,16 @@ class Llama(GPT):
         self.real_vocab = spec.vocab  # the loss masks the padding rows beyond it
         self.eps = spec.norm_eps
         self.wte_shape, self.wpe_shape = embedding_dims(grid, self.vocab, h), None
-        self.emb = _Params()
+        self.emb = Params()
         self.emb.wte = nn.Parameter(torch.zeros(math.prod(self.wte_shape) // gz, device=dev))
-        self.head = _Params()
+        self.head = Params()
         self.head.weight = nn.Parameter(torch.zeros(math.prod(self.wte_shape) // gz, device=dev))
         features = h // ctx.size(NORM_AXIS)
         self.blocks = nn.ModuleList()
         self.shapes: dict[str, tuple[int, int]] = {}
         self.keys: dict[str, list[nn.Parameter]] = {"emb": [self.emb.wte], "head": [self.head.weight]}
         for i in range(spec.layers):
-            blk = _Params()
+            blk = Params()
             for ln in ("ln1", "ln2"):
                 setattr(blk, ln, _rms(features, dev))
                 self.keys[f"L{i}.{ln}"] = [getattr(blk, ln).weight]
@@ -109,7 +109,7 @@ class Llama(GPT):
 
 
 def _rms(features: int, device) -> nn.Module:
-    norm = _Params()
+    norm = Params()
     norm.weight = nn.Parameter(torch.ones(features, device=device))
     return norm
 

@@ -11,9 +11,7 @@ CUDA event on the stream the collective ran on), not the moment someone waits fo
 The record's `issue_us` is the host's wall time of issuing it: from the start of preparing its
 buffers (the executor's, where it passes `started`) to the return of the asynchronous call. On a CPU
 the host is the device, and the compute op after an issue starts that much later (gloo's thread
-takes the issuing rank's core as it wakes to the transfer: a mean of 0.53 ms with 2 ranks on 2
-cores, 0.98 ms with 8, for the collectives the next compute op does not wait for; loop
-cpu-2026-12-02a); on a GPU it is the launch cost on the host.
+takes the issuing rank's core as it wakes to the transfer); on a GPU it is the launch cost on the host.
 
 Bytes recorded are the program's (op.bytes: bf16 activations, fp32 statistics and data-axis
 gradients); the size that travelled and its dtype go into the record's args.

@@ -28,7 +28,7 @@ class LaunchInfo:
     world_size: int
 
 
-def _first_host(nodelist: str) -> str:
+def first_host(nodelist: str) -> str:
     """First host of a Slurm node list such as 'nid[001234-001240,001300]' or 'a01,a02'."""
     m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
     if not m:
@@ -54,7 +54,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> Launc
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         info = LaunchInfo(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]))
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        env.setdefault("MASTER_ADDR", _first_host(nodes))
+        env.setdefault("MASTER_ADDR", first_host(nodes))
     else:
         info = LaunchInfo(0, 0, 1)
     env.setdefault("MASTER_ADDR", "127.0.0.1")

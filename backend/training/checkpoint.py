@@ -260,12 +260,12 @@ def latest(ckpt_dir: str | Path) -> Path | None:
 def _file_ok(path: Path, rank: int) -> bool:
     try:
         entry = read_meta(path)["files"][rank_file_name(rank)]
-        return _sha256(path / rank_file_name(rank)) == entry["sha256"]
+        return file_sha256(path / rank_file_name(rank)) == entry["sha256"]
     except (OSError, CheckpointError, KeyError):
         return False
 
 
-def _sha256(file: Path) -> str:
+def file_sha256(file: Path) -> str:
     sha = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

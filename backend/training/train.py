@@ -296,7 +296,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import check_world_size, env_rank, fabric_warning
     from backend.launch.rank import heartbeat
-    from backend.models.gpt import make_model
+    from backend.models.build import make_model
     from backend.training.optim import make_optimizer, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
 
