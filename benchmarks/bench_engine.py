@@ -97,8 +97,8 @@ def main() -> None:
         for name in a.grids.split(","):
             grid = Grid.parse(name)
             prog, cm = program_for(study, grid), model_for(study, grid)
-            compute = [0.0 if op.is_collective else study.kernels.op_time(op) for op in prog.ops]
-            kw = dict(overlap_slowdown=study.profile.overlap_slowdown, comm_share=study.profile.comm_share)
+            compute = [0.0 if op.is_collective else study.kernels.kernel_time(op) for op in prog.ops]
+            kw = dict(overlap_slowdown=study.profile.overlap_slowdown)
 
             def run_this():
                 return engine.simulate_program(prog, compute, collective_timer(prog, cm), **kw, **by_size)

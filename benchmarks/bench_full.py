@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, random, resource, sys, time
-from twin.predict.simulate import simulate
+from twin.predict.simulate import SimulationConfig, simulate
 c = json.loads(sys.argv[1])
 rng = random.Random(0)
 n = c["gpus"]
@@ -47,7 +47,7 @@ if c["stragglers"] == "every":
 else:
     slow = {rng.randrange(n): 1.25 for _ in range(c["stragglers"])}
 t = time.perf_counter()
-r = simulate("frontier", c["model"], n, c["grid"], full=c.get("full", True), slowdown=slow or None)
+r = simulate(SimulationConfig("frontier", c["model"], n, c["grid"], full=c.get("full", True), slowdown=slow or None))
 sim_s = time.perf_counter() - t
 try:
     from twin.program.grid import Grid

@@ -3,7 +3,7 @@
     python benchmarks/bench_published.py [--simulate-top 4] [--defaults] [--json out.json]
         [--set frontier.collectives.inter_node_channel_efficiency=0.8 ...]
 
-Every published row of issue 11 (../shared/reference/published.md), each with the twin's prediction,
+Every published row of issue 11 (docs/reference/published.md), each with the twin's prediction,
 its error and its known cause (docs/fidelity.md has the evidence): flop/s rows as a relative error, efficiency and share-of-peak rows in points, and the
 target (10% or 10 points) met or not. The same predictions as `twin simulate` / `twin scaling`
 (grid auto: the analytical ranking, the best `--simulate-top` simulated). Flop/s use the reference
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from topologies.system import list_systems, load_system  # noqa: E402
 from twin.program.program import Options  # noqa: E402
 from twin.predict.scaling import scaling  # noqa: E402
-from twin.predict.simulate import simulate  # noqa: E402
+from twin.predict.simulate import SimulationConfig, simulate  # noqa: E402
 
 # (system, model, GPUs, published flop/s, source)
 THROUGHPUT = [
@@ -91,7 +91,7 @@ def rows(simulate_top: int, specs: dict | None = None) -> list[dict]:
     specs = specs or {}
     out = []
     for system, model, gpus, published, source in THROUGHPUT:
-        r = simulate(specs.get(system, system), model, gpus, "auto", simulate_top=simulate_top)
+        r = simulate(SimulationConfig(specs.get(system, system), model, gpus, "auto", simulate_top=simulate_top))
         err = 100 * (r.flops_per_s - published) / published
         out.append(dict(run=f"{system} {model}, {gpus:,} GPUs, PF/s", published=published / 1e15,
                         predicted=r.flops_per_s / 1e15, error=err, unit="%", met=abs(err) <= 10,
@@ -117,8 +117,8 @@ def rows(simulate_top: int, specs: dict | None = None) -> list[dict]:
                     breakdown=first.breakdown_s, source="implied by the two published figures above (not a target)"))
     system, model, gpus, pub = OVERLAP
     spec = specs.get(system, system)
-    on = simulate(spec, model, gpus, "auto", simulate_top=simulate_top)
-    off = simulate(spec, model, gpus, on.grid_str, options=Options(oar=False, ors=False, oag=False))
+    on = simulate(SimulationConfig(spec, model, gpus, "auto", simulate_top=simulate_top))
+    off = simulate(SimulationConfig(spec, model, gpus, on.grid_str, options=Options(oar=False, ors=False, oag=False)))
     gain = 100 * (off.iteration_time_s / on.iteration_time_s - 1)
     out.append(dict(run=f"{system} {model}, {gpus:,} GPUs, overlap gain %", published=pub, predicted=gain,
                     error=gain - pub, unit="points", met=abs(gain - pub) <= 10, grid=on.grid_str,
@@ -131,7 +131,7 @@ def defaults(simulate_top: int) -> None:
     print(f"\n{'system':>10} {'model':>9} {'GPUs':>6} {'batch':>6} {'grid':>12} {'iter (s)':>9} {'PF/s':>8} {'% peak':>7}")
     for name in list_systems():
         s = load_system(name)
-        r = simulate(name, simulate_top=simulate_top)
+        r = simulate(SimulationConfig(name, simulate_top=simulate_top))
         print(f"{name:>10} {s.default_model:>9} {r.gpus:>6} {r.global_batch:>6} {r.grid_str:>12} "
               f"{r.iteration_time_s:9.3f} {r.flops_per_s / 1e15:8.1f} {r.percent_of_peak:7.1f}")
 

@@ -6,7 +6,7 @@ its type) of several hundred programs, hashed in each checkout (a fresh process 
 Run from this checkout's root; OTHER_CHECKOUT is e.g. a worktree of main. The programs: gpt-tiny,
 gpt-small, llama-tiny and llama-small on 7 grids (every axis alone of size 2, none, all) x 6 switch
 sets (overlaps off, no recomputation with cached layers, micro-batches, goldfish, ...), each also
-host-ordered (twin.program.program.host_ordered), and the default programs of gpt-5b, gpt-20b, gpt-80b,
+host-ordered (twin.host.order.host_ordered), and the default programs of gpt-5b, gpt-20b, gpt-80b,
 gpt-320b on their compare_predictions grids. A grid a model refuses contributes its error message.
 Exits non-zero when the hashes differ (for a change meant to leave programs alone: a faster builder).
 """

@@ -11,13 +11,14 @@ import statistics
 from calibration.lines import collective_line
 from calibration.measurements import COLLECTIVES
 from calibration.profile_text import entry_text
+from topologies import caches
 
 COMM_SHARE_STEP = 0.05  # the grid of comm_share values tried
 LOAD_STEP = 0.01  # the grid of collective_core_load values tried
 LOAD_MAX = 3.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # registered below
 def recorded_program(model: str, grid: str, options=None):
     """The program a measurement file's recorded steps ran (its model and grid; `options`: the switches,
     twin.program.program.Options, None for the defaults bench records with), host-ordered as the CPU executor
@@ -25,14 +26,18 @@ def recorded_program(model: str, grid: str, options=None):
     callers read it and do not change it."""
     from twin.program.grid import Grid
     from twin.program.model import load_model
-    from twin.program.program import Options, build_program, host_ordered
+    from twin.host.order import host_ordered
+    from twin.program.program import Options, build_program
     return host_ordered(build_program(load_model(model), Grid.parse(grid), options or Options()))
 
+
+
+caches.register("calibration.sharing.recorded_programs", recorded_program)
 
 def replay_inputs(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, {op name: measured median span, s}, host seconds per op, compute seconds per op) of a
     measurement file's recorded steps, as replay puts them through the engine; None without steps."""
-    from twin.costs.kernels import host_times
+    from twin.host.order import host_times
     if not run.get("steps") or not run.get("model"):
         return None
     prog = recorded_program(run["model"], run["grid"], options)
@@ -48,7 +53,7 @@ def replay_inputs(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = 
 def replay(run: dict, host_s: float, issue_s: float = 0.0, woken: bool = False, options=None):
     """(program, engine result with spans) of a measurement file's recorded steps replayed by the
     twin's engine with every op at its measured median span (compute ops plus the host time between
-    them: host_s, and issue_s per collective issued before the op, as twin.costs.kernels.host_times
+    them: host_s, and issue_s per collective issued before the op, as twin.host.order.host_times
     charges them), host-ordered as the CPU executor issues them; None without steps. woken: each
     collective also holds the wake-up of the op that waited for it beyond host_s (bench's wake_s),
     as the twin's in-training lines do. options: the program's switches (twin.program.program.Options; None:
@@ -85,14 +90,15 @@ def measured_gaps(run: dict) -> float | None:
 
 
 def issue_cost(runs: list[dict], host_s: float) -> tuple[float, str] | None:
-    """(seconds, how): the host time per collective issue (Profile.host_issue_s) that makes the recorded
+    """(seconds, how): the host time per collective issue (HostSharing.issue_s) that makes the recorded
     steps of `runs` (one rank count's measurement files), replayed through the twin's engine with
     their measured spans (replay_gaps: host_s per compute op, each collective's span and wake-up),
     spend the time between their compute ops that bench measured (measured_gaps), summed over the
     files with collectives: what the replay misses is what issuing a collective costs the issuing
     host (on a CPU, the buffers it fills and gloo's thread taking the rank's core as it wakes to the
-    transfer: in cpu-2026-12-01g's runs of 1x1x2x1 a gap in which a z collective was issued took
-    0.70 ms against 0.18 ms for a gap with none). 0 where the replay already spends as much (a
+    transfer: on the 2-core development VM a gap of 1x1x2x1 in which a z collective was issued took
+    0.70 ms against 0.18 ms for a gap with none). Used where the files did not record the issue
+    time itself (`issue_s`: issue_measured). 0 where the replay already spends as much (a
     burst of collectives issued together); None without files that recorded gaps and collectives."""
     use = [r for r in runs if measured_gaps(r) is not None
            and any(row["kind"] in COLLECTIVES for row in r.get("steps", []))]
@@ -119,12 +125,12 @@ def issue_cost(runs: list[dict], host_s: float) -> tuple[float, str] | None:
 
 
 def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
-    """(seconds, how): the host time per collective issued (Profile.host_issue_s) as bench measured it:
+    """(seconds, how): the host time per collective issued (HostSharing.issue_s) as bench measured it:
     the mean `issue_s` (the host's wall time from preparing a collective's buffers to the return of
     its asynchronous call) over the collectives of the files' recorded steps that the compute op
-    after them does not wait for (twin.costs.kernels.charged_issues, the ones host_times charges). None
-    where no file recorded it (bench before 2026-12-02)."""
-    from twin.costs.kernels import charged_issues
+    after them does not wait for (twin.host.order.charged_issues, the ones host_times charges). None
+    where no file recorded it."""
+    from twin.host.order import charged_issues
     times: list[float] = []
     for r in runs:
         issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}

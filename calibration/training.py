@@ -42,6 +42,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
             continue
         src = "; ".join(describe(r) for r in runs)
         prof = micro.for_ranks(ranks)
+        host_s = prof.host.op_s if prof.host else 0.0  # the host time per compute op (s)
         km = KernelModel(prof, tuning=False)
         rows = [(r, row) for r in runs for row in r["steps"]]
         span, how_timed, stretch = fluid_spans(rows, ranks)
@@ -51,11 +52,11 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         cores = {r["machine"].get("cores") for r in runs}
         fits_cores = len(cores) == 1 and None not in cores and ranks <= int(cores.pop())
         issued = None
-        if micro.host_ordered:
-            issued = issue_measured(runs) or (issue_cost(runs, prof.host_op_s) if fits_cores else None)
+        if micro.host is not None and micro.host.ordered:
+            issued = issue_measured(runs) or (issue_cost(runs, host_s) if fits_cores else None)
         spread = span_spread(runs) if stretch is not None and ranks > 1 else {}
         if stretch is not None and ranks > 1:
-            sharing += [p for p in (sharing_point(r, prof.host_op_s, issued[0] if issued else 0.0, spread)
+            sharing += [p for p in (sharing_point(r, host_s, issued[0] if issued else 0.0, spread)
                                     for r in runs) if p is not None]
         # op kinds without a model of their own: measured lines, per kind and per role
         keyed: dict[tuple[str, str], list[dict]] = {}
@@ -150,9 +151,9 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         ratios = []
         per_axis: dict[str, list[float]] = {}  # axis -> [inside training, alone] seconds summed
         lines_of: dict[tuple, list[tuple[dict, float, float]]] = {}  # (kind, axis, p, stride) -> (file, real bytes, s)
-        covered = {id(r): replayed_overlap(r, prof.host_op_s) for r in runs}  # collective -> s its rank computed
+        covered = {id(r): replayed_overlap(r, host_s) for r in runs}  # collective -> s its rank computed
         measured = measured_share(group)
-        share, spans = comm_share(rows, covered, prof.host_op_s, micro.activation_bytes,
+        share, spans = comm_share(rows, covered, host_s, micro.activation_bytes,
                                    None if measured is None else measured[0])
         for r, row in rows:
             if row["kind"] not in COLLECTIVES:
@@ -161,10 +162,10 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
             p, stride = grid.axis_size(row["axis"]), grid.stride(row["axis"])
             real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
             # the compute op that waited for it resumes `wake_s` after its completion, of which the twin
-            # charges that op's host time already (prof.host_op_s)
+            # charges that op's host time already (host_s)
             # (less, with comm_share < 1, the part of its span it lost to its rank's compute: the twin
             # slows it there)
-            woke = max(0.0, row.get("wake_s", 0.0) - prof.host_op_s)
+            woke = max(0.0, row.get("wake_s", 0.0) - host_s)
             own = spans[id(row)]
             lines_of.setdefault((row["kind"], row["axis"], p, stride), []).append((r, real, own + woke))
             iso = table.time(row["kind"], row["axis"], p, row["bytes"], stride) if table is not None else None
@@ -253,12 +254,10 @@ def fluid_spans(rows: list[tuple[dict, dict]], ranks: int):
     recorded steps with this many ranks (their compute ops' summed span over summed on-CPU time: the
     rate at which a rank's compute progresses while `ranks` ranks share the cores, as a fluid).
     With more ranks than cores, a rank descheduled inside an op leaves that op's span long and the
-    next one short, and each grid's steps time-slice their own way (8 ranks: a stretch of 1.9-3.1
-    in the 35 runs of cpu-2026-12-01c); one op's span from one grid's steps then sets its shape's
-    rate for every grid. Fitted from those runs' traces of the 13 benched grids (in place of their
-    bench steps; benchmarks/cpu_op_points.py), the 35 runs' per-op median |error| is 17 % (24
-    within 20 %) this way against 27 % (8) from the spans, 18 % against 30 % on the 22 grids not
-    benched. Files without cpu_s: the spans."""
+    next one short, and each grid's steps time-slice their own way (8 ranks on 2 cores: a stretch of
+    1.9-3.1 from grid to grid); one op's span from one grid's steps would then set its shape's rate for
+    every grid. On the 2-core development VM the per-op median |error| over gpt-small's 35 grids was
+    17 % this way against 27 % from the spans (docs/calibration.md). Files without cpu_s: the spans."""
     comp = [row for _, row in rows if row["stream"] == "compute" and row["kind"] not in COLLECTIVES]
     timed = [row for row in comp if "cpu_s" in row]
     cpu = sum(row["cpu_s"] for row in timed)
@@ -278,7 +277,7 @@ def pooled_cpu_lines(by_ranks: dict[int, list[dict]]) -> dict[tuple[str, str], t
     the rank count; the rank count sets how long it waits for a core (the stretch) and, a little,
     the caches and memory it shares (each count's level, `cpu_level`). Pooled, the line sees each
     op at every count's size: a norm over whole features is recorded at one size per rank count
-    (262 kB with 8 ranks, cpu-2026-12-01d), where a line of 8 ranks alone is bandwidth alone and
+    (gpt-small: 262 kB with 8 ranks), where a line of 8 ranks alone is bandwidth alone and
     gave 1x8x1x1's 2 MB norms 1.3 ms of on-CPU time against 0.64 measured. One rank is left out:
     alone, it runs 2 threads (OMP_NUM_THREADS unset) and its main thread's on-CPU time is not its
     work. {} where the files did not record on-CPU times."""
@@ -335,13 +334,12 @@ def same_shape_slowdown(gemms: list[tuple[dict, dict]], span) -> tuple[float, in
     Taken where bench recorded on-CPU times (span: on-CPU time x the pooled stretch, so the ratio is
     the kernel's own slowdown; the cores the collectives take are in the stretch, twin.host.cores).
     Within one file, not across files: bench files of one rank count are recorded minutes apart, at
-    the machine's speed of their moment (a grid's GEMMs took 0.82-1.20x the on-CPU time, summed, in
-    its second bench file than in its first, in cpu-2026-12-02h to -02j), and a shape overlapped in one
-    grid's file and alone in another's took that drift for a slowdown: 8 ranks in 02j, 1.18 over 22
-    shapes paired across the files, 1.02 over 25 (file, shape) pairs; the runs' traces agree
-    that the kernel barely slows (a GEMM's on-CPU time with its rank's collective in flight over the
-    same op's alone: a median of 0.98 over the 16 grids of 4 and 8 ranks with both in 01m, 0.99 in
-    02a, 0.91-1.03 per grid in 02j)."""
+    the machine's speed of their moment (on the 2-core development VM a grid's GEMMs took 0.82-1.20x
+    the on-CPU time, summed, in its second bench file than in its first), and a shape overlapped in
+    one grid's file and alone in another's took that drift for a slowdown (8 ranks: 1.18 paired
+    across files, 1.02 within them); the runs' traces agree that the kernel barely slows (a GEMM's
+    on-CPU time with its rank's collective in flight over the same op's alone: a median of 0.98-0.99
+    over the grids of 4 and 8 ranks)."""
     by: dict[tuple, tuple[list[float], list[float]]] = {}
     for run, row in gemms:
         key = (id(run), row["m"], row["n"], row["k"], row["layout"] or "NN")

@@ -19,7 +19,7 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     kept, spread over its ops as a fluid share would. The wall and on-CPU medians are reported too.
     The twin's predicted span holds the host time before the op (the profile's host_op_s, and its
     host_issue_s per collective issued just before the op that it does not wait for:
-    twin.costs.kernels.host_times), the measured span only the kernel: the host time is taken off before
+    twin.host.order.host_times), the measured span only the kernel: the host time is taken off before
     comparing;
   - a collective: its measured span runs from its issue (or the end of the previous collective of
     its stream) to its completion, as the twin's does. Part of it is waiting for the group's last
@@ -27,14 +27,13 @@ program's layout as the backend runs them) on a system with a kernel profile, an
     kind as `peer_wait_share`. That wait is skewed over the ranks (the last to arrive waits 0, the
     first the longest), and the twin's one lockstep span stands for the group's mean: its lines keep
     the summed spans of bench's recorded steps, each a mean over ranks. So a collective's measured
-    figure, and its peer wait, are the mean over ranks, as bench takes them (35 runs of
-    cpu-2026-12-01c: all-reduces' median |error| 34 % so, 44 % against the median over ranks). The
+    figure, and its peer wait, are the mean over ranks, as bench takes them (on the 2-core development
+    VM, all-reduces' median |error| 34 % so, 44 % against the median over ranks). The
     twin's line inside training also holds the wake-up after the collective (from its completion to
     the start of the compute op that waited for it, beyond the host time the twin charges that op:
     bench's `wake_s`, which the fit adds to each span), so the measured figure adds the same, per rank
-    (`wake_s` in the report; on 01b, 01c and 01d it took the collectives' per-op median |error| from
-    32.9, 39.7 and 38.0 % to 31.6, 37.9 and 34.4 % against the committed profile; a GPU span is
-    compared as it is). The
+    (`wake_s` in the report; it took the collectives' per-op median |error| down by 1-4 points on the
+    development VM; a GPU span is compared as it is). The
     twin's ranks run in lockstep and arrive together; what a
     collective costs inside training beyond its line measured alone (the profile's per-op excess:
     that wait, wake-ups among busy cores) is its `predicted_excess_s`. So each collective is also
@@ -63,8 +62,9 @@ from pathlib import Path
 
 from calibration.noise import noise_floor
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run
-from calibration.validate_summary import _by_kind, pool_repeats, spearman, targets_for
+from calibration.validate_summary import by_kind, pool_repeats, spearman, targets_for
 from topologies.common import TwinError
+from twin.costs.profile_types import HostSharing
 from twin.program.grid import Grid
 from twin.program.program import Options
 
@@ -93,21 +93,27 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
 
 def _host_of(study, grid: Grid) -> dict[str, float]:
     """Per op name of the study's program, the host time the twin charges before it (seconds;
-    twin.costs.kernels.host_times: host_op_s, plus host_issue_s per collective issued just before it that
-    it does not wait for)."""
-    from twin.costs.kernels import host_times
+    twin.host.order.host_times: the host's op_s, plus its issue_s per collective issued just before it
+    that it does not wait for)."""
+    from twin.host.order import host_times
     from twin.predict.simulate import program_for
     prog = program_for(study, grid)
-    return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, study.kernels.profile.host_op_s, study.kernels.profile.host_issue_s))}
+    host = _host(study)
+    return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, host.op_s, host.issue_s))}
+
+
+def _host(study) -> HostSharing:
+    """The host part of the study's profile (for its rank count); all defaults where it has none."""
+    return study.kernels.profile.host or HostSharing()
 
 
 def _predicted_stretch(study, grid: Grid) -> float | None:
-    """The twin's stretch of this grid's compute ops (twin.predict.simulate.shared_core_stretch), or None."""
-    from twin.program.program import host_ordered
-    from twin.predict.simulate import model_for, program_for, shared_core_stretch
-    prog = program_for(study, grid)
-    if study.profile.host_ordered:
-        prog = host_ordered(prog)
+    """The twin's stretch of this grid's compute ops (twin.host.sharing.shared_core_stretch), or None."""
+    from twin.host.sharing import as_run, shared_core_stretch
+    from twin.predict.simulate import model_for, program_for
+    if study.profile.host is None:
+        return None
+    prog = as_run(study.profile.host, program_for(study, grid))
     return shared_core_stretch(study, grid, prog, model_for(study, grid))
 
 
@@ -131,7 +137,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     warm = [s["step_time_s"] for s in steps if s["step"] > SKIP_STEPS] or [s["step_time_s"] for s in steps]
     measured_it = statistics.median(warm)
 
-    host = study.kernels.profile.host_op_s
+    host = _host(study).op_s
     got = measured_ops(run["spans"], grid, time_sliced=meta.get("device", "cpu") == "cpu", host_s=host)
     measured = got["fluid"]
     kinds = {s.name: s.kind for s in run["spans"]}
@@ -170,7 +176,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             z = zero.setdefault(sp.kind, [0, 0])
             z[0] += 1
             z[1] += sp.duration_s < 1e-7
-    per_kind = _by_kind(ops, zero)
+    per_kind = by_kind(ops, zero)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
     from twin.present.trace import trace_breakdown
     idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
@@ -188,7 +194,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                       "idle_predicted_s": res.breakdown_s["idle"],
                       "host_per_op_predicted_s": host,
                       # the host time the twin charges per collective issued (to the compute op after it)
-                      "host_issue_predicted_s": study.kernels.profile.host_issue_s},
+                      "host_issue_predicted_s": _host(study).issue_s},
         "ops": {"matched": len(ops), "unmatched": sorted(set(measured) - set(predicted)),
                 "cpu_source": got["cpu_source"],
                 # wall over on-CPU time of each rank's compute ops (1: a core to itself), median over ranks
@@ -196,7 +202,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
                 # the stretch the profile's compute op times hold (measured by bench's recorded steps
                 # with this many ranks; None where not measured): compute ops come out about
                 # stretch_profile / stretch of the measured, whatever their on-CPU cost
-                "stretch_profile": study.kernels.profile.stretch or None,
+                "stretch_profile": _host(study).stretch or None,
                 # this grid's own stretch as the twin predicts it (twin.host.cores: the ranks share the
                 # node's cores with each other and with gloo's threads); None where the profile has
                 # no model of it (every grid then at stretch_profile)

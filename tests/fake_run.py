@@ -12,10 +12,10 @@ def fake_run(folder: Path, grid: str = "2x1x1x1", step_time_s: float = 0.05, ste
              peaks: list[int] | None = None) -> Path:
     from twin.program.grid import Grid
     from twin.program.program import Options
-    from twin.predict.simulate import simulate
+    from twin.predict.simulate import SimulationConfig, simulate
     from twin.present.trace import write_trace
 
-    r = simulate("cpu", "gpt-tiny", Grid.parse(grid).size, grid, record=True)
+    r = simulate(SimulationConfig("cpu", "gpt-tiny", Grid.parse(grid).size, grid, record=True))
     write_trace(folder / "trace", r.spans, {"model": "gpt-tiny", "grid": grid, "options": dataclasses.asdict(Options())})
     (folder / "log.jsonl").write_text("".join(
         json.dumps({"step": i, "step_time_s": step_time_s, "tokens_per_s": 256 / step_time_s, "loss": 5.5}) + "\n"

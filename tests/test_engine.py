@@ -35,7 +35,7 @@ def run(model="gpt-small", grid="2x2x2x2", options=None, full=False, slowdown=No
     prof = load_profile(profile)
     km = KernelModel(prof)
     cm = AlphaBeta(g, bw)
-    compute = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
+    compute = [0.0 if op.is_collective else km.kernel_time(op) for op in prog.ops]
 
     def timer(i, conc):
         op = prog.ops[i]
@@ -177,7 +177,7 @@ def test_collective_slows_while_its_rank_computes():
     ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", axis="x"),
            Op(2, "c1", "gemm", "compute", deps=(1,))]
     for full in (False, True):
-        r = simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_share=0.5, full=full,
+        r = simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_slowdown=2.0, full=full,
                              record=True)
         spans = {i: (s, d) for rank, i, s, d in r.spans if rank == 0}
         assert spans[1] == pytest.approx((0.0, 1.5))
@@ -185,11 +185,11 @@ def test_collective_slows_while_its_rank_computes():
     # the default (GPU profiles) leaves the collective alone
     assert simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0).iteration_s == pytest.approx(2.0)
     with pytest.raises(ValueError):
-        simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_share=0.0)
+        simulate_program(hand_program(ops), [1.0, 0, 1.0], lambda i, c: 1.0, comm_slowdown=0.5)
 
 
 def test_host_ordered_issues_collectives_in_program_order():
-    from twin.program.program import host_ordered
+    from twin.host.order import host_ordered
     # c0; x all-reduce (no deps); y all-reduce after it; c1: the host issues ax after c0 and waits
     # for ax before issuing ay, so c1 starts after ax too
     ops = [Op(0, "c0", "gemm", "compute"), Op(1, "ax", "all_reduce", "x", axis="x"),
@@ -201,16 +201,17 @@ def test_host_ordered_issues_collectives_in_program_order():
     assert r.iteration_s == pytest.approx(3.0)
 
 
-def test_comm_share_agrees_symmetric_and_rank_by_rank():
-    from twin.program.program import host_ordered
+def test_comm_slowdown_agrees_symmetric_and_rank_by_rank():
+    from twin.host.order import host_ordered
     prog = host_ordered(build_program(load_model("gpt-tiny"), Grid.parse("2x2x2x1"), Options()))
     compute = [0.0 if op.is_collective else 1e-3 for op in prog.ops]
 
     def timer(i, c):
         return 2e-3 * (1 + 0.5 * len(c))
 
-    sym = simulate_program(prog, compute, timer, comm_share=0.3, overlap_slowdown=1.2)
-    full = simulate_program(prog, compute, timer, comm_share=0.3, overlap_slowdown=1.2, full=True, merge_alike=False)
+    sym = simulate_program(prog, compute, timer, comm_slowdown=1 / 0.3, overlap_slowdown=1.2)
+    full = simulate_program(prog, compute, timer, comm_slowdown=1 / 0.3, overlap_slowdown=1.2, full=True,
+                            merge_alike=False)
     assert full.iteration_s == pytest.approx(sym.iteration_s, rel=1e-9)
     assert full.exposed_s == pytest.approx(sym.exposed_s, rel=1e-6, abs=1e-9)
     assert sym.iteration_s > simulate_program(prog, compute, timer, overlap_slowdown=1.2).iteration_s
@@ -228,7 +229,7 @@ GOLDEN = {
 
 def golden_digest(case: str) -> str:
     import hashlib
-    from twin.program.program import host_ordered
+    from twin.host.order import host_ordered
     g = Grid.parse("2x2x2x2")
     prog = build_program(load_model("gpt-tiny"), g, Options())
     if case == "comm_share":
@@ -243,7 +244,7 @@ def golden_digest(case: str) -> str:
     slowdown = {"rank_by_rank": {r: 1 + r * 1e-3 for r in range(g.size)}, "stragglers": {3: 1.5, 9: 1.25},
                 "comm_share": {5: 1.2}}[case]
     r = simulate_program(prog, compute, timer, full=True, slowdown=slowdown, record=True, overlap_slowdown=1.15,
-                         comm_share=0.5 if case == "comm_share" else 1.0, merge_alike=case != "rank_by_rank")
+                         comm_slowdown=2.0 if case == "comm_share" else 1.0, merge_alike=case != "rank_by_rank")
     text = repr((r.iteration_s, r.compute_s, r.exposed_s, r.idle_s, r.simulated_ops, sorted(r.spans)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -276,18 +277,18 @@ def test_by_size_asks_each_distinct_collective_once():
     assert set(once) == set(each)
 
 
-def test_plan_is_shared_by_programs_alike_and_only_by_them():
-    from twin.engine import plan as engine_plan
-    from twin.program.program import host_ordered, regrid
+def test_plan_is_shared_by_programs_alike_and_only_by_them(fresh_caches):
+    from topologies import caches
+    from twin.host.order import host_ordered
+    from twin.program.program import regrid
     a, b = Grid.parse("2x2x2x4"), Grid.parse("2x2x4x2")  # class-mates: the same streams and deps, other sizes
     pa = build_program(load_model("gpt-tiny"), a, Options(), batch=16)
     pb = regrid(pa, b)
-    engine_plan._PLANS.clear()
     _tiny_run(pa, a)
     shared = _tiny_run(pb, b)
-    assert len(engine_plan._PLANS) == 1
+    assert caches.sizes()["twin.engine.plan.plans"] == 1
     ho = host_ordered(pb)  # other deps: a plan of its own
     got = _tiny_run(ho, b)
-    assert len(engine_plan._PLANS) == 2
-    engine_plan._PLANS.clear()
+    assert caches.sizes()["twin.engine.plan.plans"] == 2
+    caches.clear()  # the plans made again: the same results
     assert _tiny_run(pb, b) == shared and _tiny_run(ho, b) == got

@@ -250,11 +250,12 @@ def load_base(path: str) -> dict:
 
 
 def small_measurement() -> dict:
-    """A real `backend bench` file of 2 ranks, cut to a few rows of each table (so that a mutation often
-    lands on a row), that still fits a whole profile."""
-    data = json.loads((ROOT / "calibration/measurements/cpu-2026-12-01/bench-2x1x1x1.json").read_text())
+    """A real `backend bench` file of 2 ranks (the test fixture's), cut to a few rows of each table (so
+    that a mutation often lands on a row), that still fits a whole profile."""
+    data = json.loads((ROOT / "tests/fixtures/cpu-2026-12-03a/bench-2x1x1x1.json").read_text())
     data["gemm"] = data["gemm"][:4]
     data["collectives"] = data["collectives"][:6]
+    data["steps"] = data["steps"][:8]
     return data
 
 
@@ -301,7 +302,7 @@ def use(kind: str, spec, path: str) -> None:
         from twin.program.model import load_model
         km = KernelModel(spec)
         for op in build_program(load_model("gpt-tiny"), Grid(1, 1, 1, 1)).ops:
-            t = 0.0 if op.is_collective else km.op_time(op)
+            t = 0.0 if op.is_collective else km.kernel_time(op)
             assert math.isfinite(t) and t >= 0, (op.name, t)
 
 

@@ -26,7 +26,7 @@ def setup(model, grid, options, seed, spread=1e-3, contention=0.5):
     prog = build_program(load_model(model), g, options)
     km = KernelModel(load_profile("a100"))
     cm = AlphaBeta(g, contention=contention)
-    compute = [0.0 if op.is_collective else km.op_time(op) for op in prog.ops]
+    compute = [0.0 if op.is_collective else km.kernel_time(op) for op in prog.ops]
 
     def timer(i, conc):
         op = prog.ops[i]
@@ -96,7 +96,7 @@ def test_random_switches_and_factors():
 
 def test_full_mode_uses_lockstep_with_the_same_result(monkeypatch):
     """simulate_program with every rank distinct takes lockstep (here from 16 ranks), with the event
-    engine's result; record (spans) and comm_share < 1 keep the event engine."""
+    engine's result; record (spans) and comm_slowdown > 1 keep the event engine."""
     prog, compute, timer, slow = setup("gpt-tiny", "2x2x2x2", Options(), seed=3)
     calls = []
     import twin.lockstep.lockstep as lockstep
@@ -108,7 +108,7 @@ def test_full_mode_uses_lockstep_with_the_same_result(monkeypatch):
     slow_run = simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, lockstep=False)
     assert fast == slow_run
     calls.clear()
-    simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, comm_share=0.5)
+    simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, comm_slowdown=2.0)
     simulate_program(prog, compute, timer, full=True, slowdown=slow, overlap_slowdown=1.15, record=True)
     assert not calls
 

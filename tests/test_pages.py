@@ -87,8 +87,9 @@ def test_full_run_timeline_stays_drawable(tmp_path):
     """64 ranks in full mode: the timeline draws a few ranks (the first, the straggler, the waiting)
     and the ranks chart every rank."""
     from twin.present.plots import MAX_RANKS, pick_ranks, ranks_figure, timeline_html
-    from twin.predict.simulate import simulate
-    r = simulate("perlmutter", "gpt-1b", 64, "2x2x4x4", batch=64, full=True, slowdown={5: 1.3}, record=True)
+    from twin.predict.simulate import SimulationConfig, simulate
+    r = simulate(SimulationConfig("perlmutter", "gpt-1b", 64, "2x2x4x4", batch=64, full=True, slowdown={5: 1.3},
+                                  record=True))
     shown = pick_ranks(r.spans)
     assert len(shown) == MAX_RANKS and 0 in shown and 5 in shown
     path = tmp_path / "full.html"

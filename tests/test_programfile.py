@@ -90,11 +90,11 @@ def test_malformed_files(tmp_path):
 
 def test_simulate_an_edited_program(tmp_path):
     """The twin simulates the file as edited: waiting for an all-reduce cannot make the step faster."""
-    from twin.predict.simulate import simulate
+    from twin.predict.simulate import SimulationConfig, simulate
 
     prog = _prog("2x2x2x1")
     slow = wait_for(prog, "L1.mlp_up.bwd.wgrad", "L1.mlp_up.bwd.ar_y")
-    base, off = (simulate("cpu", program=p).iteration_time_s for p in (prog, slow))
+    base, off = (simulate(SimulationConfig("cpu", program=p)).iteration_time_s for p in (prog, slow))
     assert off >= base
-    assert simulate("cpu", program=prog).iteration_time_s == pytest.approx(
-        simulate("cpu", "gpt-tiny", grid="2x2x2x1", batch=8).iteration_time_s)
+    assert simulate(SimulationConfig("cpu", program=prog)).iteration_time_s == pytest.approx(
+        simulate(SimulationConfig("cpu", "gpt-tiny", grid="2x2x2x1", batch=8)).iteration_time_s)

@@ -3,6 +3,7 @@
 import pytest
 
 from topologies.common import TwinError
+from twin.costs.profile_types import HostSharing
 from twin.program.grid import Grid
 from twin.predict.search import Bandwidth, analytical, candidate_grids, estimate_grids, rank_grids
 from twin.predict.simulate import choose_grid, search
@@ -132,14 +133,14 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
 
 
 @pytest.mark.parametrize("system,model,gpus,batch", [("frontier", "gpt-1b", 32, 32), ("cpu", "gpt-tiny", 8, 8)])
-def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch, tmp_path):
+def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, batch, tmp_path, fresh_caches):
     """simulate_grid(stop_s=...) gives up once the clock plus the least time left (twin.predict.bounds.tail_ns)
     passes stop_s: the bound it keeps lies between stop_s and the simulated time; a run that ends
     before stop_s is the plain run. The CPU case takes the shipped profile without its span_spread: a
     grid whose spans are drawn (twin.host.spread) is the mean of several runs, which no single run's bound
     holds, so it is never stopped (test_a_drawn_cpu_simulation_is_never_stopped)."""
     import re
-    import twin.predict.simulate as sim_mod
+    from topologies import caches
     from twin.costs.profile import PROFILES_DIR
     from twin.predict.simulate import simulate_grid, stopped_bound
     profile = None
@@ -148,16 +149,15 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
         profile.write_text(re.sub(r"(?m)^span_spread = .*\n", "", (PROFILES_DIR / "cpu.toml").read_text()))
         profile = str(profile)
     study = prepare(system, model, gpus, batch=batch, profile=profile)
-    assert not study.profile.for_ranks(gpus).span_spread
+    assert not (study.profile.for_ranks(gpus).host or HostSharing()).span_spread
     grids = [c.grid for c in rank_grids(study)][:3]
     stops = 0
     for g in grids:
-        sim_mod._SIMULATED.clear()
         full = simulate_grid(study, g).iteration_time_s
-        sim_mod._SIMULATED.clear()
+        caches.clear()  # simulated again, not handed back from the run above
         assert simulate_grid(study, g, stop_s=full * 1.0001).iteration_time_s == full
         for f in (0.5, 0.999):
-            sim_mod._SIMULATED.clear()
+            caches.clear()
             r = simulate_grid(study, g, stop_s=f * full)
             if r is None:
                 stops += 1
@@ -167,17 +167,16 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
     assert stops >= len(grids)
 
 
-def test_a_drawn_cpu_simulation_is_never_stopped():
+def test_a_drawn_cpu_simulation_is_never_stopped(fresh_caches):
     """The shipped CPU profile draws the spans of a step (twin.host.spread): a stop below its time still
     gives the whole result, the mean over the draws."""
-    import twin.predict.simulate as sim_mod
+    from topologies import caches
     from twin.predict.simulate import simulate_grid
     study = prepare("cpu", "gpt-tiny", 8, batch=8)
-    assert study.profile.for_ranks(8).span_spread
+    assert study.profile.for_ranks(8).host.span_spread
     g = rank_grids(study)[0].grid
-    sim_mod._SIMULATED.clear()
     full = simulate_grid(study, g).iteration_time_s
-    sim_mod._SIMULATED.clear()
+    caches.clear()  # simulated again, not handed back from the run above
     assert simulate_grid(study, g, stop_s=0.5 * full).iteration_time_s == full
 
 

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from twin.cli.main import app
-from twin.predict.simulate import simulate
+from twin.predict.simulate import SimulationConfig, simulate
 from twin.present.trace import read_trace
 
 runner = CliRunner()
@@ -64,15 +64,15 @@ def test_human_output_and_trace_and_html(tmp_path):
 def test_overlap_switches_through_the_api():
     base = dict(system="perlmutter", model="gpt-1b", gpus=16, grid="2x4x2x1", batch=16)
     from twin.program.program import Options
-    on = simulate(**base)
-    off = simulate(**base, options=Options(oar=False, ors=False, oag=False))
+    on = simulate(SimulationConfig(**base))
+    off = simulate(SimulationConfig(**base, options=Options(oar=False, ors=False, oag=False)))
     assert off.iteration_time_s >= on.iteration_time_s
     assert sum(off.breakdown_s["exposed_comm"].values()) >= sum(on.breakdown_s["exposed_comm"].values())
 
 
 def test_full_mode_agrees_with_symmetric():
     base = dict(system="perlmutter", model="gpt-1b", gpus=16, grid="2x2x2x2", batch=16)
-    s, f = simulate(**base), simulate(**base, full=True)
+    s, f = simulate(SimulationConfig(**base)), simulate(SimulationConfig(**base, full=True))
     assert f.simulated_ranks == 16 and f.simulated_ops == 16 * s.simulated_ops
     assert f.iteration_time_s == pytest.approx(s.iteration_time_s, rel=1e-6)  # ns rounding of re-rates
 

@@ -8,7 +8,8 @@ import pytest
 
 from twin.program.grid import Grid
 from twin.program.model import load_model
-from twin.program.program import build_program, host_ordered
+from twin.host.order import host_ordered
+from twin.program.program import build_program
 from twin.host.spread import DRAWS, draws, drawn_runs, factors, mean_result, op_spreads, spread_key
 
 
@@ -92,7 +93,7 @@ def test_a_malformed_span_spread_gets_one_line(tmp_path, line, match):
                         '[[node_share]]\nranks = 8\nspan_spread = { compute = 0.7, all_gather_z = 0.6, source = "bench" }\n', 1)
     assert good != text
     (tmp_path / "good.toml").write_text(good)
-    assert load_profile(str(tmp_path / "good.toml")).for_ranks(8).span_spread == {"compute": 0.7, "all_gather_z": 0.6}
+    assert load_profile(str(tmp_path / "good.toml")).for_ranks(8).host.span_spread == {"compute": 0.7, "all_gather_z": 0.6}
     (tmp_path / "bad.toml").write_text(text.replace("[[node_share]]\nranks = 8\n", f"[[node_share]]\nranks = 8\n{line}\n", 1))
     with pytest.raises(TwinError, match=match):
         load_profile(str(tmp_path / "bad.toml"))

@@ -68,11 +68,11 @@ def test_full_mode_without_stragglers_is_the_symmetric_run():
                                                  ("1x4x2x2", {1: 1.1, 2: 1.1}, 1.0), ("2x2x2x4", {5: 1.5}, 0.5)])
 def test_merged_classes_give_every_rank_its_rank_by_rank_result(grid, slowdown, share, monkeypatch):
     import twin.engine.engine as engine
-    plain = engine.simulate_program  # share: collectives slowed while a member computes (comm_share)
-    monkeypatch.setattr("test_engine.simulate_program", lambda *a, **k: plain(*a, comm_share=share, **k))
+    plain = engine.simulate_program  # share: a collective's rate while a member computes
+    monkeypatch.setattr("test_engine.simulate_program", lambda *a, **k: plain(*a, comm_slowdown=1 / share, **k))
     merged = run(grid=grid, full=True, slowdown=slowdown, record=True)
     monkeypatch.setattr("test_engine.simulate_program",
-                        lambda *a, **k: plain(*a, merge_alike=False, comm_share=share, **k))
+                        lambda *a, **k: plain(*a, merge_alike=False, comm_slowdown=1 / share, **k))
     by_rank = run(grid=grid, full=True, slowdown=slowdown, record=True)
     assert merged.classes < by_rank.classes == Grid.parse(grid).size
     assert same_result(merged, by_rank) and merged.simulated_ops == by_rank.simulated_ops

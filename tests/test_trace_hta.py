@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from twin.predict.simulate import simulate
+from twin.predict.simulate import SimulationConfig, simulate
 from twin.present.trace import check_nesting, read_metadata, read_trace, trace_breakdown, write_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*inplace.*", "ignore::DeprecationWarning")
@@ -48,7 +48,7 @@ def _check_against(breakdown: dict, figures: dict, ranks: set[int]) -> None:
 
 
 def test_hta_reads_the_twins_trace(tmp_path):
-    r = simulate("perlmutter", "gpt-1b", 16, "2x4x2x1", batch=16, record=True)
+    r = simulate(SimulationConfig("perlmutter", "gpt-1b", 16, "2x4x2x1", batch=16, record=True))
     folder = tmp_path / "trace"
     write_trace(folder, r.spans, r.as_dict(wall_time=False), world_size=r.gpus)
     assert check_nesting(folder) == []

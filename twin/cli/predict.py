@@ -85,7 +85,7 @@ def simulate_cmd(
 ) -> None:
     """Simulate one training iteration of a model on a system and say where the time goes."""
     from twin.present.progress import Stages, quiet_default
-    from twin.predict.simulate import simulate
+    from twin.predict.simulate import SimulationConfig, simulate
 
     opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
     if simulate_top < 1:
@@ -96,9 +96,10 @@ def simulate_cmd(
             raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
         prog = load_program(program)
     with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
-        r = simulate(system, model, gpus, grid, batch, seq, opts, placement=placement, full=full,
-                     slowdown=_parse_slowdown(slowdown), gemm_tuning=gemm_tuning, profile=profile,
-                     record=bool(trace or html), simulate_top=simulate_top, program=prog, progress=stage)
+        config = SimulationConfig(system, model, gpus, grid, batch, seq, opts, placement=placement, profile=profile,
+                                  gemm_tuning=gemm_tuning, full=full, slowdown=_parse_slowdown(slowdown),
+                                  record=bool(trace or html), simulate_top=simulate_top, program=prog)
+        r = simulate(config, progress=stage)
         if trace is not None or html is not None:
             stage("writing the trace and timeline")
     if trace is not None:

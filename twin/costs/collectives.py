@@ -57,6 +57,7 @@ import math
 
 import numpy as np
 
+from topologies import caches
 from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
 from topologies.placement import place
 from topologies.memo import array_key, digest, remember_key
@@ -64,11 +65,23 @@ from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from topologies.common import TwinError
 from twin.costs.flows import max_min_rates
-from twin.costs.flowsets import FLOWS, _FlowSet, _link_counts, _sharing_links
+from twin.costs.flowsets import FLOWS, FlowSet, link_counts, sharing_links
 from twin.program.grid import AXES, Grid
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = ("ring", "hierarchical")
+
+
+def collective_timer(program, model):
+    """collective_s(op index, concurrent axes) -> seconds, from `model.time` (which caches its answers):
+    it depends on the op only through its (kind, axis, bytes) (the engine's by_size)."""
+    ops = program.ops
+
+    def timer(i: int, concurrent: frozenset) -> float:
+        op = ops[i]
+        return float(model.time(op.kind, op.axis, op.bytes, concurrent=concurrent))
+
+    return timer
 
 
 def ring_phases_time(kind: str, nbytes: float, rates, alphas, sizes) -> float:
@@ -86,7 +99,8 @@ def ring_phases_time(kind: str, nbytes: float, rates, alphas, sizes) -> float:
     return latency + transfer
 
 
-_CAPACITY: dict[tuple, tuple] = {}  # (id(net), inter_node_cap) -> (net, capacity, channel cap)
+# (id(net), inter_node_cap) -> (net, link capacities as collectives see them, channel cap): the last 8
+_CAPACITY: dict[tuple, tuple] = caches.register("twin.costs.collectives.capacity", {})
 
 
 def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.ndarray, float]:
@@ -163,7 +177,7 @@ class CollectiveModel:
         return digest(network_key(self.net), self.routing, self.seed, self.spread, self.channel_cap,
                       self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
 
-    def _ring_flows(self, gpus: np.ndarray) -> _FlowSet:
+    def _ring_flows(self, gpus: np.ndarray) -> FlowSet:
         """Flows of one step of flat rings over the rows of `gpus` (rings, q), laid out in channels
         as the library does (see the module docstring). Kept for the process (FLOWS), keyed by what
         they depend on: a probe grid's rings are often an axis of a simulated grid."""
@@ -215,7 +229,7 @@ class CollectiveModel:
         cap[:n_in] = np.inf
         return cols + [cap]
 
-    def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> _FlowSet:
+    def _build_ring_flows(self, gpus: np.ndarray, key: bytes | None = None) -> FlowSet:
         cols = self._ring_channels(gpus)
         # node-crossing flows travel as `spread` sub-flows, each routed on its own (adaptive routing
         # moves packets, not whole flows; one path per flow would leave hash collisions that packets avoid)
@@ -227,7 +241,7 @@ class CollectiveModel:
         demand = np.minimum(caps, self.system.nic_bandwidth / np.repeat(spread, spread))
         # `key` determines every argument: routing need not hash the arrays
         routes = route(self.net, *sub, mode=self.routing, seed=self.seed, demand=demand, key=key)
-        return _FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, len(gpus))
+        return FlowSet(routes, parent, cols[4].astype(np.int64), cols[5].astype(float), caps, len(gpus))
 
     def _algorithm(self, axis: str, algorithm: str) -> str:
         """`algorithm`, or "ring" where a hierarchical ring would be the flat ring (1 or all members per node)."""
@@ -252,7 +266,7 @@ class CollectiveModel:
         local = gpus.reshape(-1, p // m, m)
         return [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
 
-    def _phases(self, axis: str, algorithm: str) -> tuple[list[_FlowSet], list[float], list[int]]:
+    def _phases(self, axis: str, algorithm: str) -> tuple[list[FlowSet], list[float], list[int]]:
         """(flow sets, alpha per step in s, ring size) of each phase of an axis' collective: one phase
         (flat ring) or two (hierarchical: rings inside nodes, then m rings across nodes)."""
         key = (axis, algorithm)
@@ -287,7 +301,7 @@ class CollectiveModel:
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
                 rates: list = [None] * len(allf)
-                for group in _sharing_links(allf, self.net.n_links):
+                for group in sharing_links(allf, self.net.n_links):
                     fs = [allf[i] for i in group]
                     keys = [f.routes.key for f in fs]
                     # the routes' key (Routes.concat's, from the flow sets' keys) determines the caps
@@ -295,7 +309,7 @@ class CollectiveModel:
                     qkey = None if None in keys else keys[0] if len(keys) == 1 else digest(*keys)
                     r = max_min_rates(lambda: Routes.concat([f.routes for f in fs]), self.capacity,
                                       lambda: np.concatenate([f.caps for f in fs]), key=qkey,
-                                      link_counts=lambda: _link_counts(fs, self.net.n_links))
+                                      link_counts=lambda: link_counts(fs, self.net.n_links))
                     rkey = None if qkey is None else digest(qkey, array_key(self.capacity))
                     off = 0
                     for i, f in zip(group, fs):

@@ -18,10 +18,8 @@
   (measured: the ranks share the cores with each other and with gloo's threads); a GEMM near a shape
   recorded inside training steps (`gemm_table` point with `training`) takes that point's rate
   instead, and attention's efficiency is the one measured inside training where it was recorded.
-Every op also pays a fixed launch cost, and, where the profile measured it (CPU), the host time
-the executor spends per compute op between kernels (`host_op_s`: Python dispatch, buffer bookkeeping)
-and per collective it issues (`host_issue_s`, host_times), which the rank's compute stream cannot
-hide: on CPU the host is the device. `Profile.overlap_slowdown` (compute slower while a collective
+Every op also pays a fixed launch cost. The host's own time between ops, where the host is the
+device (CPU ranks), is the host model's (twin.host), not the kernels'. `Profile.overlap_slowdown` (compute slower while a collective
 overlaps it) is applied by the engine, which knows when communication is in flight.
 """
 
@@ -41,34 +39,8 @@ def cost_role(op: Op) -> str:
     SPLIT for a norm over x-split features (it reads its statistics, all-reduced over x, from a
     `.stats` or `.grad_stats` buffer). The backend then runs its own several-pass kernel on the
     fp32 statistics instead of torch's fused norm (backend/runtime/layers.py), measured at about 1 ns per byte
-    against 0.3 inside training on 2-8 ranks (cpu-2026-12-01c: 14 runs with x > 1 against the others)."""
+    against 0.3 inside training on 2-8 ranks (14 CPU runs with x > 1 against the others)."""
     return op.role + SPLIT if any(r.endswith("stats") for r in op.reads) else op.role
-
-
-def charged_issues(ops: list[Op]) -> dict[int, list[Op]]:
-    """Per compute op of a program (by index; ops in the order the host runs them), the collectives
-    issued since the compute op before it that it does not wait for (not in its deps): the issues
-    whose host time delays it (host_times). A compute op that waits for a collective starts after its
-    completion anyway, the issue inside that wait."""
-    out, issued = {}, []
-    for op in ops:
-        if op.is_collective:
-            issued.append(op)
-        else:
-            out[op.index] = [c for c in issued if c.index not in op.deps]
-            issued = []
-    return out
-
-
-def host_times(ops: list[Op], host_op_s: float, host_issue_s: float) -> list[float]:
-    """Per op of a program (in the order the host runs them), the host time charged before it
-    (seconds; 0 for a collective): for a compute op, `host_op_s` (Profile.host_op_s) plus
-    `host_issue_s` (Profile.host_issue_s) for each of its charged_issues. On a CPU the host that
-    issues a collective is the device that computes: it fills the collective's buffers (a zeroed
-    output, a copy to reduce) and, on a busy node, gloo's thread takes the issuing rank's core as it
-    wakes to the transfer; the compute op after the issue starts that much later."""
-    charged = charged_issues(ops)
-    return [0.0 if op.is_collective else host_op_s + host_issue_s * len(charged[op.index]) for op in ops]
 
 
 class KernelModel:
@@ -160,11 +132,6 @@ class KernelModel:
         if cost is not None:
             return cost.latency_s + op.bytes / cost.bandwidth
         return max(op.flops / p.gemm_flops, op.bytes / p.hbm_bandwidth) + p.launch_s
-
-    def op_time(self, op: Op) -> float:
-        """Seconds a compute op takes alone on the GPU (no overlapping communication), with the
-        host time before it (`Profile.host_op_s`, 0 unless measured)."""
-        return self.kernel_time(op) + self.profile.host_op_s
 
     def kernel_time(self, op: Op) -> float:
         """Seconds of the op's kernel alone, without the host time between ops."""

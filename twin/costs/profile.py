@@ -13,13 +13,13 @@ from pathlib import Path
 
 import tomllib
 
+from topologies import caches
 from topologies.datafile import parse_spec, shipped, spec_text
 from topologies.common import TwinError
-from twin.costs.profile_types import LAYOUTS, CollectivePoint, GemmPoint, NodeShare, OpCost, Profile
+from twin.costs.profile_types import LAYOUTS, CollectivePoint, GemmPoint, NodeShare, OpCost, Profile, with_host
 from topologies.schema import PROFILE, SPREAD_KEYS, check
 
-# The data files live with the calibration (they are what calibration measures and fits); the loader
-# lives in twin so that twin never imports calibration (imports run topologies <- twin <- calibration).
+# The shipped profiles are package data of the twin; `twin calibrate` writes new ones from measurements.
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 
@@ -60,7 +60,7 @@ def load_profile(name_or_path: str) -> Profile:
     return _parsed(path, text)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)  # registered below
 def _parsed(path: Path, text: str) -> Profile:
     data = parse_spec(path, text, "kernel profile")
     check(data, PROFILE, path, "kernel profile")  # types, ranges and known keys
@@ -69,16 +69,18 @@ def _parsed(path: Path, text: str) -> Profile:
     if missing:
         raise TwinError(f"profile {path}: missing keys {', '.join(missing)}")
     kw = {k: _value(path, k, data[k], sources) for k in _SCALARS}
-    if "host_op_s" in data:  # optional: measured on CPU only
-        kw["host_op_s"] = _value(path, "host_op_s", data["host_op_s"], sources)
-    if "host_ordered" in data:  # optional: what the executor does (true for a CPU executor)
-        kw["host_ordered"] = data["host_ordered"]["value"]
+    host = {}  # the host part, where the host is the device (CPU profiles only)
+    if "host_op_s" in data:
+        host["op_s"] = _value(path, "host_op_s", data["host_op_s"], sources)
+    if "host_ordered" in data:  # what the executor does (true for a CPU executor)
+        host["ordered"] = data["host_ordered"]["value"]
         sources["host_ordered"] = data["host_ordered"]["source"]
-    if "node_cores" in data and "collective_core_load" in data:  # optional: measured on CPU only
-        kw["node_cores"] = int(_value(path, "node_cores", data["node_cores"], sources))
+    if "node_cores" in data and "collective_core_load" in data:
+        host["node_cores"] = int(_value(path, "node_cores", data["node_cores"], sources))
         entry = data["collective_core_load"]  # the schema checked it: a number >= 0 with its source
-        kw["collective_core_load"] = float(entry["value"])
+        host["collective_core_load"] = float(entry["value"])
         sources["collective_core_load"] = entry["source"]
+    kw["host"] = with_host(None, **host)
     for k in _INTS:
         kw[k] = int(kw[k])
     for k in ("layout_penalty", "layout_penalty_small"):
@@ -140,6 +142,9 @@ def _parsed(path: Path, text: str) -> Profile:
                    collective_table=tuple(colls["collective_table"]),
                    collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources, **kw)
 
+
+
+caches.register("twin.costs.profile.parsed", _parsed)  # profiles parsed in this process, the last 16
 
 AXIS_KEYS = ("x", "y", "z", "data")
 

@@ -57,7 +57,7 @@ class NodeShare:
     # over summed on-CPU time: the rank's fluid share of the cores, inverted), which the in-training
     # op times hold (0: not measured)
     stretch: float = 0.0
-    # host time per collective the executor issues, charged to the compute op after it (twin.costs.kernels.host_times)
+    # host time per collective the executor issues, charged to the compute op after it (twin.host.order.host_times)
     host_issue_s: float = 0.0
     # how much an op's span varies over the ranks and steps (coefficient of variation), per class:
     # "compute", a collective's "kind_axis", "collective" (twin.host.spread; {}: not measured)
@@ -132,6 +132,33 @@ class CollectiveTable:
 
 
 @dataclass(frozen=True)
+class HostSharing:
+    """The host part of a profile: how the ranks of a node share its cores where the host that runs
+    the program is the device that computes (CPU ranks). Read by the host model (twin.host) only.
+    Units: seconds; shares and factors are ratios."""
+
+    # the executor's host runs each op in program order (twin.host.order.host_ordered), so the twin
+    # issues collectives in program order too
+    ordered: bool = False
+    # host time per compute op between kernels (s): the executor's dispatch and bookkeeping
+    op_s: float = 0.0
+    # host time per collective the executor issues (the buffers it fills, the communication thread
+    # taking the issuing rank's core), charged to the compute op after it (twin.host.order.host_times)
+    issue_s: float = 0.0
+    # a collective's rate, of its own, while its rank's compute runs (the threads share the cores)
+    comm_share: float = 1.0
+    # compute ops' span over their on-CPU time that the in-training op times hold (0: not measured)
+    stretch: float = 0.0
+    # how much an op's span varies over ranks and steps while ranks time-slice the cores, per class
+    # (twin.host.spread draws the spans at it; {}: every op at its mean span)
+    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # the node's cores, and the share of a core a collective in flight keeps busy (twin.host.cores;
+    # 0: not measured, every grid at `stretch`)
+    node_cores: int = 0
+    collective_core_load: float = 0.0
+
+
+@dataclass(frozen=True)
 class Profile:
     """Kernel performance of one GPU (or GCD). Units: flop/s, bytes/s, seconds; factors are ratios."""
 
@@ -155,31 +182,14 @@ class Profile:
     activation_bytes: int = 2       # bytes per activation element the device computes in (4: fp32 CPU)
     node_share: tuple[NodeShare, ...] = ()           # per count of ranks sharing a node (measured)
     collective_table: tuple[CollectivePoint, ...] = ()  # measured collectives (replace the flow model)
-    # host time per compute op between kernels (s): the executor's Python dispatch, bookkeeping and
-    # collective issues, measured by `backend bench`; 0 where not measured (GPU profiles: hidden
-    # behind the asynchronous kernel queue)
-    host_op_s: float = 0.0
-    # the executor's host runs each op in program order, so the twin issues collectives in program
-    # order too (twin.program.program.host_ordered): a CPU executor, whose host is the device; False where the
-    # host only launches kernels ahead of a device (GPU profiles)
-    host_ordered: bool = False
     op_cost: tuple[OpCost, ...] = ()  # measured costs of op kinds inside training (replace the roofline)
     compute_contention: float = 1.0   # GEMM and attention times x this (measured inside training)
     collective_training: tuple[CollectivePoint, ...] = ()  # collectives measured inside training steps
     collective_slowdown: float = 1.0  # collective_table (measured alone) times x this inside training
     axis_slowdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)  # per axis
-    comm_share: float = 1.0  # a collective's rate, of its own, while its rank's compute runs (CPU)
-    stretch: float = 0.0  # compute ops' span over on-CPU time that the in-training op times hold (CPU; 0: none)
-    # host time per collective the executor issues (CPU: the buffers it fills, gloo's thread taking the
-    # issuing rank's core), charged to the compute op after it (twin.costs.kernels.host_times); 0: none
-    host_issue_s: float = 0.0
-    # how much an op's span varies over the ranks and steps while ranks time-slice a CPU node's cores,
-    # per class (twin.host.spread draws the spans at it; {}: every op at its mean span)
-    span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
-    # how the ranks share a CPU node's cores (twin.host.cores; 0: not measured, every grid at `stretch`):
-    # the node's cores, and the share of a core a collective in flight keeps busy (gloo's threads)
-    node_cores: int = 0
-    collective_core_load: float = 0.0
+    # how the ranks of a node share their host, where the host is the device (CPU ranks); None where
+    # the host only queues kernels for a device (GPU profiles): the host model (twin.host) is not used
+    host: HostSharing | None = None
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -204,10 +214,9 @@ class Profile:
                       overlap_slowdown=share.overlap_slowdown, peak_flops=self.peak_flops * share.compute_scale,
                       gemm_flops=self.gemm_flops * share.compute_scale, compute_contention=share.compute_contention,
                       collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
-                      comm_share=share.comm_share, stretch=share.stretch, host_issue_s=share.host_issue_s,
-                      span_spread=share.span_spread)
-            if share.host_op_s:
-                kw.update(host_op_s=share.host_op_s)
+                      host=with_host(self.host, op_s=share.host_op_s or (self.host.op_s if self.host else 0.0),
+                                     comm_share=share.comm_share, stretch=share.stretch,
+                                     issue_s=share.host_issue_s, span_spread=share.span_spread))
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
                 kw.update(attention_fwd_efficiency=share.attention_fwd_efficiency,
                           attention_bwd_efficiency=share.attention_bwd_efficiency)
@@ -235,3 +244,10 @@ class Profile:
     def gemm_efficiency(self) -> float:
         """Ceiling of GEMM efficiency: reached large-GEMM flop/s over the advertised peak."""
         return self.gemm_flops / self.peak_flops
+
+
+def with_host(host: HostSharing | None, **values) -> HostSharing | None:
+    """`host` (None: no host part) with `values` replaced; None again where every figure is then at
+    its default, which simulates exactly as no host part does."""
+    out = replace(host or HostSharing(), **values)
+    return None if out == HostSharing() and not out.span_spread else out

@@ -13,9 +13,9 @@ of other axes that have a collective in flight at that moment (asked once per op
 `by_size` once per distinct (kind, axis, bytes) and set). When an axis starts or stops having
 collectives in flight, every in-flight collective of the other axes is re-rated: its remaining work
 (a fraction) is carried over at the new rate. A compute op runs `overlap_slowdown` times slower while
-a collective of its rank is in flight, re-rated the same way; symmetrically, with `comm_share` < 1 (CPU:
-gloo's threads and the ranks' compute share the cores), a collective progresses at that share of its
-rate while the compute stream of one of its members runs an op. An entry cannot be taken back: a
+a collective of its rank is in flight, re-rated the same way; symmetrically, a collective runs
+`comm_slowdown` times slower while the compute stream of one of its members runs an op (1 unless the
+ranks share their cores with the communication threads: the host model, twin.host). An entry cannot be taken back: a
 stream's live entry is the one at (stream.due, stream.slot), the others are stale and skipped. An
 earlier finish schedules a new entry; a later one does not (the pending entry fires early, sees work
 left, and schedules the rest), which saves entries when rates change several times.
@@ -32,7 +32,7 @@ of alike ranks) are one class, simulated once: a stream here stands for a class 
 stream for a class of groups, whose members are classes), and sums over ranks weigh each class by
 its size. Without stragglers that is one class, so full mode gives exactly the symmetric result;
 with `merge_alike=False` every rank is its own class (the same to the rounding of re-rates, ns).
-When every rank is its own class (at least LOCKSTEP_RANKS of them, comm_share 1, no spans recorded),
+When every rank is its own class (at least LOCKSTEP_RANKS of them, comm_slowdown 1, no spans recorded),
 twin.lockstep.lockstep steps the program once over all ranks with numpy and gives this engine's result to
 the nanosecond; where the order of same-nanosecond events would decide, it declines and this engine runs.
 
@@ -87,7 +87,7 @@ class EngineResult:
 def simulate_program(program: Program, compute_s: list[float],
                      collective_s: Callable[[int, frozenset], float], *, full: bool = False,
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
-                     record: bool = False, merge_alike: bool = True, comm_share: float = 1.0,
+                     record: bool = False, merge_alike: bool = True, comm_slowdown: float = 1.0,
                      lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None,
                      by_size: bool = False) -> EngineResult:
     """Simulate one iteration of `program`.
@@ -101,8 +101,8 @@ def simulate_program(program: Program, compute_s: list[float],
     record: keep spans (rank, op index, start s, duration s) of every op for traces and plots.
     merge_alike: in full mode, simulate each class of ranks that behave alike once (twin.engine.symmetry;
         the result is every rank's); False runs rank by rank (for tests).
-    comm_share: a collective progresses at this share of its rate while the compute stream of one of
-        its members runs an op (1: unaffected; CPU profiles measure less).
+    comm_slowdown: a collective runs this many times slower while the compute stream of one of its
+        members runs an op (1: unaffected; where ranks share their cores, the host model's 1 / comm_share).
     lockstep: try twin.lockstep.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
     stop_ns, tail_ns: branch and bound (symmetric mode): tail_ns[i] is at most the time (ns) from the
         start of op i to the end of the iteration, whatever the run (the longest path from op i on
@@ -128,11 +128,11 @@ def simulate_program(program: Program, compute_s: list[float],
     else:
         classes = one_class_per_rank(grid, slowdown, axes)
     nsim = len(classes)
-    if not 0 < comm_share <= 1:
-        raise ValueError(f"comm_share must be in (0, 1], got {comm_share}")
+    if not comm_slowdown >= 1:
+        raise ValueError(f"comm_slowdown must be at least 1, got {comm_slowdown}")
     if lockstep is None:
         lockstep = nsim >= LOCKSTEP_RANKS
-    if full and lockstep and nsim == nranks and comm_share == 1.0 and not record:
+    if full and lockstep and nsim == nranks and comm_slowdown == 1.0 and not record:
         from twin.lockstep.lockstep import simulate_lockstep
         res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown)
         if res is not None:
@@ -145,7 +145,7 @@ def simulate_program(program: Program, compute_s: list[float],
                                 exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
                                 simulated_ops=ops, ranks=nranks, spans=[], classes=nsim)
     sim = _Sim(program, nsim, record, collective_s, by_size, plan)
-    sim.comm_slow = 1.0 / comm_share
+    sim.comm_slow = comm_slowdown
     if stop_ns:
         if full or tail_ns is None or len(tail_ns) != sim.n:
             raise ValueError("stop_ns needs symmetric mode and a tail per op")

@@ -7,6 +7,7 @@ differ only in sizes, twin.program.program.regrid); and `_first_alike`, the firs
 
 from __future__ import annotations
 
+from topologies import caches
 from twin.program.grid import AXES
 
 
@@ -57,7 +58,8 @@ class _Plan:
         self.todo = {k: [(i, cross[i]) for i in stream_ops] for k, stream_ops in by_stream.items()}
 
 
-_PLANS: dict[tuple, _Plan] = {}  # (streams, axes, deps of every op) -> its plan, the latest few
+# (streams, axes, deps of every op) -> its plan, the latest PLANS_KEPT (programs alike share one)
+_PLANS: dict[tuple, _Plan] = caches.register("twin.engine.plan.plans", {})
 PLANS_KEPT = 16
 
 

@@ -72,12 +72,12 @@ class _Sim:
         self.cross, self.waited_on, self.counted = plan.cross, plan.waited_on, plan.counted
         self.woken = -1  # rank * n + op: the completion whose waiters are being advanced
         self.buckets: dict[int, list] = {}  # due time (ns) -> streams in scheduling order
-        self.comm_slow = 1.0  # 1 / comm_share: a collective's time factor while a member's compute runs
+        self.comm_slow = 1.0  # comm_slowdown: a collective's time factor while a member's compute runs
         self.stop_ns = 0      # > 0: stop once the end is sure to come later (simulate_program's stop_ns)
         self.tail_ns: list[int] = []
 
     def comm_factor(self, members: list[int]) -> float:
-        """Time factor of a collective of `members` now: 1 / comm_share while one of them computes."""
+        """Time factor of a collective of `members` now: comm_slowdown while one of them computes."""
         compute = self.compute
         return self.comm_slow if any(compute[r].running for r in members) else 1.0
 

@@ -9,34 +9,24 @@ exposed by E[max(0, X - w)] (X its span, w the compute that hides it), which is 
 max(0, E[X] - w) when X varies. So a timeline of mean spans overlaps compute with collectives more
 than the ranks do, its step comes out short and its compute share high, and the stretch that the
 busy shares give (twin.host.cores) comes out high: on the grids whose z all-gathers are prefetched (z = 4
-on 8 ranks) the predicted stretch ran up to 31 % over the measured one.
+on 8 ranks) the predicted stretch ran well over the measured one.
 
 The twin therefore simulates a CPU step DRAWS times with each op's span times a factor drawn
 log-normal with mean 1 and the spread the profile's `span_spread` gives its class (seeded: the
 result is deterministic), and takes the mean of the draws:
 - a compute op (less the host time before it, which is the executor's own) at the spread of the
   compute ops;
-- a collective that the compute op after its issue does not wait for (twin.costs.kernels.charged_issues:
+- a collective that the compute op after its issue does not wait for (twin.host.order.charged_issues:
   it runs beside compute) at the spread of its kind and axis. A collective that its rank waits for
   at once is not drawn: its span is long on the ranks that arrived early and short on the last one,
   the mirror of their compute before it, so drawing it apart from that compute would count the
   ranks' drift twice, while its mean span, exposed whole, already holds the mean wait.
-twin.predict.simulate takes the busy shares (and so the stretch) and the iteration as their means over the
-draws; the recorded timeline stays the one of mean spans. calibration.sharing replays bench's
-recorded steps the same way when it fits the collective core load, so the load and the shares it
+The host model (twin.host.sharing) takes the busy shares (and so the stretch) and the iteration as
+their means over the draws; the recorded timeline stays the one of mean spans. The fit of the
+collective core load replays bench's recorded steps the same way, so the load and the shares it
 weighs come from one timeline model.
-
-Measured (2026-12-02, each loop's runs against the profile fitted from its own bench, the four loops
-whose bench records the spread: 02g, 02f, 02e, 02d; `python benchmarks/bench_validate.py --runs`):
-grids whose per-op median error is within 20 % went 33 -> 33, 32 -> 33, 34 -> 35, 30 -> 32 and the
-worst per-op median 32 -> 25, 31 -> 24, 21 -> 17, 38 -> 33 % (1x1x4x2's predicted stretch 1.21-1.26
-times the measured in 02g, 02f and 02d, from 1.28-1.31); the iteration's median |error| 4.0 -> 3.5, 4.7 -> 4.9,
-3.7 -> 3.4, 3.9 -> 3.9 % and its grids within 15 % 35 -> 34, 35, 35, 34 -> 34: 1x4x2x1 (y = 4, z = 2),
-predicted long already, went +14.7 -> +16.8 % in 02g and +15.1 -> +18.2 % in 02d; Spearman unchanged (0.98, 0.98, 0.98,
-0.97). With cpu-2026-12-02e every CPU target of the loop is met (35 grids within 15 %, 35 per op
-within 20 %). Drawing every collective, blocking ones too (a prototype, 8 draws), lengthened the
-grids split over y further (1x4x2x1 +17 % in 02g). With DRAWS = 16 in antithetic pairs a grid's
-predicted iteration error comes within 0.15 points (mean; 0.5 at worst) of 32 draws' on 02g's grids.
+What this changed on the measured CPU loops is in their dated record in docs/ (the page on fitting
+profiles).
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ import statistics
 from dataclasses import replace
 from typing import Callable
 
-from twin.costs.kernels import charged_issues
+from twin.host.order import charged_issues
 
 DRAWS = 16  # simulations per step (8 antithetic pairs)
 SEED = 1

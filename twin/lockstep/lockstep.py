@@ -235,7 +235,7 @@ class _Lockstep:
 def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: float,
                       max_sweeps: int = MAX_SWEEPS, spans: bool = False):
     """Simulate every rank of `program` (twin.engine.engine.simulate_program's full mode, rank by rank,
-    comm_share 1, no spans) in lockstep. slow[r]: rank r's compute slowdown factor. Returns
+    comm_slowdown 1, no spans) in lockstep. slow[r]: rank r's compute slowdown factor. Returns
     (iteration ns, compute ns summed over ranks, exposed ns per axis summed over ranks, sweeps), or
     None where the event engine's order of same-nanosecond events would decide (module docstring)."""
     ls = _Lockstep(program, compute_s, collective_s, slow, overlap_slowdown)

@@ -9,13 +9,16 @@ engine's branch and bound (twin.engine.engine.simulate_program's stop_ns)."""
 
 from __future__ import annotations
 
+from topologies import caches
 from twin.engine.engine import NS
+from twin.host.sharing import least_compute_s
 from twin.program.grid import AXES, Grid
 from twin.predict.study import Study
-from twin.predict.study_cache import KEEP_GRIDS, _SOLO_PHASES, machine_key, model_for, program_for, programs_kept, study_key
+from twin.predict.study_cache import KEEP_GRIDS, SOLO_PHASES, machine_key, model_for, program_for, programs_kept, study_key
 
 
-_BOUNDS: dict[tuple[bytes, str], float] = {}
+# (study_key, grid) -> lower_bound (s): the last 4,096
+_BOUNDS: dict[tuple[bytes, str], float] = caches.register("twin.predict.bounds.lower", {})
 
 
 def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
@@ -50,7 +53,8 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     return t
 
 
-_QUICK: dict[tuple[bytes, str], float] = {}
+# (study_key, grid) -> quick_bound (s): the last 4,096
+_QUICK: dict[tuple[bytes, str], float] = caches.register("twin.predict.bounds.quick", {})
 
 
 def quick_bound(study: Study, grid: Grid, like: Grid | None = None) -> float:
@@ -64,7 +68,7 @@ def quick_bound(study: Study, grid: Grid, like: Grid | None = None) -> float:
     key = (study_key(study), str(grid))
     t = _QUICK.get(key)
     if t is None:
-        model = SoloBound(model_for(study, grid), _SOLO_PHASES, machine_key(study))
+        model = SoloBound(model_for(study, grid), SOLO_PHASES, machine_key(study))
         t = _keep_bound(_QUICK, key, _longest_path(study, grid, model, like))
     return t
 
@@ -145,14 +149,15 @@ class _RoutedOrSolo:
     def __init__(self, study: Study, grid: Grid, route: tuple[str, ...] = ()):
         from twin.costs.solobound import SoloBound
         self.model = model_for(study, grid)
-        self.solo = SoloBound(self.model, _SOLO_PHASES, machine_key(study))
+        self.solo = SoloBound(self.model, SOLO_PHASES, machine_key(study))
         self.routed = {a: a in route or self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
         return (self.model if self.routed.get(axis) else self.solo).time(kind, axis, nbytes)
 
 
-_ROUTED: dict[tuple[bytes, str], float] = {}
+# (study_key, grid) -> routed_bound (s): the last 4,096
+_ROUTED: dict[tuple[bytes, str], float] = caches.register("twin.predict.bounds.routed", {})
 
 
 def routed_bound(study: Study, grid: Grid) -> float:
@@ -193,7 +198,8 @@ def tail_ns(study: Study, grid: Grid) -> list[int] | None:
     return tail
 
 
-_COMPUTE: dict[tuple[bytes, str], tuple] = {}
+# (study_key, grid) -> (program, least ns of each op, its collectives, optimizer ops) (_compute_ns): KEEP_GRIDS
+_COMPUTE: dict[tuple[bytes, str], tuple] = caches.register("twin.predict.bounds.compute", {})
 
 
 def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple], list[int]]:
@@ -207,10 +213,8 @@ def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple],
         return hit[1:]
     km, p = study.kernels, study.profile
     slow = min(1.0, p.overlap_slowdown)  # a factor below 1 would speed overlapped compute up
-    # CPU, where each grid runs at its own stretch of the ops' on-CPU time (twin.host.cores, at least 1):
-    # its least time is the on-CPU time, not the pooled stretch the op times hold (GPU: 1, op_time's)
-    least = 1.0 / p.stretch if p.node_cores and p.stretch > 0 else 1.0
-    ns = [0 if op.is_collective else int(slow * (km.kernel_time(op) * least + p.host_op_s) * NS + 0.5)
+    # where ranks share their cores, an op's least time is the host model's (twin.host.sharing)
+    ns = [0 if op.is_collective else int(slow * least_compute_s(p.host, km.kernel_time(op)) * NS + 0.5)
           for op in prog.ops]
     colls = [(op.index, op.kind, op.axis, op.bytes, op.axis == "data" and op.weight != "norms")
              for op in prog.ops if op.is_collective]
@@ -221,7 +225,8 @@ def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple],
     return ns, colls, optimizer
 
 
-_SHAPES: dict[int, tuple] = {}
+# id(program) -> (program, its streams and deps) (_shape): the last KEEP_GRIDS programs
+_SHAPES: dict[int, tuple] = caches.register("twin.predict.bounds.shapes", {})
 
 
 def _shape(prog) -> tuple[list[int], list[tuple[int, ...]], int, int] | None:

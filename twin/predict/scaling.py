@@ -2,7 +2,7 @@
 behind `twin scaling`.
 
 - weak: the model grows with the GPU count, about 9.8 M parameters per GPU, as in AxoNN's model table
-  (shared/reference/published.md: gpt-5b on 512, gpt-10b on 1,024, ... gpt-320b on 32,768 GPUs),
+  (docs/reference/published.md: gpt-5b on 512, gpt-10b on 1,024, ... gpt-320b on 32,768 GPUs),
   one global batch for every point (the documented 2,048 x 2,048 tokens unless given);
 - strong: the system's default model on 1/8, 1/4, 1/2 and all of its default GPU count, one batch
   (the default study's).
@@ -82,7 +82,7 @@ def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[s
     points with those GPU counts. `batch`: global batch in sequences (default: the weak series, the
     model's; the strong series, the default study's). `progress(what, done, total)` is called before
     each point."""
-    from twin.predict.simulate import simulate
+    from twin.predict.simulate import SimulationConfig, simulate
 
     spec = load_system(system) if isinstance(system, str) else system
     pts = list(points) if points is not None else series_points(spec, series)
@@ -98,7 +98,7 @@ def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[s
         if progress is not None:
             progress(f"{model} on {n} GPUs", i, len(pts))
         try:
-            r = simulate(spec, model, n, "auto", batch=batch, options=options, simulate_top=simulate_top)
+            r = simulate(SimulationConfig(spec, model, n, "auto", batch=batch, options=options, simulate_top=simulate_top))
         except TwinError as e:
             skipped.append(f"{model} on {n} GPUs: {e}")
             continue

@@ -16,35 +16,24 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
+from topologies import caches
 from topologies.system import SystemSpec
 from twin.predict.bounds import quick_bounds, routed_bound, tail_ns
 from topologies.common import TwinError
 from twin.engine.engine import NS, Stopped, simulate_program
+from twin.host import sharing as shared_host
 from twin.program.grid import AXES, Grid
-from twin.costs.kernels import host_times
+from twin.costs.collectives import collective_timer
 from twin.predict.memory import memory_per_gpu
 from twin.program.model import ModelSpec
-from twin.program.program import Options, Program, build_program, host_ordered
+from twin.program.program import Options, Program, build_program
 from twin.predict.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.predict.search import Candidate, estimate_grids, exact_estimate, rank_grids
-from twin.host.spread import drawn_runs, mean_result, mean_shares
 from twin.predict.study import Study, check_grid, prepare
 from twin.predict.study_cache import model_for, program_for, study_key
 from twin.present.trace import Span, op_args
-
-
-def collective_timer(program: Program, model):
-    """collective_s(op index, concurrent axes) -> seconds, from `model.time` (which caches its answers):
-    it depends on the op only through its (kind, axis, bytes) (twin.engine.engine's by_size)."""
-    ops = program.ops
-
-    def timer(i: int, concurrent: frozenset) -> float:
-        op = ops[i]
-        return float(model.time(op.kind, op.axis, op.bytes, concurrent=concurrent))
-
-    return timer
 
 
 MAX_SLOWDOWN = 1e3         # a straggler's compute at most this many times slower
@@ -92,8 +81,10 @@ def min_ops_per_rank(study: Study) -> int:
 # end use.
 SCAN = 16
 BOUND_SLACK = 0.998
-_SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = OrderedDict()  # symmetric runs of this process
-_STOPPED: dict[tuple[bytes, str], float] = {}  # lower bounds (s) that stopped runs showed (stopped_bound)
+# symmetric runs of this process, the last 256; lower bounds (s) that stopped runs showed (stopped_bound)
+_SIMULATED: OrderedDict[tuple[bytes, str], SimulationResult] = caches.register("twin.predict.simulate.simulated",
+                                                                             OrderedDict())
+_STOPPED: dict[tuple[bytes, str], float] = caches.register("twin.predict.simulate.stopped", {})
 
 
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
@@ -158,26 +149,22 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
     prog = program or program_for(study, grid)
-    if study.profile.host_ordered:  # the executor's host runs each op in program order (CPU)
-        prog = host_ordered(prog)
+    p, km = study.profile, study.kernels
+    if p.host is not None:  # ranks share their node's cores (CPU): the host model runs the program
+        prog = shared_host.as_run(p.host, prog)
     if record:
         check_trace_size(len(prog.ops), grid.size if full else 1)
-    km = study.kernels
     cm = collectives if collectives is not None else model_for(study, grid)
-    p = study.profile
-    hosts = host_times(prog.ops, p.host_op_s, p.host_issue_s)
-    timer = collective_timer(prog, cm)
-    stretch, settled_runs = _settled_stretch(study, grid, prog, hosts, timer)
-    compute_s = _compute_times(prog, km, p.stretch, stretch, hosts)
-    drawn = stretch is not None and bool(p.span_spread)  # CPU: the mean over spans drawn at their spread
-    tails = tail_ns(study, grid) if stop_s and not drawn else None
-    engine_kw = dict(full=full, slowdown=slowdown, overlap_slowdown=p.overlap_slowdown, comm_share=p.comm_share)
-    res = simulate_program(prog, compute_s, timer, record=record, stop_ns=int(stop_s * NS) if tails is not None else 0,
-                           tail_ns=tails, by_size=True, **engine_kw)
-    if drawn:  # the stretch's last draws are these where they ran in the same mode (symmetric)
-        runs = settled_runs if settled_runs and not full else \
-            drawn_runs(prog, compute_s, hosts, timer, p.span_spread, simulate_program, **engine_kw)
-        res = mean_result(res, runs)
+    stop_ns = int(stop_s * NS)
+    if p.host is not None:
+        res = shared_host.simulate_shared(study, grid, prog, cm, full=full, slowdown=slowdown, record=record,
+                                          stop_ns=stop_ns, tails=lambda: tail_ns(study, grid))
+    else:
+        compute_s = [0.0 if op.is_collective else km.kernel_time(op) for op in prog.ops]
+        tails = tail_ns(study, grid) if stop_s else None
+        res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
+                               overlap_slowdown=p.overlap_slowdown, record=record,
+                               stop_ns=stop_ns if tails is not None else 0, tail_ns=tails, by_size=True)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -200,62 +187,6 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                         for r, i, s, d in res.spans]
     result.wall_time_s = time.perf_counter() - t0
     return result
-
-
-STRETCH_ROUNDS = 20  # at most this many simulations to settle a grid's stretch (1-4 in practice)
-
-
-def shared_core_stretch(study: Study, grid: Grid, prog: Program, collectives) -> float | None:
-    """How many times its on-CPU time a compute op of this grid takes while its ranks share the node's
-    cores (twin.host.cores), or None where the profile does not model it (GPU profiles; CPU profiles fitted
-    before it, or from files without on-CPU times): every grid then takes the profile's pooled
-    `stretch`, which its compute op times hold. The busy shares come from the twin's own timeline,
-    which the stretch lengthens: the fixed point, from the pooled stretch by twin.host.cores.fixed_point
-    (each evaluation one symmetric simulation, or where the profile has a `span_spread` the mean shares of
-    twin.host.spread's draws; the map's slope is (R - 1) / cores x c (1 - c) / stretch where the
-    step lengthens with the compute, up to (R - 1) / cores x c / stretch where it does not: 0.56 on
-    1x1x4x2 in cpu-2026-12-02c, under 1). Programs are host-ordered and timed as _simulate_grid does."""
-    p = study.profile
-    return _settled_stretch(study, grid, prog, host_times(prog.ops, p.host_op_s, p.host_issue_s),
-                            collective_timer(prog, collectives))[0]
-
-
-def _compute_times(prog: Program, km, pooled: float, stretch: float | None, hosts: list[float]) -> list[float]:
-    """Each op's compute time (seconds; 0 for a collective): its kernel time, which holds the profile's
-    `pooled` stretch, at this grid's own `stretch` (CPU; None: as it is), plus the host time before it."""
-    scale = 1.0 if stretch is None else stretch / pooled
-    return [0.0 if op.is_collective else km.kernel_time(op) * scale + h for op, h in zip(prog.ops, hosts)]
-
-
-def _settled_stretch(study: Study, grid: Grid, prog: Program, hosts: list[float],
-                     timer) -> tuple[float | None, list | None]:
-    """shared_core_stretch, and the engine results of twin.host.spread's draws at it (symmetric mode;
-    None where the profile has no `span_spread`): _simulate_grid's mean over draws, already run.
-    hosts: each op's host time before it (seconds, twin.costs.kernels.host_times); timer: collective_timer."""
-    from twin.host.cores import busy_shares, core_stretch, fixed_point, stretch_floor
-    p = study.profile
-    ranks = min(grid.size, study.system.gpus_per_node)
-    if not (p.node_cores and p.stretch > 0) or ranks < 2:
-        return None, None
-    km = study.kernels
-    floor = stretch_floor(ranks, p.node_cores, p.stretch)
-    engine_kw = dict(overlap_slowdown=p.overlap_slowdown, record=True, comm_share=p.comm_share)
-    last: dict[float, list] = {}  # the stretch last mapped -> its draws
-
-    def mapped(stretch: float) -> float:  # the stretch that the shares of a timeline at `stretch` give
-        compute = _compute_times(prog, km, p.stretch, stretch, hosts)
-        if p.span_spread:  # twin.host.spread: the mean shares over spans drawn at their spread
-            runs = drawn_runs(prog, compute, hosts, timer, p.span_spread, simulate_program, **engine_kw)
-        else:
-            runs = [simulate_program(prog, compute, timer, by_size=True, **engine_kw)]
-        shares = mean_shares([busy_shares(r.spans, lambda i: prog.ops[i].is_collective, hosts.__getitem__)
-                              for r in runs])
-        last.clear()
-        last[stretch] = runs
-        return core_stretch(ranks, p.node_cores, p.collective_core_load, *shares, floor)
-
-    stretch = fixed_point(mapped, p.stretch, rounds=STRETCH_ROUNDS)
-    return stretch, last.get(stretch) if p.span_spread else None
 
 
 def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
@@ -356,40 +287,63 @@ def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[
                   + (f", {stopped} of them partway through their simulation" if stopped else "") + ")")
 
 
-def simulate(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
-             grid: str | Grid | None = "auto", batch: int | None = None, seq_len: int | None = None,
-             options: Options | None = None, placement: str = "contiguous", full: bool = False,
-             slowdown: dict[int, float] | None = None, gemm_tuning: bool = True, profile: str | None = None,
-             record: bool = False, simulate_top: int = 2, collectives=None,
-             program: Program | None = None, progress=None) -> SimulationResult:
-    """Simulate one training iteration; see the module docstring. Defaults: the system's default
-    study (model and GPU count), grid auto (the analytical top `simulate_top` + SCAN, bounded, those
-    not ruled out simulated).
-    With record=True the result's `spans` hold every op of every simulated rank (twin.present.trace.Span).
-    program: simulate this program (twin.program.programfile); it fixes the model, grid, batch and switches."""
+@dataclass(frozen=True)
+class SimulationConfig:
+    """What `simulate` predicts: the job (system, model, GPU count, grid, batch, switches) and how.
+
+    Defaults: the system's default study (its model and GPU count), grid auto, the model's sequence
+    length and the system's global batch. `program` (a program file, twin.program.programfile) fixes
+    the model, grid, batch and switches. `full`: every rank simulated (`slowdown`: rank -> compute
+    factor, stragglers); `record`: keep every op's span (SimulationResult.spans) for traces and plots;
+    `simulate_top`: grid auto simulates the analytical top `simulate_top` (and any other grid its
+    lower bound does not rule out)."""
+
+    system: str | SystemSpec = "frontier"
+    model: str | ModelSpec | None = None
+    gpus: int | None = None
+    grid: str | Grid | None = "auto"
+    batch: int | None = None          # global batch (sequences)
+    seq_len: int | None = None        # tokens per sequence
+    options: Options | None = None
+    placement: str = "contiguous"
+    profile: str | None = None        # kernel profile name or file (None: the system's)
+    gemm_tuning: bool = True
+    full: bool = False
+    slowdown: dict[int, float] | None = None
+    record: bool = False
+    simulate_top: int = 2
+    program: Program | None = None
+
+
+def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> SimulationResult:
+    """Simulate one training iteration as `config` says; see the module docstring.
+    collectives: a stand-in collective model (anything with .time(kind, axis, nbytes, concurrent) ->
+    seconds) in place of the flow model; progress(stage name): a callback, e.g. twin.present.progress.Stages."""
     t0 = time.perf_counter()
-    if slowdown and not full:
+    c = config
+    if c.slowdown and not c.full:
         raise TwinError("--slowdown needs --full: stragglers are simulated only when every rank is")
-    if program is not None:
-        model, gpus, grid, options = program.model, program.grid.size, program.grid, program.options
-        batch, seq_len = program.batch, program.seq_len
-    study = prepare(system, model, gpus, batch, seq_len, options, placement, profile, gemm_tuning)
+    model, gpus, grid, options, batch, seq_len = c.model, c.gpus, c.grid, c.options, c.batch, c.seq_len
+    if c.program is not None:
+        p = c.program
+        model, gpus, grid, options, batch, seq_len = p.model, p.grid.size, p.grid, p.options, p.batch, p.seq_len
+    study = prepare(c.system, model, gpus, batch, seq_len, options, c.placement, c.profile, c.gemm_tuning)
     result = None
-    say = progress or (lambda stage: None)  # progress(stage name), e.g. twin.present.progress.Stages
+    say = progress or (lambda stage: None)
     if grid is None or (isinstance(grid, str) and grid.strip().lower() == "auto"):
-        if record and full:  # refuse an impossible trace before the search, not after it
+        if c.record and c.full:  # refuse an impossible trace before the search, not after it
             check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
-        best, how = choose_grid(study, simulate_top=simulate_top, collectives=collectives)
+        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives)
         g = best.grid
-        if best.result is not None and not (full or slowdown or record):
+        if best.result is not None and not (c.full or c.slowdown or c.record):
             result = best.result  # already simulated in this very setting
             result.grid_choice = how
     else:
         g, how = (Grid.parse(grid) if isinstance(grid, str) else grid), "given"
     if result is None:
-        say(f"simulating grid {g}" + (" (every rank)" if full else ""))
-        result = simulate_grid(study, g, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                               grid_choice=how, program=program)
+        say(f"simulating grid {g}" + (" (every rank)" if c.full else ""))
+        result = simulate_grid(study, g, full=c.full, slowdown=c.slowdown, record=c.record, collectives=collectives,
+                               grid_choice=how, program=c.program)
     result.wall_time_s = time.perf_counter() - t0
     return result

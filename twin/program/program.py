@@ -12,7 +12,7 @@ swiglu,mlp_down}`, its `ln*` RMSNorms); passes are `fwd`, `rec` (recomputed forw
 The micro-batch prefix `mb<j>.` appears only with more than one micro-batch. A collective over an
 axis of size 1 is left out.
 
-Sharding (see DESIGN.md): a linear layer's W (k x n) is split k/G_in by n/G_out and the block is
+Sharding (see docs/architecture.md): a linear layer's W (k x n) is split k/G_in by n/G_out and the block is
 sharded again over z. Attention heads split over y: with grouped-query attention (a Llama) each y-shard
 holds heads/G_y query heads and kv_heads/G_y key/value heads (so G_y divides kv_heads; the qkv layer's
 columns of y-shard j are [q | k | v] of its heads), and mlp_up is gate and up fused into one GEMM whose
@@ -49,7 +49,7 @@ from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, COLLECTIVES,
                       COMPUTE_KINDS, EMBEDDING_AXES, GRAD_AR_BYTES, MAX_PROGRAM_OPS, NORM_AXIS, STAT_BYTES,
-                      STREAMS, Builder, Op, Options, Program, _local_params, changed, check_program_size, embedding_dims,
+                      STREAMS, Builder, Op, Options, Program, local_params, changed, check_program_size, embedding_dims,
                       grad_buffer, linear_dims, weight_buffer)
 
 __all__ = ["ACT_BYTES", "ADAMW_BYTES_PER_PARAM", "ADAMW_FLOPS_PER_PARAM", "COLLECTIVES", "COMPUTE_KINDS",
@@ -184,7 +184,7 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
                       role="grad", weight="norms")
     grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
                                 deps=[nz if nz is not None else b.ready], role="grad", weight="norms"))
-    sizes = _optimizer_sizes(_local_params(model, grid))
+    sizes = _optimizer_sizes(local_params(model, grid))
     b.phase = "opt"
     clip = ()
     if options.grad_clip:
@@ -237,7 +237,7 @@ def regrid(program: Program, grid: Grid) -> Program:
     if old == grid:
         return program
     params, P = _grad_params(model, program.vocab, program.seq_len), grid.tensor_size
-    sizes = _optimizer_sizes(_local_params(model, grid))
+    sizes = _optimizer_sizes(local_params(model, grid))
     ops = list(program.ops)
     for i, op in enumerate(ops):
         if op.phase == "grad" and op.axis == "data" and op.weight != "norms":
@@ -245,20 +245,3 @@ def regrid(program: Program, grid: Grid) -> Program:
         elif op.phase == "opt" and op.role in sizes:
             ops[i] = changed(op, **sizes[op.role])
     return Program(model, grid, program.options, program.batch, program.seq_len, program.vocab, ops)
-
-
-def host_ordered(program: Program) -> Program:
-    """The program as an executor whose host runs the compute ops runs it (CPU: the host is the
-    device): the host walks the ops in program order, so a collective is issued only after the
-    compute op before it finished, and a compute op starts only after the host waited for what the
-    collectives issued before it depend on. Returns a copy with those waits added to `deps`."""
-    ops, last, waited = [], None, set()
-    for op in program.ops:
-        if op.is_collective:
-            waited.update(op.deps)
-            deps = op.deps if last is None or last in op.deps else op.deps + (last,)
-        else:
-            deps = op.deps + tuple(sorted(waited - set(op.deps)))
-            waited, last = set(), op.index
-        ops.append(op if deps == op.deps else changed(op, deps=deps))
-    return replace(program, ops=ops)
