@@ -9,8 +9,9 @@ import hashlib
 
 import numpy as np
 
+from topologies import caches
 from topologies.network import Network, build_network
-from topologies.routing import ROUTES, route
+from topologies.routing import route
 from topologies.system import load_system
 
 
@@ -85,10 +86,10 @@ PINNED = {  # computed at c4ff7fb by this file's cases
 }
 
 
-def test_routes_are_those_computed_before_the_speed_work():
+def test_routes_are_those_computed_before_the_speed_work(fresh_caches):
     got = {}
     for name, net, kw in _cases():
-        ROUTES.clear()   # computed, not handed back from the memo
+        caches.clear()   # computed, not handed back from the memo of routes
         got[name] = _checksum(route(net, **kw))
     assert got == PINNED
 

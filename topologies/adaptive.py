@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from topologies import caches
 from topologies.network import Network, mod
 
-_HOPS = 5  # switch-to-switch columns in a path matrix
+HOPS = 5  # switch-to-switch columns in a path matrix
 _CHUNK = 8192  # flows whose candidates adaptive lays out at once
 
 
@@ -68,7 +69,7 @@ def _candidates(net: Network, s: np.ndarray, d: np.ndarray, draws: list, L: int)
     small = loc.dtype.type
     S, G = net.S, net.groups
     s, d = s.astype(small), d.astype(small)
-    cand = np.full((_HOPS, len(s), L + len(draws)), -1, dtype=small)
+    cand = np.full((HOPS, len(s), L + len(draws)), -1, dtype=small)
     gs, gd = s // S, d // S
     is_same = gs == gd
     same = np.flatnonzero(is_same)
@@ -130,7 +131,8 @@ def _uniform_capacity(net: Network) -> float | None:
     return None
 
 
-_ORDERS: dict[tuple[int, int], np.ndarray] = {}
+# (flows, seed) -> the order adaptive places them in (_placement_order), the last 8
+_ORDERS: dict[tuple[int, int], np.ndarray] = caches.register("topologies.adaptive.orders", {})
 
 
 def _placement_order(n: int, seed: int) -> np.ndarray:
@@ -172,7 +174,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
     n = len(s)
     if out is None:
-        out = np.full((n, _HOPS), -1, dtype=np.int64)
+        out = np.full((n, HOPS), -1, dtype=np.int64)
     if n == 0:
         return out
     dem = np.broadcast_to(np.asarray(net.capacity.max() if demand is None else demand, dtype=float), (n,))
@@ -198,7 +200,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     dem = np.ascontiguousarray(dem[live]) if one is None or cap is None else None
     if one is None and (dem == dem[0]).all():
         one = dem[0]
-    dem_hops = np.repeat(dem, _HOPS) if one is None else None
+    dem_hops = np.repeat(dem, HOPS) if one is None else None
     L = max(net.L, 1)
     # Utilization of a hop = (load + demand) / capacity, -1 (no hop) reads a sentinel link. With one
     # capacity C for every switch link, max over hops of (load + dem) / C = (max load + dem) / C
@@ -211,7 +213,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
     # count: a batch reads and adds integer counts (in any order) and computes the same floats.
     counts = cap is not None and one is not None and one >= 0
     if counts:
-        wide = np.int32 if len(live) * _HOPS < 2**30 else np.int64   # (the sentinel stays below 0)
+        wide = np.int32 if len(live) * HOPS < 2**30 else np.int64   # (the sentinel stays below 0)
         count = np.zeros(net.n_links + 1, dtype=wide)
         count[-1] = np.iinfo(wide).min // 2       # the sentinel: never a path's busiest hop
         # (T[k] + D) / C for k up to a few hundred flows on a link (the fixed grid's busiest holds 25),
@@ -225,7 +227,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         else:
             load[-1] = -np.inf
     K = L + detours
-    cost_of_hops = 1 + hop_weight * np.arange(_HOPS + 1)   # a path's factor by its hops (looked up: 7x faster)
+    cost_of_hops = 1 + hop_weight * np.arange(HOPS + 1)   # a path's factor by its hops (looked up: 7x faster)
     chunk = max(1, _CHUNK // max(size, 1))        # batches per chunk of laid-out candidates
     rows = np.arange(chunk * (size + 1)) * K      # where each flow's candidates start in a chunk's `flat`
     for k0 in range(0, parts, chunk):
@@ -236,7 +238,7 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
         sel = live[A:B]
         cand = _candidates(net, s[sel], d[sel], [[x[A:B] for x in dr] for dr in draws], L)  # (hops, flows, K)
         factor = cost_of_hops.take(np.add.reduce((cand >= 0).view(np.uint8), axis=0, dtype=np.uint8))  # (flows, K)
-        flat = cand.reshape(_HOPS, -1)                                                      # (hops, flows*K)
+        flat = cand.reshape(HOPS, -1)                                                      # (hops, flows*K)
         picked = np.empty(B - A, dtype=np.intp)   # each flow's chosen candidate, as an index into flat
         for k in range(k0, k1):
             a, b = nb[k] - A, nb[k + 1] - A
@@ -267,6 +269,6 @@ def adaptive(net: Network, s, d, demand=None, seed: int = 0, batch: int = 128, d
                 np.add.at(count, flat.take(pick, axis=1), unit)
             else:  # flow by flow, so that each link's load sums its demands in the order it always did
                 placed = flat.take(pick, axis=1).T.ravel()
-                np.add.at(load, placed, dem_hops[(A + a) * _HOPS:(A + b) * _HOPS] if one is None else one)
+                np.add.at(load, placed, dem_hops[(A + a) * HOPS:(A + b) * HOPS] if one is None else one)
         out[sel] = flat.take(picked, axis=1).T
     return out

@@ -17,6 +17,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from topologies import caches
+
 
 def digest(*parts) -> bytes:
     """128-bit digest of numpy arrays (content, dtype, shape) and plain scalars or strings."""
@@ -32,7 +34,8 @@ def digest(*parts) -> bytes:
     return h.digest()
 
 
-_ARRAY_KEYS: dict[int, tuple] = {}
+# id(array) -> (weak reference to it, its key): each entry goes with its array (see remember_key)
+_ARRAY_KEYS: dict[int, tuple] = caches.register("topologies.memo.array_keys", {})
 
 
 def array_key(a: np.ndarray) -> bytes:
@@ -91,6 +94,9 @@ class Memo:
         while self.held > self.budget:
             _, old = self.items.popitem(last=False)
             self.held -= self.size(old)
+
+    def __len__(self) -> int:
+        return len(self.items)
 
     def clear(self) -> None:
         self.items.clear()

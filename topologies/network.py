@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from topologies import caches
 from topologies.memo import digest, remember_key
 from topologies.system import SystemSpec
 
@@ -325,7 +326,8 @@ class Network:
                 "links_by_kind": {k: int(c) for k, c in zip(LINK_KINDS, counts)}}
 
 
-_CACHE: dict[tuple[int, int], tuple[SystemSpec, Network]] = {}
+# (id(system), groups) -> (system, its network): the last _CACHE_SIZE networks built (build_network)
+_CACHE: dict[tuple[int, int], tuple[SystemSpec, Network]] = caches.register("topologies.network.networks", {})
 _CACHE_SIZE = 4
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from topologies.adaptive import _HOPS, adaptive
+from topologies import caches
+from topologies.adaptive import HOPS, adaptive
 from topologies.memo import Memo, array_key, digest
 from topologies.network import Network, same_block
 from topologies.common import InputError
@@ -133,7 +134,7 @@ def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j
     (written into `out`, a (flows, 5) array or view filled with -1, if given)."""
     n, G, S = len(s), net.groups, net.S
     if out is None:
-        out = np.full((n, _HOPS), -1, dtype=np.int64)
+        out = np.full((n, HOPS), -1, dtype=np.int64)
     gs, gd = s // S, d // S
     via_group = (gs != gd) & (G > 2)
     if via_group.any():
@@ -166,8 +167,11 @@ def _valiant_paths(net: Network, s: np.ndarray, d: np.ndarray, gi: np.ndarray, j
     return out
 
 
-ROUTES = Memo(512 * 2**20, lambda r: r.nbytes)  # routes already computed in this process
-_NET_KEYS: "weakref.WeakKeyDictionary[Network, bytes]" = weakref.WeakKeyDictionary()
+# routes already computed in this process, by a digest of the network and the flows: at most 512 MiB
+ROUTES = caches.register("topologies.routing.routes", Memo(512 * 2**20, lambda r: r.nbytes))
+# network -> network_key(network), for as long as the network lives
+_NET_KEYS: "weakref.WeakKeyDictionary[Network, bytes]" = caches.register("topologies.routing.network_keys",
+                                                                          weakref.WeakKeyDictionary())
 
 
 def network_key(net: Network) -> bytes:
@@ -233,7 +237,7 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     first = has_intra or bool(off_a.any())    # a column for the first GPU-GPU link
     last = bool(off_b.any())                  # one for the last
     sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
-    hops = 0 if not (sa != sb).any() else 3 if mode == "minimal" else _HOPS
+    hops = 0 if not (sa != sb).any() else 3 if mode == "minimal" else HOPS
     c = int(first)                            # column of GPU -> NIC
     # link indices in 32 bits where they fit (half the bytes to write and compact), int64 in the result
     m = np.full((n, c + 4 + hops + int(last)), -1, dtype=np.int32 if net.n_links < 2**31 else np.int64)

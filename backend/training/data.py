@@ -28,6 +28,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+from topologies import caches
 from topologies.common import TwinError
 
 SYNTHETIC_TOKENS = 1 << 16  # default length of the synthetic corpus (tokens)
@@ -65,7 +66,8 @@ def synthetic_corpus(n_tokens: int, vocab: int, seed: int) -> np.ndarray:
     return out
 
 
-_checked: set[tuple] = set()  # (path, size, mtime, vocab) of files already scanned in this process
+# (path, size, mtime, vocab) of files already scanned in this process
+_checked: set[tuple] = caches.register("backend.training.data.checked", set())
 
 
 def open_source(spec: str, vocab: int, seed: int = 0) -> TokenSource:

@@ -18,10 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
+from topologies import caches
 from topologies.memo import Memo, array_key, digest
 
-RATES = Memo(64 * 2**20, lambda r: r.nbytes)  # rates already computed in this process
-_PLACES: dict[int, np.ndarray] = {}  # link count -> a table kept for the process (see _places)
+# max-min rates already computed in this process, by a digest of the flows and capacities: at most 64 MiB
+RATES = caches.register("twin.costs.flows.rates", Memo(64 * 2**20, lambda r: r.nbytes))
+# link count -> a scratch table of link places (see _places): at most 4 network sizes
+_PLACES: dict[int, np.ndarray] = caches.register("twin.costs.flows.places", {})
 
 
 def _places(used: np.ndarray, n_links: int) -> np.ndarray:

@@ -1,10 +1,10 @@
 """The flows of one step of a set of rings, as max-min sees them (twin.costs.collectives lays them out).
 
-A `_FlowSet` holds the routed (sub-)flows of one ring step and turns their max-min rates into each
+A `FlowSet` holds the routed (sub-)flows of one ring step and turns their max-min rates into each
 ring's bus rate; it keeps per set what every max-min question asks of it again (the links its flows
 cross and how many cross each, its largest path latency, its slowest ring's rate per question).
-`_sharing_links` splits concurrent flow sets into groups that share no link (separate max-min
-problems), `_link_counts` adds the sets' link counts up for one problem, and FLOWS keeps the flow
+`sharing_links` splits concurrent flow sets into groups that share no link (separate max-min
+problems), `link_counts` adds the sets' link counts up for one problem, and FLOWS keeps the flow
 sets laid out in this process.
 """
 
@@ -14,11 +14,12 @@ import math
 
 import numpy as np
 
+from topologies import caches
 from topologies.memo import Memo, array_key
 from topologies.routing import Routes
 
 
-class _FlowSet:
+class FlowSet:
     """Flows of one step of a set of rings, with how to turn flow rates into each ring's bus rate.
     A flow may be carried by several sub-flows (`parent` maps sub-flow -> flow) on different paths."""
 
@@ -84,10 +85,11 @@ class _FlowSet:
         return out
 
 
-_SHARING: dict[tuple, list[list[int]]] = {}  # flow sets' route keys -> their groups (a search asks again)
+# flow sets' route keys -> their groups that share no link (a search asks again): the last 1,024
+_SHARING: dict[tuple, list[list[int]]] = caches.register("twin.costs.flowsets.sharing", {})
 
 
-def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
+def sharing_links(sets: list["FlowSet"], n_links: int) -> list[list[int]]:
     """The flow sets split into groups that share no link with each other (indices, in order)."""
     key = tuple(f.routes.key for f in sets)
     hit = _SHARING.get(key) if None not in key else None
@@ -100,7 +102,7 @@ def _sharing_links(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
     return hit
 
 
-def _split_sharing(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
+def _split_sharing(sets: list["FlowSet"], n_links: int) -> list[list[int]]:
     group = list(range(len(sets)))
     for i in range(len(sets)):
         mask = np.zeros(n_links, dtype=bool)
@@ -112,7 +114,7 @@ def _split_sharing(sets: list["_FlowSet"], n_links: int) -> list[list[int]]:
     return [[i for i in range(len(sets)) if group[i] == g] for g in dict.fromkeys(group)]
 
 
-def _link_counts(sets: list["_FlowSet"], n_links: int) -> tuple[np.ndarray, np.ndarray]:
+def link_counts(sets: list["FlowSet"], n_links: int) -> tuple[np.ndarray, np.ndarray]:
     """(the links the flow sets' flows cross, sorted; how many flows cross each) of the flow sets
     together, as twin.costs.flows.max_min_rates takes them (from each set's counts: no pass over the entries)."""
     if len(sets) == 1:
@@ -125,4 +127,5 @@ def _link_counts(sets: list["_FlowSet"], n_links: int) -> tuple[np.ndarray, np.n
     return used, per_link[used]
 
 
-FLOWS = Memo(256 * 2**20, lambda f: f.nbytes)  # flow sets of rings already laid out in this process
+# flow sets of rings already laid out in this process, by their routes' key: at most 256 MiB
+FLOWS = caches.register("twin.costs.flowsets.flows", Memo(256 * 2**20, lambda f: f.nbytes))

@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from topologies import caches
 from topologies.network import GLOBAL, LOCAL
 from twin.costs.collectives import ring_phases_time
 
@@ -84,15 +85,16 @@ def phase_bounds(model, rings: np.ndarray) -> tuple[float, float]:
     return rate * RATE_ROUNDING, alpha
 
 
-_HOPS: dict[int, tuple] = {}
+# id(net) -> (net, quickest switch-to-switch hop, quickest global hop) (_quickest_hops), per network
+HOPS: dict[int, tuple] = caches.register("twin.costs.solobound.hops", {})
 
 
 def _quickest_hops(net) -> tuple[float, float]:
     """(quickest switch-to-switch link, quickest global link) of a network: latencies in s."""
-    hit = _HOPS.get(id(net))
+    hit = HOPS.get(id(net))
     if hit is None or hit[0] is not net:
         lat = net.latency
-        hit = _HOPS[id(net)] = (net, float(lat[(net.kind == LOCAL) | (net.kind == GLOBAL)].min(initial=np.inf)),
+        hit = HOPS[id(net)] = (net, float(lat[(net.kind == LOCAL) | (net.kind == GLOBAL)].min(initial=np.inf)),
                                 float(lat[net.kind == GLOBAL].min(initial=np.inf)))
     return hit[1], hit[2]
 

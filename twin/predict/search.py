@@ -1,7 +1,7 @@
 """Grid ranking: every valid 4D grid (power-of-two ones for a power-of-two GPU count) by an analytical
 model; twin.predict.simulate (`search`, `choose_grid`) then simulates the best few.
 
-Analytical model (as AxoNN's configuration search, shared/reference/collective-bandwidth.md): for each
+Analytical model (as AxoNN's configuration search, docs/reference/collective-bandwidth.md): for each
 linear layer of a block, the ring volume of each collective the program issues (forward all-reduce over
 the layer's input axis, twice with recomputation; backward all-reduce over its output axis; two z
 all-gathers and one z reduce-scatter of the weight shard; the data all-reduce of its fp32 gradient
@@ -38,12 +38,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from topologies import caches
 from topologies.common import TwinError
 from twin.program.grid import AXES, Grid
 from twin.predict.memory import memory_per_gpu
 from twin.program.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, linear_dims
 from twin.predict.study import Study, check_grid, collective_model
-from twin.predict.study_cache import _SOLO_PHASES, machine_key
+from twin.predict.study_cache import SOLO_PHASES, machine_key
 
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
@@ -117,7 +118,7 @@ class Bandwidth:
                     from twin.costs.solobound import SoloBound
                     if self._machine is None:  # the same for every study this is kept for (bandwidth_for)
                         self._machine = machine_key(self.study)
-                    model = SoloBound(model, _SOLO_PHASES, self._machine)
+                    model = SoloBound(model, SOLO_PHASES, self._machine)
             t = model.time("all_gather", axis, PROBE_BYTES, concurrent=frozenset())
             lat = model.time("all_reduce", axis, 8 * p, concurrent=frozenset())
             t_ar = model.time("all_reduce", axis, PROBE_BYTES, concurrent=frozenset())
@@ -189,7 +190,8 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     return Candidate(grid, compute + model.layers * exposed, compute, comm, mem)
 
 
-_BANDWIDTHS: dict[tuple[bytes, bool], Bandwidth] = {}
+# (machine_key, optimistic) -> the probes of that machine (bandwidth_for): the last 16
+_BANDWIDTHS: dict[tuple[bytes, bool], Bandwidth] = caches.register("twin.predict.search.bandwidths", {})
 
 
 def bandwidth_for(study: Study, optimistic: bool = False) -> Bandwidth:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 from typing import Callable
 
+from topologies import caches
 from topologies.memo import digest
 from twin.program.grid import Grid
 from twin.predict.study import Study, collective_model
@@ -27,12 +28,15 @@ def machine_key(study: Study) -> bytes:
     return digest(pickle.dumps((study.system, study.placement, study.profile)))
 
 
-_SOLO_PHASES: dict = {}  # twin.costs.solobound figures of ring sets, by machine, GPU count, size and stride
+# twin.costs.solobound figures of ring sets, by machine, GPU count, size and stride (unbounded: small)
+SOLO_PHASES: dict = caches.register("twin.predict.study_cache.solo_phases", {})
 
 
 KEEP_GRIDS = 24  # programs and collective models kept: a search bounds up to 16 grids, then simulates some
-_PROGRAMS: dict[tuple[bytes, str], object] = {}
-_MODELS: dict[tuple[bytes, str], object] = {}
+# (program digest, grid) -> the study's program on the grid (program_for): the last KEEP_GRIDS
+_PROGRAMS: dict[tuple[bytes, str], object] = caches.register("twin.predict.study_cache.programs", {})
+# (machine_key, grid) -> the study's collective model on the grid (model_for): the last KEEP_GRIDS
+_MODELS: dict[tuple[bytes, str], object] = caches.register("twin.predict.study_cache.models", {})
 
 
 def _kept(cache: dict, key, make: Callable[[], object]):
