@@ -7,9 +7,9 @@ from __future__ import annotations
 import html
 import statistics
 
-from calibration.validate import SKIP_STEPS
+from calibration.validate import SKIP_STEPS, validate_runs
 from calibration.validate_measured import COLLECTIVES
-from calibration.validate_summary import Targets, _by_kind, targets_for
+from calibration.validate_summary import Targets, by_kind, targets_for
 
 
 def _pct(v: float | None, signed: bool = False, digits: int = 0) -> str:
@@ -58,6 +58,13 @@ def summary_lines(report: dict, t: Targets) -> list[str]:
     return lines
 
 
+def report_validation(run_dirs: list[str], system: str) -> dict:
+    """The validation section of `twin report --run DIR` (plugged in through the entry-point group
+    "twin.report"): the report of `validate_runs` with its headline in words under "summary"."""
+    report = validate_runs(run_dirs, system=system)
+    return report | {"summary": summary_lines(report, targets_for(report))}
+
+
 def grid_rows(runs: list[dict], t: Targets) -> tuple[list[str], list[list[str]], set[tuple[int, int]]]:
     """(header, rows, cells past their target) of the per-grid table."""
     header = ["grid", "runs", "iteration measured (s)", "predicted (s)", "error", "spread of the runs",
@@ -82,7 +89,7 @@ def grid_rows(runs: list[dict], t: Targets) -> tuple[list[str], list[list[str]],
 
 def kind_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the per-kind table, every run's ops pooled."""
-    kinds = _by_kind([o for r in runs for o in r["per_op"]], {})
+    kinds = by_kind([o for r in runs for o in r["per_op"]], {})
     header = ["kind", "ops", "median error", "median |error|", "90th percentile |error|", "measured (s, summed)",
               "predicted (s, summed)", "waiting for the last member"]
     rows = [[k, str(v["ops"]), _pct(v["median_error"], True), _pct(v["median_abs_error"]), _pct(v["p90_abs_error"]),

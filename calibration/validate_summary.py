@@ -1,6 +1,6 @@
 """Validation's summaries: errors per kind of op, repeated runs of one job pooled, the grid ranking.
 
-`_by_kind` sums a run's per-op errors per kind (median and 90th percentile of |error|, shares of peer
+`by_kind` sums a run's per-op errors per kind (median and 90th percentile of |error|, shares of peer
 wait and predicted excess for collectives); `pool_repeats` makes one report entry of repeated runs of
 the same job, at their medians; `spearman` ranks the grids, predicted against measured; `Targets`
 are the project's per machine (`targets_for` a report).
@@ -68,7 +68,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def _by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
+def by_kind(ops: list[dict], zero: dict[str, list[int]]) -> dict:
     """Per kind of op: count, median and 90th percentile of |error|, summed seconds; for collectives the
     peer-wait and predicted-excess shares, the error from the last arrival, from `zero` (kind ->
     [spans, spans of 0 s]) the share completed with the one before, and the host's mean wall time
@@ -150,7 +150,7 @@ def pool_repeats(runs: list[dict]) -> dict:
                    "stretch": _median([r["ops"]["stretch"] for r in runs]),
                    "median_abs_error": statistics.median([abs(o["error"]) for o in ops]) if ops else None,
                    "compute_median_abs_error": statistics.median(compute) if compute else None,
-                   "by_kind": _by_kind(ops, zero), "collective_spans": zero}
+                   "by_kind": by_kind(ops, zero), "collective_spans": zero}
     mem = first["memory"]
     mem_meas = _median([r["memory"]["measured_bytes"] for r in runs])
     memory = {**mem, "measured_bytes": mem_meas,

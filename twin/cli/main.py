@@ -1,8 +1,11 @@
 """The `twin` command: parses, calls the library, prints. Bad input exits 2 with one line.
 
-The commands live by what they do: twin.cli.inspect (models, program, systems, topology),
-twin.cli.predict (simulate, report, search, scaling, sensitivity), twin.cli.calibrate (calibrate,
-validate); twin.cli.common holds what they share. This module only lists them, in `--help` order.
+The commands live by what they do: twin.cli.inspect (models, program, systems, topology) and
+twin.cli.predict (simulate, report, search, scaling, sensitivity); twin.cli.common holds what they
+share. Other packages add commands through the entry-point group "twin.commands" (name = "module:function",
+a typer command function): `twin calibrate` and `twin validate` come this way (pyproject.toml), so the twin
+never imports the package that fits profiles, and runs without it. This module lists the commands, in
+`--help` order, and plugs the others in.
 """
 
 from __future__ import annotations
@@ -13,10 +16,53 @@ import sys
 import typer
 import typer.main
 
-from twin.cli.calibrate import calibrate_cmd, validate_cmd
 from twin.cli.inspect import models_cmd, program_cmd, systems_cmd, topology_cmd
 from twin.cli.predict import report_cmd, scaling_cmd, search_cmd, sensitivity_cmd, simulate_cmd
 from twin.program.flags import OneLineErrors
+
+PLUG_INS_AFTER = "topology"  # `twin --help` lists the plugged-in commands after this one
+
+
+def plug_ins(group: str = "twin.commands") -> list[tuple[str, object]]:
+    """The commands other installed packages add to `twin`: (name, command function) for each entry
+    point of `group`, in the order the packages' metadata lists them; none when nothing is installed.
+    Reading every installed package's metadata takes 20-40 ms, so it is done only on demand."""
+    from importlib.metadata import entry_points
+
+    return [(ep.name, ep.load()) for ep in entry_points(group=group)]
+
+
+class _Commands(OneLineErrors):
+    """The click group of `twin`: its own commands, and the plugged-in ones (`plug_ins`), added the first time
+    the group lists its commands (the help) or is asked for a name it does not hold. A process running one
+    of twin's own commands never looks for them. Twin's own command wins a name both use."""
+
+    _plugged = False
+
+    def list_commands(self, ctx):
+        self._plug_in()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, cmd_name):
+        if cmd_name not in self.commands:
+            self._plug_in()
+        return super().get_command(ctx, cmd_name)
+
+    def _plug_in(self) -> None:
+        if self._plugged:
+            return
+        self._plugged = True
+        names = list(self.commands)
+        at = names.index(PLUG_INS_AFTER) + 1 if PLUG_INS_AFTER in names else len(names)
+        added = {}
+        for name, fn in plug_ins():
+            if name not in self.commands and name not in added:
+                one = typer.Typer(add_completion=False)
+                one.command(name)(fn)
+                added[name] = typer.main.get_command(one)
+        if added:
+            own = self.commands
+            self.commands = {n: own[n] for n in names[:at]} | added | {n: own[n] for n in names[at:]}
 
 
 class _Twin(typer.Typer):
@@ -65,13 +111,13 @@ def leave(code) -> None:
     os._exit(code or 0)
 
 
-app = _Twin(cls=OneLineErrors, no_args_is_help=True, add_completion=False,
-                  help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
+COMMANDS = (("models", models_cmd), ("program", program_cmd), ("simulate", simulate_cmd), ("report", report_cmd),
+            ("search", search_cmd), ("systems", systems_cmd), ("topology", topology_cmd), ("scaling", scaling_cmd),
+            ("sensitivity", sensitivity_cmd))
+app = _Twin(cls=_Commands, no_args_is_help=True, add_completion=False,
+            help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
 
-for _name, _cmd in (("models", models_cmd), ("program", program_cmd), ("simulate", simulate_cmd),
-                    ("report", report_cmd), ("search", search_cmd), ("systems", systems_cmd),
-                    ("topology", topology_cmd), ("calibrate", calibrate_cmd), ("validate", validate_cmd),
-                    ("scaling", scaling_cmd), ("sensitivity", sensitivity_cmd)):
+for _name, _cmd in COMMANDS:
     app.command(_name)(_cmd)
 
 

@@ -25,9 +25,8 @@ On gloo (CPU) with G_data > 1 a second peak comes at the end-of-step gradient re
 executor issues every data-axis all-reduce on a flat copy of its weight's gradients (model.flat_grads)
 and waits for them together, so the static state plus one fp32 copy of the rank's gradients is held
 (the activations are gone). `reduction_buffers` is what that peak adds over the backward one (0 when
-the backward peak is higher). Measured (calibration/measurements/cpu-2026-12-01, torch's memory
-tracker, gpt-small): 1x1x1x4 and 1x1x1x8 both peaked at 64.98 MB = 51.98 MB of static state + 13.0 MB,
-one copy of the 3.25 M gradients, whatever their batch; the backward-peak model gave 58.5 MB for 1x1x1x8.
+the backward peak is higher). Measured with torch's memory tracker on gpt-small, data-parallel grids peak
+there, at the static state plus one copy of the gradients, whatever the batch.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from dataclasses import asdict, dataclass
 from topologies.common import TwinError
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
-from twin.program.program import ACT_BYTES, Options, _local_params
+from twin.program.program import ACT_BYTES, Options, local_params
 
 GIB = 1024**3
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16 mixed precision (Megatron-LM)
@@ -78,7 +77,7 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     s = model.seq_len if seq_len is None else seq_len
     h, gx, gy = model.hidden, grid.x, grid.y
     m = batch // (grid.z * grid.data) // options.micro_batches * s  # tokens per micro-batch
-    n_local = _local_params(model, grid)
+    n_local = local_params(model, grid)
 
     # activations a block saves when it is not recomputed: inputs of the two layer norms and of the
     # four GEMMs, q/k/v, the attention output and its softmax statistics, the GELU input
@@ -138,8 +137,8 @@ def _backend_peak(model: ModelSpec, grid: Grid, options: Options, m: int, n_loca
       large (the residual stream wide, the MLP thin) this one is higher;
     - the loss: every layer's saved inputs, the fp32 logits and the probabilities of their gradient;
     - on gloo with G_data > 1, the gradient reductions: every gradient and a flat fp32 copy of them.
-    Measured with torch's memory tracker on 35 gpt-small grids (calibration/measurements, `twin
-    validate`; all within 2.3 %) and on llama-small with and without recomputation
+    Measured with torch's memory tracker on 35 gpt-small grids (`backend run`, `twin validate`; all
+    within 2.3 %) and on llama-small with and without recomputation
     (benchmarks/llama_memory.py, within 1.7 %): the peak is at a GELU (SwiGLU) backward of the first
     layer (gradients dominate) or the last (saved inputs dominate), or, with G_x = 1 and G_y = 8, at
     the last layer's second layer-norm backward."""

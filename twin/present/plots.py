@@ -215,7 +215,7 @@ def scaling_figure(points: list[dict]) -> go.Figure:
 
 def validation_figure(ops: list[dict]) -> go.Figure:
     """Predicted against measured per op (log-log, one colour per kind, the y = x line). Each op:
-    {"name", "kind", "measured_s", "predicted_s"} (calibration.validate's per_op), and where given its
+    {"name", "kind", "measured_s", "predicted_s"} (a `twin validate` report's per_op), and where given its
     run's "grid" and its "wall_s", "cpu_s" and "peer_wait_s" (shown on hover)."""
     def hover(o: dict) -> str:
         text = (f"{o['grid']} " if "grid" in o else "") + o["name"]
@@ -242,7 +242,7 @@ def validation_figure(ops: list[dict]) -> go.Figure:
 
 
 def iteration_validation_figure(runs: list[dict], target: float) -> go.Figure:
-    """Predicted against measured iteration time per grid (calibration.validate's runs: "grid" and
+    """Predicted against measured iteration time per grid (a `twin validate` report's runs: "grid" and
     "iteration" with "measured_s", "predicted_s", "error"), with the y = x line and the band of
     +-`target` (a fraction) around it."""
     fig = go.Figure()

@@ -188,12 +188,18 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
 
     grid "auto" (or None) ranks `top` grids and simulates `simulate_top` of them, as `twin search`;
     a given grid skips the ranking when `top` is 0. `runs`: `backend run` folders to validate the
-    twin against (needs calibration.validate); `scaling`: points {"gpus", "flops_per_s", ...} for the
-    scaling curve. `progress(stage: str)` is called as each stage starts. Raises TwinError."""
+    twin against (by the validator plugged in, `validator()`; TwinError without one); `scaling`:
+    points {"gpus", "flops_per_s", ...} for the scaling curve. `progress(stage: str)` is called as each
+    stage starts. Raises TwinError."""
+    from topologies.common import TwinError
     from topologies.placement import place
     from twin.predict.simulate import search, simulate_grid
     from twin.predict.study import collective_model
 
+    validate = validator() if runs else None
+    if runs and validate is None:
+        raise TwinError('--run: no validator is installed to compare the twin with the runs '
+                        '(entry-point group "twin.report")')
     say = progress or (lambda stage: None)
     seconds = {}
     t0 = time.perf_counter()
@@ -233,12 +239,7 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     validation = None
     if runs:
         say("validating against the runs")
-        try:
-            from calibration.validate import validate_runs
-        except ImportError:
-            validation = None
-        else:
-            validation = validate_runs([str(r) for r in runs], system=study.system.name)
+        validation = validate([str(r) for r in runs], study.system.name)
     rep.summary = _summary(rep, study)
     say("drawing the page")
     rep.html = render(rep, study, validation, scaling)
@@ -247,8 +248,21 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     return rep
 
 
+def validator():
+    """The function that compares the twin with `backend run` folders for the page, plugged in through
+    the entry-point group "twin.report" (name "validation"; `twin validate`'s package provides it, the
+    twin does not import it): (run folders, system name) -> {"runs": [{"grid", "per_op": [{"name",
+    "kind", "measured_s", "predicted_s"}, ...]}, ...], "summary": [sentences]}. None when none is installed."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="twin.report", name="validation"):
+        return ep.load()
+    return None
+
+
 def render(rep: Report, study: Study, validation: dict | None = None, scaling: list[dict] | None = None) -> str:
-    """The page: sections of text, tables and plotly figures (twin.present.page)."""
+    """The page: sections of text, tables and plotly figures (twin.present.page). `validation`: what
+    `validator()` returned for the runs."""
     from topologies.draw import group_traffic_figure, node_rings_figure
     from twin.present.plots import (breakdown_figure, breakdown_parts, ranks_figure, scaling_figure, search_figure,
                             timeline_figure, validation_figure)
@@ -320,10 +334,7 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
         page.add('<p class="missing">No scaling study given (pass one with --scaling FILE).</p>')
     page.add("<h2>Twin against backend</h2>")
     if validation and any(run.get("per_op") for run in validation.get("runs", [])):
-        from calibration.validate_page import summary_lines
-        from calibration.validate_summary import targets_for
-        lines = summary_lines(validation, targets_for(validation))
-        page.add('<p class="lead">' + "<br>".join(html.escape(s) for s in lines) + "</p>")
+        page.add('<p class="lead">' + "<br>".join(html.escape(s) for s in validation.get("summary", [])) + "</p>")
         page.add('<p class="note">`twin validate RUN... --html FILE` writes the whole comparison: per grid, '
                  "per kind of op, and how to read it.</p>")
         ops = [o | {"grid": run["grid"]} for run in validation["runs"] for o in run["per_op"]]

@@ -93,8 +93,7 @@ class HostGap:
 def host_gaps(compute: list[Span], collectives: list[Span]) -> list[HostGap]:
     """The gaps between consecutive ops of one rank's compute spans (sorted by start), each with what
     the rank's `collectives` did during it (HostGap): what backend.bench.steps records as the
-    executor's host time, free or beside a collective in flight, and what
-    benchmarks/cpu_host_gaps.py reads off a run's trace."""
+    executor's host time, free or beside a collective in flight, read off a run's trace."""
     out = []
     for a, b in zip(compute, compute[1:]):
         g0, g1 = a.start_s + a.duration_s, b.start_s

@@ -1,5 +1,10 @@
-"""`twin calibrate` and `validate`: fit a kernel profile to `backend bench` measurements, and check the
-twin against what `backend run` measured."""
+"""`twin calibrate` and `twin validate`: fit a kernel profile to `backend bench` measurements, and check the
+twin against what `backend run` measured.
+
+The twin does not import this package: these two commands plug into the `twin` app through the
+entry-point group "twin.commands" (pyproject.toml), which twin.cli.main reads. They keep their heavy
+imports (the fit, the validation) inside the functions, so that listing them costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from twin.cli.common import ProfileOpt, QuietOpt, SystemOpt, console, handles_errors
 from topologies.common import write_atomic
-from twin.program.flags import output_file
+from twin.cli.common import ProfileOpt, QuietOpt, SystemOpt, console, handles_errors
 from twin.present.tables import table
+from twin.program.flags import output_file
 
 
 @handles_errors
