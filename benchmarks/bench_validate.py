@@ -1,12 +1,11 @@
 """The calibration loop on this machine: bench, calibrate, then run and validate every grid.
 
-    python benchmarks/bench_validate.py --out calibration/measurements/cpu-2026-12-01g \\
-        --work /tmp/bv7/work --profile twin/profiles/cpu.toml
+    python benchmarks/bench_validate.py --out loops/NAME --work WORK --profile twin/profiles/cpu.toml
                         # the whole loop: gpt-small, 1-8 ranks, 35 grids x 4 repeats, 2 bench passes
     (measured: 2,227 s on the quiet 2-core VM for cpu-2026-12-01j, of which bench 435 s; a pass of
     the 35 runs about 6-7 minutes; 1,488 s for cpu-2026-12-01g with 3 repeats and one bench pass)
     python benchmarks/bench_validate.py --quick --out /tmp/loop   # gpt-tiny, 1 and 2 ranks, 2 repeats, about a minute
-    python benchmarks/bench_validate.py --runs /work/bv-work/runs --out /tmp/again \
+    python benchmarks/bench_validate.py --runs WORK/runs --out loops/again \
         --profile twin/profiles/cpu.toml   # step 3 only, on runs already made (offline, seconds)
 
 1. bench and run passes, interleaved (loop_plan: R1 B1 R2 R3 B2 R4 with the defaults, --repeats 4

@@ -51,17 +51,17 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     and group sizes no recorded step ran: the axis' own factor where its collectives were recorded
     (an axis' part in the schedule sets it: 1.6-1.9 for the x all-reduces that block the next op,
     4-5 for the z all-gathers that overlap compute, about 0.8 for the data burst), else the median.
-  - node_share `host_issue_s`: the host time per collective issued (twin.costs.kernels.host_times charges
+  - node_share `host_issue_s`: the host time per collective issued (twin.host.order.host_times charges
     it to the compute op after the issue, where that op does not wait for the collective): where bench
-    recorded it (`issue_s`, since 2026-12-02), the mean over the collectives no compute op waits for
-    right after them (calibration.sharing.issue_measured); in older files, where the ranks do not
+    recorded it (`issue_s`), the mean over the collectives no compute op waits for right after them
+    (calibration.sharing.issue_measured); in files without it, where the ranks do not
     outnumber the bench machine's cores, the one that makes the recorded steps, replayed through the
     twin's engine at their measured spans, spend the time between compute ops that bench measured
     (calibration.sharing.issue_cost);
   - node_share `span_spread` (CPU, 2 or more ranks): per class of op (compute; a collective's kind and
     axis; every collective), the coefficient of variation of its span over the ranks and steps, the
-    median over the files of each file's median over its ops of the class (bench's `spread`, since
-    cpu-2026-12-02d; calibration.training.span_spread); the twin draws the spans at it (twin.host.spread),
+    median over the files of each file's median over its ops of the class (bench's `spread`;
+    calibration.training.span_spread); the twin draws the spans at it (twin.host.spread),
     and the collective core load is fitted on the recorded steps' replays drawn the same way;
   - node_share `comm_share`: the share of its rate a collective keeps while its rank computes (gloo's
     threads and the ranks' compute share the cores; the twin slows a collective by it while a member's
@@ -100,7 +100,7 @@ from twin.costs.profile import PROFILES_DIR
 HOST_ORDERED_SOURCE = ("executor: on a CPU the host is the device, and backend/runtime/executor.py runs each op of "
                        "the program on it in program order: a collective is issued only once the compute op "
                        "before it has run, and a compute op starts only after the host waited for the "
-                       "collectives issued before it that it needs (twin.program.program.host_ordered)")
+                       "collectives issued before it that it needs (twin.host.order.host_ordered)")
 BASE_CPU = Path(__file__).resolve().parent / "base" / "cpu.toml"  # assumed CPU figures bench does not reach
 BASE_SCALARS = ("peak_flops", "gemm_flops", "compute_units", "tile_m", "tile_n", "k_half", "hbm_bandwidth",
                 "launch_s", "attention_fwd_efficiency", "attention_bwd_efficiency", "overlap_slowdown",
@@ -173,7 +173,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
                                                else "no overlap measured with this many ranks: 1"),
                 "compute_scale = " + compute_scale(square, ranks, most, src)]
                 # the executor's host runs the compute ops on CPU only: the twin then charges host time
-                # per op and issues collectives in program order (twin.program.program.host_ordered); a GPU's
+                # per op and issues collectives in program order (twin.host.order.host_ordered); a GPU's
                 # host launches ahead of its kernels, so its gaps are no cost of the ops
                 + ([host_line(hosts, src)] if hosts and devices == {"cpu"} else [])
                 + attention_lines(group, ranks, base_data["peak_flops"]["value"], scale_value(square, ranks, most), src)

@@ -88,8 +88,8 @@ def excess_line(nbytes: list[float], seconds: list[float], alone) -> tuple[float
     recorded spans over it, so that the line gives back their summed time. The slope stays the
     microbenchmark's: it timed 5 sizes over three decades, alone, while the recorded steps hold a few
     sizes within a factor 4, each span carrying time-slicing noise and the wait for the group's last
-    member, whose free least-squares slope came out anywhere from 7 MB/s to infinite (`[[collective_training]]`
-    of cpu-2026-12-01c); 1x1x2x4's z reduce-scatters, 4x the bytes of the benched 2x2x2x1's, were
+    member, whose free least-squares slope came out anywhere from 7 MB/s to infinite on the 2-core
+    development VM; there 1x1x2x4's z reduce-scatters, 4x the bytes of the benched 2x2x2x1's, were
     predicted 4x their measured span. What training adds to a collective (the wait for the last
     member, the wake-up of its threads among busy cores) is taken per op, not per byte. Where the
     excess would leave a negative latency, the latency is 0 (the sum is then not kept)."""

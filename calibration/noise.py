@@ -1,7 +1,7 @@
 """The measurement's own noise: how close to a target any model can come against repeated runs.
 
 A grid's runs on a shared machine differ from run to run (on the 2-core development VM by a log
-standard deviation of 0.09-0.24 per run in loops 02i-03b), so a grid can miss a 15 % target with an
+standard deviation of 0.09-0.24 per run, docs/calibration.md), so a grid can miss a 15 % target with an
 exact model. Before a miss is read as the twin's, `noise_floor` says what the runs themselves allow:
 - the runs' noise: the standard deviation of log(iteration time) among a grid's repeats, pooled over
   the grids (root mean square, n - 1 weights);
@@ -12,8 +12,7 @@ exact model. Before a miss is read as the twin's, `noise_floor` says what the ru
   the target and the chance that every grid is. It leaves out the profile's own noise (fitted from
   bench passes on the same machine), so it is an upper bound on what a loop can show.
 
-Used by `twin validate` (the report's "noise", printed under its table) and benchmarks/bench_validate.py
-and cpu_noise_floor.py.
+Used by `twin validate` (the report's "noise", printed under its table) and benchmarks/bench_validate.py.
 """
 
 from __future__ import annotations

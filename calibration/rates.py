@@ -37,9 +37,9 @@ def measured_rates(by_ranks: dict[int, list[dict]], square: dict[int, dict[int, 
     """{key: f(base value, base source) -> (value, source)} for the profile's per-rank figures with the
     most ranks (`most`) sharing the node that bench measures: gemm_flops, their largest square NN
     GEMM's rate per rank (the rate compute_scale scales to other rank counts; the kernel model's
-    roofline for shapes no measured point is near). Before, a measured rate above the assumed peak
-    had the fit keep an assumed 10 Gflop/s: the roofline fallback put gpt-small's GEMMs 5.7x too slow
-    (median over the 35 runs of cpu-2026-12-01c), 1.5x with the measured rate. The peak stays the
+    roofline for shapes no measured point is near), even where it is above the assumed peak: an
+    assumed rate in its place put gpt-small's GEMMs 5.7x too slow on the 2-core development VM (1.5x
+    with the measured rate; median over its 35 grids). The peak stays the
     system's (twin.predict.study checks they agree); where one rank alone beat it, the source says so."""
     out = {}
     if square.get(most):

@@ -1,5 +1,5 @@
 """Memory per GPU: the breakdown behaves, and the smallest tensor-parallel size that fits agrees
-with the source table of shared/reference/models.md (A100 40 GB, 4,096 GPUs)."""
+with the source table of docs/reference/models.md (A100 40 GB, 4,096 GPUs)."""
 
 import pytest
 
@@ -96,8 +96,8 @@ def test_gradient_reductions_peak_on_gloo():
 
 
 def test_the_backend_peak_as_measured():
-    """gpt-small in fp32 (the backend on CPU), torch's memory tracker (calibration/measurements,
-    `twin validate`, 35 grids within 2.3 %): a GELU backward of the first layer on 8x1x1x1 (47.27
+    """gpt-small in fp32 (the backend on CPU), torch's memory tracker (the CPU calibration loops,
+    `twin validate`, 35 grids within 2.3 %; tests/fixtures/cpu-2026-12-03a): a GELU backward of the first layer on 8x1x1x1 (47.27
     MiB: gradients of layers 1-3, no logits), the layer norm backward of the last layer on 1x8x1x1
     (28.02 MiB: three saved block inputs, four residual-stream tensors)."""
     m = load_model("gpt-small")
@@ -109,14 +109,14 @@ def test_the_backend_peak_as_measured():
     assert full.gradients == full.parameters  # from the second micro-batch on every gradient exists
 
 
-def test_the_committed_cpu_loop_memory():
-    """The 35 gpt-small runs of the committed quiet loop (calibration/measurements/cpu-2026-12-01b,
-    torch's memory tracker on each rank's second step): the fp32 model within 2.3 % on every grid
-    (before it modelled the measured peak: -10.6 % on 8x1x1x1, +8.9 % on 1x2x2x2 and 1x4x1x2)."""
+def test_the_measured_cpu_loop_memory():
+    """The 35 gpt-small grids of the measured CPU loop (tests/fixtures/cpu-2026-12-03a, torch's memory
+    tracker on each rank's second step): the fp32 model within 2.3 % on every grid (worst 1x1x4x2 and
+    1x1x8x1, +2.2 %)."""
     import json
     from pathlib import Path
 
-    report = Path(__file__).resolve().parent.parent / "calibration/measurements/cpu-2026-12-01b/report.json"
+    report = Path(__file__).resolve().parent / "fixtures/cpu-2026-12-03a/report.json"
     runs = json.loads(report.read_text())["runs"]
     errors = {}
     for run in runs:

@@ -85,7 +85,7 @@ def test_sensitivity_and_scaling(run80):
 def test_calibrate_and_validate(run80, tmp_path):
     from fake_run import fake_run
 
-    measured = sorted((ROOT / "calibration/measurements").glob("cpu-*/bench-2x1x1x1.json"))[-1]
+    measured = ROOT / "tests/fixtures/cpu-2026-12-03a/bench-2x1x1x1.json"
     out = run80("calibrate", str(measured), "--out", str(tmp_path / "p.toml"))
     assert "residual" in out
     run = fake_run(tmp_path / "run", "2x1x1x1")

@@ -48,7 +48,7 @@ def replay_cmd(
 
 def default_bench_out(device: str) -> str:
     day = datetime.date.today().isoformat()
-    return f"calibration/measurements/bench-{socket.gethostname()}-{device}-{day}.json"
+    return f"bench-{socket.gethostname()}-{device}-{day}.json"
 
 
 @handles_errors
@@ -66,7 +66,7 @@ def bench_cmd(
     all_grids: Annotated[bool, typer.Option(help="Model GEMM shapes of every valid grid with this many ranks.")] = False,
     batch: BatchOpt = None,
     min_time: Annotated[float, typer.Option(help="Seconds to spend timing each entry.")] = 0.2,
-    out: Annotated[Optional[str], typer.Option(help="JSON table to write (default: calibration/measurements/bench-<host>-<device>-<date>.json).")] = None,
+    out: Annotated[Optional[str], typer.Option(help="JSON table to write (default: bench-<host>-<device>-<date>.json in this folder).")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "fp32",
 ) -> int:
