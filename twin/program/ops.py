@@ -340,7 +340,7 @@ def embedding_dims(grid: Grid, rows: int, hidden: int) -> tuple[int, int]:
     return rows // grid.axis_size(EMBEDDING_AXES[0]), hidden // grid.axis_size(EMBEDDING_AXES[1])
 
 
-def _local_params(model: ModelSpec, grid: Grid) -> int:
+def local_params(model: ModelSpec, grid: Grid) -> int:
     """Parameters whose optimizer state one rank holds (3D-sharded weights plus its layer norms)."""
     v = model.padded_vocab(grid.y)
     tables = 2 * v if model.is_llama else v + model.seq_len  # embedding and head, or wte and wpe
