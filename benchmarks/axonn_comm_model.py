@@ -4,7 +4,7 @@ evidence check that needs nothing of the twin.
     python benchmarks/axonn_comm_model.py [--top 3] [--batch 2048]
 
 AxoNN's configuration search (axonn-ai/Megatron-AxoNN, branch gordon-bell-perlmutter,
-examples/comm_model.py; transcribed in ../shared/reference/collective-bandwidth.md) turns a grid into
+examples/comm_model.py; transcribed in docs/reference/collective-bandwidth.md) turns a grid into
 a communication time per iteration: per transformer block, the ring volume of the x, y, z and data
 collectives divided by the measured bandwidth of a group of that size p and rank stride s. Here it is
 applied literally, over every power-of-two grid that fits in memory (x*y*z at least the smallest the

@@ -9,7 +9,7 @@ from twin.costs.collectives import CollectiveModel
 from topologies.common import TwinError
 from twin.program.grid import Grid
 
-# ../shared/reference/collective-bandwidth.md (GB/s), by stride s and group size p ("p>8" read at p=16)
+# docs/reference/collective-bandwidth.md (GB/s), by stride s and group size p ("p>8" read at p=16)
 MEASURED = {
     "perlmutter": {1: {2: 76, 4: 225, 8: 80, 16: 80}, 2: {2: 76, 4: 40, 8: 40, 16: 40},
                    4: {2: 20, 4: 20, 8: 20, 16: 20}, 8: {2: 20, 4: 20, 8: 20, 16: 20}},
@@ -173,7 +173,7 @@ def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
 
     from topologies.routing import Routes
     from twin.costs.flows import _max_min
-    from twin.costs.flowsets import _sharing_links
+    from twin.costs.flowsets import sharing_links
 
     cm = CollectiveModel(load_system(name), grid)
     axes = frozenset(a for a in ("x", "y", "z", "data") if grid.axis_size(a) > 1)
@@ -183,7 +183,7 @@ def test_axes_that_share_no_link_are_rated_apart_exactly(name, grid):
             sets = {a: cm._phases(a, cm._algorithm(a, algorithm))[0] for a in sorted(sub)}
             for k in range(max(len(v) for v in sets.values())):
                 allf = [v[min(k, len(v) - 1)] for v in sets.values()]
-                split += len(_sharing_links(allf, cm.net.n_links)) > 1
+                split += len(sharing_links(allf, cm.net.n_links)) > 1
                 routes = Routes.concat([f.routes for f in allf])
                 rates = _max_min(routes.ptr, routes.links, cm.capacity, np.concatenate([f.caps for f in allf]), 1e-9)
                 off = 0

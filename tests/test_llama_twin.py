@@ -17,7 +17,7 @@ runner = CliRunner()
 
 @pytest.mark.parametrize("name,published", [("llama-8b", 8.0e9), ("llama-70b", 70.6e9), ("llama-405b", 405.9e9)])
 def test_parameters_match_published(name, published):
-    """Dubey et al. (arXiv 2407.21783) / shared/reference/models.md, rounded to 0.1 B."""
+    """Dubey et al. (arXiv 2407.21783) / docs/reference/models.md, rounded to 0.1 B."""
     m = load_model(name)
     assert m.arch == "llama" and m.n_kv_heads == 8 and m.head_dim == 128 and m.vocab == 128256
     assert m.parameters(m.vocab) == pytest.approx(published, abs=0.051e9)

@@ -31,7 +31,7 @@ def test_matmul_flops_equal_reference_formula(grid, recompute):
 @pytest.mark.parametrize("grid", GRIDS)
 @pytest.mark.parametrize("recompute", [True, False])
 def test_collective_bytes_match_closed_form(grid, recompute):
-    """Ring volumes per rank per iteration, by axis, as in shared/reference/collective-bandwidth.md.
+    """Ring volumes per rank per iteration, by axis, as in docs/reference/collective-bandwidth.md.
 
     For each linear layer of width K (W of H x K*H or K*H x H) with B' tokens per rank:
     forward all-reduce over the input axis of the output (twice with recomputation), backward

@@ -1,21 +1,22 @@
-"""Every command example of the README runs (exit code 0), in the README's order where one needs what
-an earlier one wrote.
+"""Every command example of the README and of docs/ runs (exit code 0), in the pages' order where one needs
+what an earlier one wrote; the README stays a front page (at most 12 KB) and no page links outside the
+repository.
 
-Examples are the lines of the README's bash blocks (continuations joined, comments dropped, each part
-of an `&&` chain) and the inline `twin ...`/`backend ...` commands that have a flag and no
-placeholder (the command table's `--system S [--model M]` are syntax, not examples). Each example is
-run as written, or with a smaller study under the same command and flags (fewer GPUs, steps or
-epochs: the mapping names each rewrite), in a temporary folder. The `twin` examples run in this
-process; the `backend` examples (and the shell lines that make their data) run in order in one child
-process that imports torch once, and are skipped, saying so, where torch is not installed. What
-cannot run here is listed with the reason: the GPU launches (torchrun, srun) and the install lines
-of the Quick start (the CI runs them). A new README example that is in none of the lists fails
-`test_every_example_is_run`: add it to one.
+Examples are the lines of the pages' bash blocks (continuations joined, comments dropped, each part of an
+`&&` chain) and the inline `twin ...`/`backend ...` commands that have a flag and no placeholder (the
+command table's `--system S [--model M]` are syntax, not examples). Each example is run as written, or
+with a smaller study under the same command and flags (fewer GPUs, steps or epochs: the mapping names
+each rewrite), in a temporary folder. The `twin` examples run in this process; the `backend` examples
+(and the shell lines that make their data) run in order in one child process that imports torch once,
+and are skipped, saying so, where torch is not installed. What cannot run here is listed with the
+reason: the GPU launches (torchrun, srun) and the install lines of the Quick start (the CI runs them). A
+new example that is in none of the lists fails `test_every_example_is_run`: add it to one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -29,9 +30,10 @@ from twin.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 SMALL = ["--model", "gpt-5b", "--gpus", "512", "--batch", "512"]
 
-# ---- the twin: README example -> the arguments run instead (None: as written) ---------------------
+# ---- the twin: example -> the arguments run instead (None: as written) ----------------------------------
 TWIN = {
     "twin simulate --system frontier": ["simulate", "--system", "frontier", *SMALL, "--simulate-top", "1"],
     "twin simulate --system perlmutter --model gpt-80b --gpus 1024 --json":
@@ -48,20 +50,36 @@ TWIN = {
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "2x2x2x2"],
     "twin simulate --system h200 --model gpt-1b --grid 1x1x1x1": None,
+    # docs/fidelity.md
+    "twin sensitivity --system frontier --model gpt-80b --gpus 8192 --grid 2x8x16x32":
+        ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+         "--grid", "2x2x2x2"],
+    "twin scaling --system frontier --series weak --gpus 512,8192,16384":
+        ["scaling", "--system", "frontier", "--series", "weak", "--gpus", "512,1024", "--simulate-top", "1"],
+    "twin simulate --system frontier --model gpt-80b --gpus 8192 --grid 2x8x16x32 --cache-layers 42": None,
+    "twin sensitivity --system frontier --model gpt-5b --gpus 512 --grid 1x1x128x4":
+        ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+         "--grid", "1x1x8x2"],
+    "twin sensitivity --system perlmutter --model gpt-80b --gpus 1024 --grid 1x4x64x4":
+        ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+         "--grid", "1x4x4x1"],
 }
+# scripts of benchmarks/ that a page shows: example -> the arguments run instead (None: as written), from the root
+SCRIPTS = {"python benchmarks/axonn_comm_model.py": None}
 # run in this order, in one folder (the second reads the program file the first writes)
 TWIN_CHAIN = ["twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json prog.json",
               "twin simulate --system cpu --program prog.json"]
 
-# ---- the backend, in the README's order: README example -> what runs instead (None: as written) ----
+# ---- the backend, in the pages' order: example -> what runs instead (None: as written) ------------------
 TINY_BENCH = ["--squares", "64", "--sizes-mib", "0.01", "--min-time", "0.01"]
 BACKEND = [
+    # README: what you simulate is what you run
     ("twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json prog.json", None),
     ("backend run --program prog.json", "backend run --program prog.json --steps 2 --out runs/prog"),
+    # docs/backend.md
     ("backend run --model gpt-tiny --grid 2x2x2x1 --steps 50 --device cpu --out runs/tiny",
      "backend run --model gpt-tiny --grid 2x2x2x1 --steps 2 --device cpu --out runs/tiny"),
-    ("cat README.md twin/*/*.py backend/*/*.py > input.txt",
-     "cat {root}/README.md {root}/twin/*/*.py {root}/backend/*/*.py > input.txt"),
+    ("cat twin/*/*.py backend/*/*.py > input.txt", "cat {root}/twin/*/*.py {root}/backend/*/*.py > input.txt"),
     ("backend run --model gpt-small --grid 1x1x2x2 --steps 200 --data input.txt --out runs/text --ckpt-dir ckpt/small "
      "--ckpt-every 50",
      "backend run --model gpt-small --grid 1x1x2x2 --steps 2 --data input.txt --out runs/text --ckpt-dir ckpt/small "
@@ -70,6 +88,7 @@ BACKEND = [
            "--ckpt-every 1"),  # "rerun the same command to resume after a crash"
     ("backend replay --model gpt-tiny --grid 2x1x2x1 --out runs/replay", None),
     ("backend bench --grid 1x1x2x2", "backend bench --grid 1x1x2x2 " + " ".join(TINY_BENCH) + " --out bench.json"),
+    # docs/calibration.md
     ("backend bench --model gpt-small --grid 2x2x2x1 --all-grids --out m.json",
      "backend bench --model gpt-tiny --grid 2x1x1x1 --all-grids --out m.json " + " ".join(TINY_BENCH)),
     ("twin calibrate m.json --out twin/profiles/mycpu.toml", "twin calibrate m.json --out mycpu.toml"),
@@ -77,6 +96,10 @@ BACKEND = [
      "backend run --model gpt-tiny --grid 2x1x1x1 --steps 4 --out runs/small"),
     ("twin validate runs/small --profile mycpu --json v.json --html v.html",
      "twin validate runs/small --profile mycpu.toml --json v.json --html v.html"),
+    # docs/llama.md
+    ("backend run --model llama-tiny --grid 2x2x2x1", "backend run --model llama-tiny --grid 2x2x2x1 --steps 2 "
+     "--out runs/llama-tiny"),
+    # docs/memorization.md (its first line, the `cat` above, makes input.txt)
     ("head -c -65536 input.txt > train.txt", None),
     ("tail -c 65536 input.txt > held_out.txt", None),
     ("backend run --model gpt-small --data train.txt --goldfish-k 4 --goldfish-h 13 --out runs/goldfish "
@@ -86,15 +109,7 @@ BACKEND = [
     ("backend memorization-study --png docs/memorization.png",
      "backend memorization-study --png study/memorization.png --out study --epochs 2 --eval-every 1 --canaries 4 "
      "--texts 4 --batch 4"),
-    (None, None),  # the fine-tuning section's lines (below) are inserted here
-    # these run in this process (no ranks): after every command that starts ranks
-    ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --tokens 64', None),
-    ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --temperature 0.8 --top-k 40', None),
-    ("head -c 8192 train.txt > first.txt", None),
-    ("backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 32 --out mem.json",
-     "backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 4 --out mem.json"),
-]
-FINETUNE = [  # README's "Fine-tuning from Hugging Face"
+    # docs/fine-tuning.md
     ("python -c \"import torch, transformers as t; torch.manual_seed(0); t.LlamaForCausalLM(t.LlamaConfig("
      "hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, "
      "vocab_size=300, max_position_embeddings=16)).save_pretrained('tiny-llama')\"", None),
@@ -108,15 +123,18 @@ FINETUNE = [  # README's "Fine-tuning from Hugging Face"
     ("backend export --checkpoint ckpt/ft --out tiny-llama-tuned-bf16 --dtype bf16", None),
     ("backend run --init-from tiny-llama --grid 1x2x1x1 --steps 10 --data README.md",
      "backend run --init-from tiny-llama --grid 1x2x1x1 --steps 2 --data {root}/README.md --out runs/llama"),
+    # these run in this process (no ranks): after every command that starts ranks
+    ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --tokens 64', None),
+    ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --temperature 0.8 --top-k 40', None),
+    ("head -c 8192 train.txt > first.txt", None),
+    ("backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 32 --out mem.json",
+     "backend memorization --checkpoint ckpt/goldfish --data first.txt --prefix 32 --suffix 4 --out mem.json"),
 ]
-i = BACKEND.index((None, None))
-BACKEND[i:i + 1] = FINETUNE
 ELSEWHERE = {
-    "python benchmarks/bench_validate.py --out calibration/measurements/cpu-$(date +%F) "
-    "--profile twin/profiles/cpu.toml":
+    "python benchmarks/bench_validate.py --out loops/cpu-$(date +%F) --profile twin/profiles/cpu.toml":
         "tests/test_calibration.py::test_the_loop_end_to_end runs benchmarks/bench_validate.py (--ci: 2 grids)",
-    "twin scaling --json": "a fragment (where `twin report --scaling FILE` comes from): tests/test_pages.py "
-                           "runs `twin scaling --system cpu --series strong --json` into a report",
+    "python benchmarks/bench_published.py": "a benchmark run on demand (every published row: 13 s to a minute); "
+                                            "tests/test_fidelity.py checks the parts it uses",
     "torchrun --nproc-per-node 8 -m backend.cli run --model gpt-5b --grid 2x2x2x1 --device cuda": "needs 8 GPUs",
     "srun -N 2 --ntasks-per-node 4 --gpus-per-task 1 backend run --model gpt-5b --grid 2x2x2x1 --device cuda":
         "needs Slurm and 8 GPUs",
@@ -124,9 +142,9 @@ ELSEWHERE = {
 COMMANDS = ("twin ", "backend ", "cat ", "head ", "tail ", "torchrun ", "srun ", "python benchmarks/", "python -c ")
 
 
-def readme_examples() -> list[str]:
-    """The README's command examples, in order (see the module docstring)."""
-    text = README.read_text()
+def page_examples(path: Path) -> list[str]:
+    """One page's command examples, in order (see the module docstring)."""
+    text = path.read_text()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -138,20 +156,47 @@ def readme_examples() -> list[str]:
     prose = re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " ")
     for code in re.findall(r"`((?:twin|backend) [^`]+)`", prose):
         code = " ".join(code.split())
-        placeholder = re.search(r"\[|\b(S|M|N|G|K|FILE|DIR)\b", code)
+        placeholder = re.search(r"\[|\.\.\.|\b(S|M|N|G|K|B|E|FILE|DIR)\b", code)
         if " --" in code and not placeholder:
             out.append(code)
-    return list(dict.fromkeys(out))
+    return out
+
+
+def examples() -> dict[str, str]:
+    """Every page's examples, in order: example -> the first page that has it."""
+    found: dict[str, str] = {}
+    for page in PAGES:
+        for example in page_examples(page):
+            found.setdefault(example, str(page.relative_to(ROOT)))
+    return found
 
 
 def test_every_example_is_run():
-    examples = readme_examples()
-    assert len(examples) >= 20, examples
-    known = set(TWIN) | set(TWIN_CHAIN) | {r for r, _ in BACKEND if r} | set(ELSEWHERE)
-    missing = [e for e in examples if e not in known]
-    assert not missing, f"README examples no test runs (add each to TWIN, BACKEND or ELSEWHERE): {missing}"
-    gone = [e for e in known if e not in examples]
-    assert not gone, f"examples the test runs that the README no longer has: {gone}"
+    found = examples()
+    assert len(found) >= 20, found
+    known = set(TWIN) | set(TWIN_CHAIN) | set(SCRIPTS) | {r for r, _ in BACKEND if r} | set(ELSEWHERE)
+    missing = [f"{page}: {e}" for e, page in found.items() if e not in known]
+    assert not missing, f"examples no test runs (add each to TWIN, BACKEND or ELSEWHERE): {missing}"
+    gone = [e for e in known if e not in found]
+    assert not gone, f"examples the test runs that no page has any more: {gone}"
+
+
+def test_the_readme_is_a_front_page():
+    assert len(README.read_bytes()) <= 12 * 1024
+    quick = re.search(r"## Quick start\n\n(.*?)\n## ", README.read_text(), flags=re.S).group(1)
+    assert len(re.findall(r"```bash\n", quick)) == 2, "the Quick start is two commands"
+
+
+def test_every_link_stays_in_the_repository():
+    bad = []
+    for page in PAGES:
+        text, name = page.read_text(), page.relative_to(ROOT)
+        if "shared/" in text:
+            bad.append(f"{name} names shared/, which is outside the repository")
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():  # not a web address
+                bad.append(f"{name} links to {target}, which does not exist")
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("example", list(TWIN))
@@ -167,6 +212,13 @@ def test_twin_program_file_examples(tmp_path, monkeypatch):
     for example in TWIN_CHAIN:
         r = CliRunner().invoke(app, shlex.split(example)[1:])
         assert r.exit_code == 0, (example, r.output)
+
+
+@pytest.mark.parametrize("example", list(SCRIPTS))
+def test_script_example(example):
+    args = SCRIPTS[example] or shlex.split(example)[1:]
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (example, r.stdout[-2000:], r.stderr[-2000:])
 
 
 CHILD = r"""
@@ -194,11 +246,11 @@ for step in json.loads(sys.argv[1]):
 
 
 def test_backend_examples(tmp_path):
-    """The backend's examples in the README's order, in one child process (torch imported once)."""
+    """The backend's examples in the pages' order, in one child process (torch imported once)."""
     pytest.importorskip("torch")
     steps = [{"readme": readme, "run": (run or readme).replace("{root}", str(ROOT))} for readme, run in BACKEND]
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(steps)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     done = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     failed = [d for d in done if d["code"]]
     assert not failed and len(done) == len(steps), (failed or done[-1:], r.stderr[-3000:])
