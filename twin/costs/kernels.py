@@ -19,8 +19,9 @@
   recorded inside training steps (`gemm_table` point with `training`) takes that point's rate
   instead, and attention's efficiency is the one measured inside training where it was recorded.
 Every op also pays a fixed launch cost. The host's own time between ops, where the host is the
-device (CPU ranks), is the host model's (twin.host), not the kernels'. `Profile.overlap_slowdown` (compute slower while a collective
-overlaps it) is applied by the engine, which knows when communication is in flight.
+device (CPU ranks), is the host model's (twin.host), not the kernels'. `Profile.overlap_slowdown`
+(compute slower while a collective overlaps it) is applied by the engine, which knows when
+communication is in flight.
 """
 
 from __future__ import annotations

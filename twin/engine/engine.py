@@ -58,9 +58,9 @@ import gc
 from dataclasses import dataclass, field
 from typing import Callable
 
-from twin.engine.plan import _plan
-from twin.engine.sim import NS, Stopped, _Sim
-from twin.engine.streams import _ComputeStream, _GroupStream
+from twin.engine.plan import plan_of
+from twin.engine.sim import NS, Stopped, Sim
+from twin.engine.streams import ComputeStream, GroupStream
 from twin.program.grid import AXES, Grid
 from twin.program.program import Program
 from twin.engine.symmetry import RankClasses, one_class_per_rank, rank_classes
@@ -117,7 +117,7 @@ def simulate_program(program: Program, compute_s: list[float],
     slowdown = slowdown or {}
     if slowdown and not full:
         raise ValueError("per-rank slowdown factors need full mode")
-    plan = _plan(program.ops)
+    plan = plan_of(program.ops)
     by_stream = plan.by_stream
     axes = tuple(a for a in AXES if by_stream[a])
     nranks = grid.size if full else 1
@@ -144,7 +144,7 @@ def simulate_program(program: Program, compute_s: list[float],
             return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
                                 exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
                                 simulated_ops=ops, ranks=nranks, spans=[], classes=nsim)
-    sim = _Sim(program, nsim, record, collective_s, by_size, plan)
+    sim = Sim(program, nsim, record, collective_s, by_size, plan)
     sim.comm_slow = comm_slowdown
     if stop_ns:
         if full or tail_ns is None or len(tail_ns) != sim.n:
@@ -152,11 +152,11 @@ def simulate_program(program: Program, compute_s: list[float],
         sim.stop_ns, sim.tail_ns = stop_ns, tail_ns
     base_ns = [t * NS for t in compute_s]
     todo = sim.plan.todo
-    sim.compute = [_ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],
+    sim.compute = [ComputeStream(sim, c, by_stream["compute"], todo["compute"], base_ns, classes.factor[c],
                                   overlap_slowdown) for c in range(nsim)]
-    groups: list[_GroupStream] = []
+    groups: list[GroupStream] = []
     for axis in axes:
-        streams = [_GroupStream(sim, axis, m, by_stream[axis], todo[axis]) for m in classes.groups[axis]]
+        streams = [GroupStream(sim, axis, m, by_stream[axis], todo[axis]) for m in classes.groups[axis]]
         groups += streams
         sim.group_of[axis] = {c: streams[k] for c, k in enumerate(classes.group_of[axis])}
     gc_on = gc.isenabled()

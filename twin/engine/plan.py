@@ -1,7 +1,7 @@
 """What a run of the engine (twin.engine.engine) derives from a program's streams, axes and deps alone: a
-_Plan (each stream's ops in order, each op's position in its stream, its dependencies on other
+Plan (each stream's ops in order, each op's position in its stream, its dependencies on other
 streams, which ops others wait for), kept for the next program alike (a grid search's class-mates
-differ only in sizes, twin.program.program.regrid); and `_first_alike`, the first collective of each op's
+differ only in sizes, twin.program.program.regrid); and `first_alike`, the first collective of each op's
 (kind, axis, bytes), by which a run asks a collective's time once per distinct collective
 (simulate_program's by_size)."""
 
@@ -11,14 +11,14 @@ from topologies import caches
 from twin.program.grid import AXES
 
 
-class _Plan:
+class Plan:
     """What a run derives from the program's streams, axes and deps alone (kept for programs alike).
 
     by_stream: stream -> its ops in program order; pos[i]: op i's position in its stream; axis_of[i];
     cross[i]: op i's dependencies on other streams (a stream's own earlier ops are done by stream
     order); waited_on[i]: an op of another stream depends on op i; counted[j]: every dependency of
     op j has j as its only such dependent, so nothing else ever waits for them and a group may wait
-    for all its members' at once (_GroupStream); todo: stream -> [(op, cross deps)] in order."""
+    for all its members' at once (GroupStream); todo: stream -> [(op, cross deps)] in order."""
 
     __slots__ = ("by_stream", "pos", "axis_of", "cross", "waited_on", "counted", "todo")
 
@@ -59,24 +59,24 @@ class _Plan:
 
 
 # (streams, axes, deps of every op) -> its plan, the latest PLANS_KEPT (programs alike share one)
-_PLANS: dict[tuple, _Plan] = caches.register("twin.engine.plan.plans", {})
+_PLANS: dict[tuple, Plan] = caches.register("twin.engine.plan.plans", {})
 PLANS_KEPT = 16
 
 
-def _plan(ops: list) -> _Plan:
-    """The _Plan of a program's ops, made once for ops alike in streams, axes and deps (a grid search
+def plan_of(ops: list) -> Plan:
+    """The Plan of a program's ops, made once for ops alike in streams, axes and deps (a grid search
     runs programs that differ only in sizes: twin.program.program.regrid)."""
     key = (tuple([op.stream for op in ops]), tuple([op.axis for op in ops]), tuple([op.deps for op in ops]))
     plan = _PLANS.pop(key, None)
     if plan is None:
-        plan = _Plan(ops)
+        plan = Plan(ops)
         if len(_PLANS) >= PLANS_KEPT:
             del _PLANS[next(iter(_PLANS))]
     _PLANS[key] = plan  # the latest last
     return plan
 
 
-def _first_alike(ops: list, plan: _Plan) -> list[int]:
+def first_alike(ops: list, plan: Plan) -> list[int]:
     """For each op, the index of the first collective with its (kind, axis, bytes) (itself if none)."""
     first: dict[tuple, int] = {}
     same = list(range(len(ops)))

@@ -1,7 +1,7 @@
 """The shared state of one run of the engine (twin.engine.engine): the clock and its event loop, the done
 flags of every op and rank, who waits for what, the collectives in flight per axis and the tables of
 their durations under each set of axes in flight, and the walk that blames a compute stream's wait on
-what delayed it (_Sim); NS, the engine's unit of time, and Stopped, what its branch and bound raises.
+what delayed it (Sim); NS, the engine's unit of time, and Stopped, what its branch and bound raises.
 
 Streams (twin.engine.streams) are small state machines, not simpy processes: a faithful port onto
 simpy's event loop cost 1.12x on the engine alone (docs/architecture.md, "The engine and simpy"). A pending completion is an entry (the
@@ -17,12 +17,12 @@ from __future__ import annotations
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable
 
-from twin.engine.plan import _first_alike, _Plan, _plan
+from twin.engine.plan import Plan, first_alike, plan_of
 from twin.program.grid import AXES
 from twin.program.program import Program
 
 if TYPE_CHECKING:
-    from twin.engine.streams import _ComputeStream, _GroupStream
+    from twin.engine.streams import ComputeStream, GroupStream
 
 NS = 1e9  # nanoseconds per second
 
@@ -35,20 +35,20 @@ class Stopped(Exception):
         self.bound_ns, self.now_ns = bound_ns, now_ns
 
 
-_BIT = {a: 1 << k for k, a in enumerate(AXES)}
+BIT = {a: 1 << k for k, a in enumerate(AXES)}
 # _CONC[mask][a]: the axes other than a whose bit is set in mask (the `concurrent` argument of collective_s)
-_CONC = [{a: frozenset(b for b in AXES if b != a and mask & _BIT[b]) for a in AXES} for mask in range(1 << len(AXES))]
+_CONC = [{a: frozenset(b for b in AXES if b != a and mask & BIT[b]) for a in AXES} for mask in range(1 << len(AXES))]
 
 
-class _Sim:
+class Sim:
     """Shared state of one run: the clock, per-rank done flags, waiters, in-flight bookkeeping."""
 
     def __init__(self, program: Program, nranks: int, record: bool,
-                 collective_s: Callable[[int, frozenset], float], by_size: bool = False, plan: _Plan | None = None):
+                 collective_s: Callable[[int, frozenset], float], by_size: bool = False, plan: Plan | None = None):
         self.now = 0                                    # the clock (ns)
         self.heap: list[int] = []                       # due times (ns) that have a bucket
         self.ops, self.n = program.ops, len(program.ops)
-        self.plan = plan = plan or _plan(program.ops)
+        self.plan = plan = plan or plan_of(program.ops)
         self.axis_of = plan.axis_of
         self.done = [bytearray(nranks) for _ in range(self.n)]  # done[op][rank]
         self.waiters: dict[int, list] = {}
@@ -57,15 +57,15 @@ class _Sim:
         self.runs = [self.running[a] for a in AXES]     # the same in AXES order
         self.mask = 0                                   # bit AXES.index(a) set: axis a has collectives in flight
         self.conc = _CONC[0]                            # axis -> the other axes now in flight
-        self.compute: list[_ComputeStream] = []
-        self.group_of: dict[str, dict[int, _GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
+        self.compute: list[ComputeStream] = []
+        self.group_of: dict[str, dict[int, GroupStream]] = {a: {} for a in AXES}  # axis -> rank -> stream
         self.pos = plan.pos                             # position of each op in its stream
         self.end_ns, self.record = 0, record
         self.spans: list[tuple[int, int, int, int]] = []
         self._collective_s = collective_s
         # same[i]: the first op with op i's (kind, axis, bytes) where collective_s depends on nothing else
         # (by_size): it is asked once per distinct collective and concurrency, not once per op
-        self.same = _first_alike(self.ops, plan) if by_size else range(self.n)
+        self.same = first_alike(self.ops, plan) if by_size else range(self.n)
         self._tables: dict[frozenset, list] = {}         # concurrent axes -> collective op -> ns (None: not yet)
         self._mask_tables: list[dict | None] = [None] * len(_CONC)  # mask -> {axis: table}, made as reached
         self.table = self.tables_of(0)  # axis -> the table of its concurrency now

@@ -1,7 +1,7 @@
-"""The streams of one run of the engine (twin.engine.engine), on its shared state (twin.engine.sim._Sim):
-a simulated rank's compute stream (_ComputeStream: its compute ops one after another, each at its time
+"""The streams of one run of the engine (twin.engine.engine), on its shared state (twin.engine.sim.Sim):
+a simulated rank's compute stream (ComputeStream: its compute ops one after another, each at its time
 alone times the rank's straggler factor, and the overlap slowdown while a collective of the rank is
-in flight) and a group's stream of an axis (_GroupStream: the axis's collectives in program order,
+in flight) and a group's stream of an axis (GroupStream: the axis's collectives in program order,
 each starting once every member has done what it depends on, and completing for the whole group at
 once). Each is a small state machine: advance() starts its next op if it can, or waits; rerate()
 carries the work left over at a new rate; on_done() runs when its entry comes due."""
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from array import array
 
-from twin.engine.sim import _BIT, Stopped, _Sim
+from twin.engine.sim import BIT, Stopped, Sim
 from twin.program.grid import AXES
 
 
-class _ComputeStream:
+class ComputeStream:
     __slots__ = ("sim", "rank", "ops", "todo", "pc", "end", "base", "slow", "overlap", "due", "work",
                  "factor", "seg", "start", "prev_end", "waited", "compute_ns", "exposed", "running", "slot")
 
-    def __init__(self, sim: _Sim, rank: int, ops: list[int], todo: list, base_ns: list[float], slow: float,
+    def __init__(self, sim: Sim, rank: int, ops: list[int], todo: list, base_ns: list[float], slow: float,
                  overlap: float):
         self.sim, self.rank, self.ops, self.todo, self.pc, self.end = sim, rank, ops, todo, 0, len(ops)
         self.base, self.slow, self.overlap = base_ns, slow, overlap
@@ -101,15 +101,15 @@ class _ComputeStream:
             sim.compute_changed(rank)
 
 
-class _GroupStream:
+class GroupStream:
     __slots__ = ("sim", "axis", "members", "ops", "todo", "pc", "end", "due", "frac", "dur", "seg",
                  "start", "running", "blk", "starts", "blockers", "dk", "mk", "slot", "missing", "bit", "peers",
                  "same")
 
-    def __init__(self, sim: _Sim, axis: str, members: list[int], ops: list[int], todo: list):
+    def __init__(self, sim: Sim, axis: str, members: list[int], ops: list[int], todo: list):
         self.sim, self.axis, self.members, self.ops, self.pc, self.end = sim, axis, members, ops, 0, len(ops)
         self.todo = todo                             # [(op, deps on other streams)] shared by the axis
-        self.bit, self.peers = _BIT[axis], sim.running[axis]  # the axis's bit, its groups in flight
+        self.bit, self.peers = BIT[axis], sim.running[axis]  # the axis's bit, its groups in flight
         self.same = sim.same
         self.blk = -1                                # rank * n + op it last waited for (-1: none)
         self.dk = self.mk = 0                        # (dep, member) where the dependency scan resumes

@@ -1,5 +1,5 @@
 """The breakdown's walk back for twin.lockstep.lockstep: each compute wait that ended with a collective is
-attributed by walking back what delayed that collective (twin.engine.sim._Sim.blame), all walks at once.
+attributed by walking back what delayed that collective (twin.engine.sim.Sim.blame), all walks at once.
 
 A collective's start records what it waited for last as a class: PRED (nothing: the stream's previous
 op), IDLE (a compute op: the walk ends, the time is idle) or op * BIG + group (a collective of another
@@ -42,7 +42,7 @@ def _node(ls, op, grp):
 
 def blame(ls, waits: list) -> None:
     """Exposed communication (ns summed over ranks) per axis, added to ls.exposed: each compute
-    wait that ended with a collective walks back what delayed it (twin.engine.sim._Sim.blame), all walks
+    wait that ended with a collective walks back what delayed it (twin.engine.sim.Sim.blame), all walks
     at once. Where the engine's order of equal-time events decides what a wait or a start waited
     for, every candidate is followed: Ambiguous if they disagree."""
     wid = np.concatenate([w[0] for w in waits])
