@@ -11,7 +11,7 @@ classes of alike ranks the engine simulated (twin.engine.symmetry; "-" in a chec
 2. full mode, no straggler (one class: the symmetric run);
 3. the same with 16 random stragglers (compute x1.25);
 4. the same with every rank its own compute factor (1 + rank * 1e-6): every rank is its own class,
-   the engine runs rank by rank (twin.lockstep.lockstep: the program stepped once over all ranks with numpy;
+   the engine runs rank by rank (twin.engine.lockstep.lockstep: the program stepped once over all ranks with numpy;
    before it, one event per rank and op);
 with --machine, Frontier's default study (gpt-320b on all 32,768 GCDs, `twin simulate --system
 frontier --grid 2x32x64x8 --full`, about 196 M ops):

@@ -27,7 +27,7 @@ CASES = [
     ["--system", "perlmutter", "--model", "gpt-20b", "--gpus", "512", "--grid", "2x4x4x16", "--no-oar", "--cache-layers", "4"],
     ["--system", "h200", "--model", "gpt-5b", "--gpus", "64"],
     ["--system", "cpu"],
-    # every rank its own compute factor: full mode rank by rank (twin.lockstep.lockstep where it applies)
+    # every rank its own compute factor: full mode rank by rank (twin.engine.lockstep.lockstep where it applies)
     ["--system", "frontier", "--model", "gpt-5b", "--gpus", "512", "--grid", "2x2x2x64", "--full",
      "--slowdown", ",".join(f"{r}:{1 + r * 1e-6:.6f}" for r in range(512))],
 ]

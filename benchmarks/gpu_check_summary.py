@@ -48,7 +48,7 @@ def run_summary(run_dir: Path, peak: float | None) -> dict | None:
 def replay_summary(trace: Path, peak: float | None) -> dict:
     """GEMM time of the replayed program's traced iteration (rank 0) and its flop rate."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from twin.present.trace import read_trace
+    from twin.program.trace import read_trace
 
     gemms = [s for s in read_trace(trace) if s.kind == "gemm" and s.rank == 0]
     seconds = sum(s.duration_s for s in gemms)

@@ -17,7 +17,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 from backend_helpers import run_on_grid  # noqa: E402
-from backend.bench.bench import peak_memory  # noqa: E402
+from backend.runtime.memory import peak_memory  # noqa: E402
 from backend.models.build import make_model  # noqa: E402
 from backend.training.optim import local_batch, make_optimizer, micro_batches, train_step  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402

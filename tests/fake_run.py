@@ -13,7 +13,7 @@ def fake_run(folder: Path, grid: str = "2x1x1x1", step_time_s: float = 0.05, ste
     from twin.program.grid import Grid
     from twin.program.program import Options
     from twin.predict.simulate import SimulationConfig, simulate
-    from twin.present.trace import write_trace
+    from twin.program.trace import write_trace
 
     r = simulate(SimulationConfig("cpu", "gpt-tiny", Grid.parse(grid).size, grid, record=True))
     write_trace(folder / "trace", r.spans, {"model": "gpt-tiny", "grid": grid, "options": dataclasses.asdict(Options())})

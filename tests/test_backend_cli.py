@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backend.training import checkpoint  # noqa: E402
+from backend.runtime import checkpoint  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
-from twin.present.trace import read_trace  # noqa: E402
+from twin.program.trace import read_trace  # noqa: E402
 
 TIMEOUT = 60
 
@@ -135,7 +135,7 @@ def test_backend_needs_no_simulator_packages():
     """The GPU check runs where only torch, numpy, typer and rich are sure to be (an H200 image):
     the backend must not import the simulator's plotly or networkx."""
     code = ("import sys, backend.cli.main, backend.training.train, backend.bench.replay, backend.bench.bench, backend.launch.launcher, "
-            "backend.models.gpt, backend.training.optim, backend.training.checkpoint, backend.training.data, twin.present.trace; "
+            "backend.models.gpt, backend.training.optim, backend.runtime.checkpoint, backend.training.data, twin.program.trace; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('plotly', 'networkx')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT)

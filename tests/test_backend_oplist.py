@@ -21,7 +21,7 @@ from backend.runtime.recorder import Recorder  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
 from twin.program.program import STREAMS, Options, build_program  # noqa: E402
-from twin.present.trace import read_trace, write_trace  # noqa: E402
+from twin.program.trace import read_trace, write_trace  # noqa: E402
 
 
 def _key(op, full: bool) -> tuple:

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backend.training import checkpoint  # noqa: E402
+from backend.runtime import checkpoint  # noqa: E402
 from topologies.common import TwinError  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
 from twin.program.program import Options, build_program  # noqa: E402
-from twin.present.trace import read_trace  # noqa: E402
+from twin.program.trace import read_trace  # noqa: E402
 
 GRID = "2x1x2x1"
 STEPS = 6

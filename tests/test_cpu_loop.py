@@ -465,10 +465,10 @@ def test_ranks_are_pinned_round_robin_when_asked():
 
 
 def test_host_gaps_tell_free_gaps_from_gaps_beside_a_collective():
-    """twin.present.trace.host_gaps, which backend bench reads the host's gaps with: a gap with no collective in flight, one beside an all-gather with none issued or completed
+    """twin.program.trace.host_gaps, which backend bench reads the host's gaps with: a gap with no collective in flight, one beside an all-gather with none issued or completed
     in it (quiet), one in which the all-gather completes (the op after it waited for it), one in
     which a reduce-scatter is issued."""
-    from twin.present.trace import Span, host_gaps
+    from twin.program.trace import Span, host_gaps
     comp = [Span(0, n, "gemm", "compute", s, d) for n, s, d in
             (("z", -1.0, 0.4), ("a", 0.0, 1.0), ("b", 1.2, 1.0), ("c", 2.6, 0.4), ("d", 3.3, 0.2))]
     ag = Span(0, "ag", "all_gather", "z", 0.5, 2.0)

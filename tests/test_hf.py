@@ -103,7 +103,7 @@ class Recorder:
 def _import_on_grid(ctx, model_dir: str, tokens, targets, ckpt_dir: str) -> dict:
     from safetensors import safe_open
 
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     from backend.hf.load import load_into
     from backend.models.llama import Llama, gather_hf
 

@@ -140,3 +140,22 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_twin_and_backend_keep_their_modules_in_subpackages(package):
     flat = sorted(p.name for p in (ROOT / package).glob("*.py"))
     assert len(flat) <= MAX_FLAT, flat
+
+
+@pytest.mark.parametrize("package", ["twin", "backend"])
+def test_the_subpackages_of_twin_and_backend_import_one_way(package):
+    """No subpackage imports another that imports it back (twin.engine and twin.engine.lockstep, say, or
+    backend.training and backend.runtime): each folder sits above the ones it uses."""
+    def folder(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        if name.split(".")[0] == package and name != package:
+            uses = {folder(m) for d in _imports(name, with_type_checking=False)
+                    if (m := _ours(d)) and m.split(".")[0] == package and m != package}
+            graph.setdefault(folder(name), set()).update(uses - {folder(name)})
+    for uses in list(graph.values()):
+        for f in uses:
+            graph.setdefault(f, set())
+    assert not _cycles(graph), _cycles(graph)

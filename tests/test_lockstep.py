@@ -1,4 +1,4 @@
-"""Lockstep (twin.lockstep.lockstep) against the event engine: the same iteration, breakdown and every span, to
+"""Lockstep (twin.engine.lockstep.lockstep) against the event engine: the same iteration, breakdown and every span, to
 the nanosecond, on small grids with every rank its own compute factor, random switches and models;
 where lockstep declines (a same-nanosecond tie the event engine's order decides), the engine runs.
 
@@ -15,7 +15,7 @@ from twin.engine import engine
 from twin.engine.engine import simulate_program
 from twin.program.grid import Grid
 from twin.costs.kernels import KernelModel
-from twin.lockstep.lockstep import simulate_lockstep
+from twin.engine.lockstep.lockstep import simulate_lockstep
 from twin.program.model import load_model
 from twin.costs.profile import load_profile
 from twin.program.program import Options, build_program
@@ -99,7 +99,7 @@ def test_full_mode_uses_lockstep_with_the_same_result(monkeypatch):
     engine's result; record (spans) and comm_slowdown > 1 keep the event engine."""
     prog, compute, timer, slow = setup("gpt-tiny", "2x2x2x2", Options(), seed=3)
     calls = []
-    import twin.lockstep.lockstep as lockstep
+    import twin.engine.lockstep.lockstep as lockstep
     real = lockstep.simulate_lockstep
     monkeypatch.setattr(lockstep, "simulate_lockstep", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(engine, "LOCKSTEP_RANKS", 16)
@@ -123,7 +123,7 @@ def test_identical_ranks_ties_everywhere(grid):
 
 
 def test_declined_runs_fall_back_to_the_event_engine(monkeypatch):
-    import twin.lockstep.lockstep as lockstep
+    import twin.engine.lockstep.lockstep as lockstep
     prog, compute, timer, slow = setup("gpt-tiny", "2x2x2x2", Options(), seed=1)
     monkeypatch.setattr(engine, "LOCKSTEP_RANKS", 16)
     monkeypatch.setattr(lockstep, "simulate_lockstep", lambda *a, **k: None)

@@ -86,7 +86,7 @@ def test_decoder_is_the_reference_model_and_the_cache_is_exact():
 
 
 def _save_sharded(ctx, ref_state: dict, ckpt_dir: str) -> None:
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     from backend.models.gpt import GPT
     from backend.models.reference import load_from_reference
     from twin.program.program import Options
@@ -128,7 +128,7 @@ def test_checkpoint_of_a_4d_grid_decodes_like_one_process(tmp_path, monkeypatch)
     with pytest.raises(TwinError, match="no checkpoint"):
         load_weights(tmp_path)
     # a checkpoint whose tensors are not the model's (say, written by another version of the code)
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     good = tmp_path / "ckpt2"
     run_on_grid("1x1x1x1", _save_sharded, state, str(good))
     real = checkpoint.read_rank

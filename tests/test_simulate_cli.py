@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from twin.cli.main import app
 from twin.predict.simulate import SimulationConfig, simulate
-from twin.present.trace import read_trace
+from twin.program.trace import read_trace
 
 runner = CliRunner()
 SMALL = ["--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16"]
@@ -117,7 +117,7 @@ def test_frontier_default_study():
 
 def test_timeline_figure_bars_and_segments():
     from twin.present.plots import MAX_BARS, timeline_figure
-    from twin.present.trace import Span
+    from twin.program.trace import Span
     spans = [Span(0, "a", "gemm", "compute", 0.0, 1.0), Span(0, "b", "all_reduce", "x", 0.5, 0.25)]
     fig = timeline_figure(spans)
     assert {t.type for t in fig.data} == {"bar"}

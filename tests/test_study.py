@@ -75,7 +75,7 @@ def test_tiny_study_end_to_end(tmp_path):
 
 def test_memorization_command_on_a_checkpoint(tmp_path):
     torch = pytest.importorskip("torch")
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     from backend.runtime.dist import ParallelContext
     from backend.models.gpt import GPT
     from twin.program.grid import Grid

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from twin.predict.simulate import SimulationConfig, simulate
-from twin.present.trace import check_nesting, read_metadata, read_trace, trace_breakdown, write_trace
+from twin.program.trace import check_nesting, read_metadata, read_trace, trace_breakdown, write_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*inplace.*", "ignore::DeprecationWarning")
 hta = pytest.importorskip("hta", reason="HTA is a test extra: pip install -e '.[test]'")
@@ -80,7 +80,7 @@ def test_hta_reads_the_backends_trace(tmp_path):
 
 def test_overlapping_slices_are_made_disjoint(tmp_path):
     """An async collective queued behind another on its stream starts when that one ends."""
-    from twin.present.trace import Span
+    from twin.program.trace import Span
     spans = [Span(0, "a", "gemm", "compute", 0.0, 1.0), Span(0, "ag1", "all_gather", "z", 0.0, 0.6),
              Span(0, "ag2", "all_gather", "z", 0.1, 0.7)]
     write_trace(tmp_path, spans)

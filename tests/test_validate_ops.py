@@ -10,7 +10,7 @@ import pytest
 
 from calibration.validate_measured import measured_ops
 from twin.program.grid import Grid
-from twin.present.trace import Span
+from twin.program.trace import Span
 
 
 def test_a_compute_span_carries_its_on_cpu_time():

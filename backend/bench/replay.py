@@ -4,7 +4,7 @@ model checkpoint or data.
 It is `backend run`'s executor (backend/runtime/executor.py) running the same program op by op (GEMMs,
 attention, normalization, collectives, the optimizer), only the weights are random and each step's
 tokens are drawn uniformly. Every op is recorded under its program name; the last iteration is
-written as a Chrome trace (twin.present.trace schema) gathered on rank 0.
+written as a Chrome trace (twin.program.trace schema) gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(config: dict) -> None:
     from backend.models.build import make_model
     from backend.training.optim import make_optimizer, micro_batches, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
-    from twin.present.trace import write_trace
+    from twin.program.trace import write_trace
 
     cfg = ReplayConfig(**config)
     program = cfg.program()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from backend.bench.timing import mean_over_ranks, world_group
 from twin.program.model import load_model
 from twin.program.program import Options, build_program
-from twin.present.trace import covered_share, host_gaps
+from twin.program.trace import covered_share, host_gaps
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -75,7 +75,7 @@ def _rank_states(ckpt: Path, meta: dict, grid) -> list[dict]:
     state never), after checking each file against its SHA-256."""
     import torch
 
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     out = []
     for r in range(grid.size):

@@ -44,7 +44,7 @@ def _preload(kind: str) -> None:
     module = JOBS[kind].split(":")[0]
     importlib.import_module(module)
     if kind == "run":
-        for m in ("backend.models.gpt", "backend.training.optim", "backend.training.checkpoint", "backend.training.data"):
+        for m in ("backend.models.gpt", "backend.training.optim", "backend.runtime.checkpoint", "backend.training.data"):
             importlib.import_module(m)
 
 

@@ -44,7 +44,7 @@ class Weights:
 
 def checkpoint_dir(path: str | Path) -> Path:
     """A checkpoint step directory: `path` itself, or the latest checkpoint of a checkpoint root."""
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     p = Path(path)
     if (p / "meta.json").is_file():
@@ -60,7 +60,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def read_checkpoint(path: str | Path) -> tuple[Path, dict, ModelSpec, Grid]:
     """(step directory, meta.json, model spec, grid) of the checkpoint at `path` (checkpoint_dir)."""
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     ckpt = checkpoint_dir(path)
     meta = checkpoint.read_meta(ckpt)
@@ -75,7 +75,7 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
 
     model: a model name or file the checkpoint must have been written for (raises TwinError when not).
     """
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     from backend.runtime.dist import ParallelContext
     from backend.models.gpt import GPT
     from backend.models.reference import full_shapes, shard_map

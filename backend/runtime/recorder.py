@@ -17,7 +17,7 @@ GPU (resolved lazily, when spans are read), time.perf_counter on CPU. What a spa
     rec = Recorder(enabled=True, device=torch.device("cpu"))
     with rec.op("L0.qkv.fwd.gemm", "gemm", "compute", m=64, n=96, k=32, layout="NN"):
         y = x @ w
-    spans = rec.spans(rank)      # -> list[twin.present.trace.Span]; twin.present.trace.write_trace(folder, spans) writes them
+    spans = rec.spans(rank)      # -> list[twin.program.trace.Span]; twin.program.trace.write_trace(folder, spans) writes them
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from twin.present.trace import Span, span_args
+from twin.program.trace import Span, span_args
 
 
 @dataclass

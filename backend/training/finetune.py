@@ -75,7 +75,7 @@ def finetune_model(init_from: str | None, ckpt_dir: str | None, seq_len: int | N
         from backend.hf.load import HFCheckpoint
         ckpt = HFCheckpoint(init_from)
         return ckpt.spec(seq_len, batch), ckpt.config.raw, init_from
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
     path = checkpoint.latest(ckpt_dir) if ckpt_dir else None
     if path is None:
         raise TwinError("give --init-from HF_DIR (a Hugging Face Llama directory), or a --ckpt-dir holding a "

@@ -150,7 +150,7 @@ def check_numbers(cfg: TrainConfig) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Check a config before any rank starts (raises TwinError with one clear line)."""
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
     if cfg.cache_layers < 0 or cfg.ckpt_every < 0 or cfg.log_every < 1:
@@ -251,9 +251,9 @@ class MetricsLog:
 
 
 def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
-    """Gather every rank's spans to rank 0 and write the run folder of per-rank traces (twin.present.trace)."""
+    """Gather every rank's spans to rank 0 and write the run folder of per-rank traces (twin.program.trace)."""
     import torch.distributed as dist
-    from twin.present.trace import write_trace
+    from twin.program.trace import write_trace
 
     gathered = [None] * ctx.grid.size if ctx.rank == 0 else None
     dist.gather_object(spans, gathered, dst=0)
@@ -263,7 +263,7 @@ def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
 
 
 def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "data": loader.state_dict(), "rng": checkpoint.rng_state()}
@@ -273,7 +273,7 @@ def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
 
 def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
     """Load the latest checkpoint of cfg.ckpt_dir if there is one; returns the last completed step."""
-    from backend.training import checkpoint
+    from backend.runtime import checkpoint
 
     if not cfg.ckpt_dir:
         return 0
@@ -344,7 +344,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             t0 = time.perf_counter()
             if step == min(start + 2, cfg.steps) and step != trace_step:
                 # the second step (optimizer state exists by then): also measure the memory peak
-                from backend.bench.bench import peak_memory
+                from backend.runtime.memory import peak_memory
                 loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip),
                                          model, optimizer)
                 peaks = [None] * grid.size

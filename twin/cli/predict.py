@@ -103,7 +103,7 @@ def simulate_cmd(
         if trace is not None or html is not None:
             stage("writing the trace and timeline")
     if trace is not None:
-        from twin.present.trace import write_trace
+        from twin.program.trace import write_trace
         write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
     if html is not None:
         from twin.present.plots import timeline_html

@@ -33,7 +33,7 @@ stream for a class of groups, whose members are classes), and sums over ranks we
 its size. Without stragglers that is one class, so full mode gives exactly the symmetric result;
 with `merge_alike=False` every rank is its own class (the same to the rounding of re-rates, ns).
 When every rank is its own class (at least LOCKSTEP_RANKS of them, comm_slowdown 1, no spans recorded),
-twin.lockstep.lockstep steps the program once over all ranks with numpy and gives this engine's result to
+twin.engine.lockstep.lockstep steps the program once over all ranks with numpy and gives this engine's result to
 the nanosecond; where the order of same-nanosecond events would decide, it declines and this engine runs.
 
 Breakdown (per rank, then averaged over ranks): compute = time its compute stream runs ops. A wait
@@ -67,7 +67,7 @@ from twin.engine.symmetry import RankClasses, one_class_per_rank, rank_classes
 
 __all__ = ["LOCKSTEP_RANKS", "NS", "EngineResult", "Stopped", "simulate_program"]  # NS, Stopped: twin.engine.sim's
 
-LOCKSTEP_RANKS = 128  # full mode with at least this many distinct ranks tries twin.lockstep.lockstep first
+LOCKSTEP_RANKS = 128  # full mode with at least this many distinct ranks tries twin.engine.lockstep.lockstep first
 
 
 @dataclass
@@ -103,7 +103,7 @@ def simulate_program(program: Program, compute_s: list[float],
         the result is every rank's); False runs rank by rank (for tests).
     comm_slowdown: a collective runs this many times slower while the compute stream of one of its
         members runs an op (1: unaffected; where ranks share their cores, the host model's 1 / comm_share).
-    lockstep: try twin.lockstep.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
+    lockstep: try twin.engine.lockstep.lockstep where it applies (None: from LOCKSTEP_RANKS distinct ranks; False: never).
     stop_ns, tail_ns: branch and bound (symmetric mode): tail_ns[i] is at most the time (ns) from the
         start of op i to the end of the iteration, whatever the run (the longest path from op i on
         with each op at its least time, twin.predict.bounds.tail_ns); when a compute op starts at a time t
@@ -133,7 +133,7 @@ def simulate_program(program: Program, compute_s: list[float],
     if lockstep is None:
         lockstep = nsim >= LOCKSTEP_RANKS
     if full and lockstep and nsim == nranks and comm_slowdown == 1.0 and not record:
-        from twin.lockstep.lockstep import simulate_lockstep
+        from twin.engine.lockstep.lockstep import simulate_lockstep
         res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown)
         if res is not None:
             end, compute_ns, exposed_ns, _ = res

@@ -46,7 +46,7 @@ class SimulationResult:
     grid_choice: str = "given"       # how the grid was chosen ("given", or what --grid auto did)
     flops_convention: str = FLOPS_CONVENTION
     wall_time_s: float = 0.0         # seconds this simulation took (not deterministic; last in JSON)
-    spans: list = field(default_factory=list, repr=False)  # twin.present.trace.Span of every op, when recorded
+    spans: list = field(default_factory=list, repr=False)  # twin.program.trace.Span of every op, when recorded
 
     def as_dict(self, wall_time: bool = True) -> dict:
         d = {

@@ -33,7 +33,7 @@ from twin.predict.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.predict.search import Candidate, estimate_grids, exact_estimate, rank_grids
 from twin.predict.study import Study, check_grid, prepare
 from twin.predict.study_cache import model_for, program_for, study_key
-from twin.present.trace import Span, op_args
+from twin.program.trace import Span, op_args
 
 
 MAX_SLOWDOWN = 1e3         # a straggler's compute at most this many times slower

@@ -18,7 +18,7 @@ from collections import defaultdict
 import plotly.graph_objects as go
 
 from twin.program.program import STREAMS
-from twin.present.trace import Span, compute_gaps
+from twin.program.trace import Span, compute_gaps
 
 MAX_BARS = 20_000
 MAX_RANKS = 8
@@ -155,7 +155,7 @@ def breakdown_figure(breakdown_s: dict, iteration_s: float, title: str = "where 
 
 def ranks_figure(spans: list[Span], iteration_s: float) -> go.Figure:
     """Every rank's breakdown (stacked bars: compute, exposed per axis, idle), for a full run."""
-    from twin.present.trace import trace_breakdown
+    from twin.program.trace import trace_breakdown
     by_rank: dict[int, list[Span]] = defaultdict(list)
     for s in spans:
         by_rank[s.rank].append(s)

@@ -33,7 +33,7 @@ from twin.present.page import Page, html_table
 from twin.program.program import Options, Program, build_program
 from twin.predict.result import SimulationResult
 from twin.predict.study import Study, prepare
-from twin.present.trace import Span
+from twin.program.trace import Span
 
 
 @dataclass

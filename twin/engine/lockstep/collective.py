@@ -1,4 +1,4 @@
-"""Collectives for twin.lockstep.lockstep: each op's end on every group of its axis, re-rated at the concurrency
+"""Collectives for twin.engine.lockstep.lockstep: each op's end on every group of its axis, re-rated at the concurrency
 changes of the other axes, with twin.engine.engine's arithmetic; and the checks that stop lockstep where the
 engine's order of same-nanosecond events would move an end (Ambiguous).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twin.lockstep.blame import Ambiguous
+from twin.engine.lockstep.blame import Ambiguous
 
 
 def collective_end(ls, i, k, S, Tm, Cm, Am):

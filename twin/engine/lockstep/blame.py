@@ -1,4 +1,4 @@
-"""The breakdown's walk back for twin.lockstep.lockstep: each compute wait that ended with a collective is
+"""The breakdown's walk back for twin.engine.lockstep.lockstep: each compute wait that ended with a collective is
 attributed by walking back what delayed that collective (twin.engine.sim.Sim.blame), all walks at once.
 
 A collective's start records what it waited for last as a class: PRED (nothing: the stream's previous

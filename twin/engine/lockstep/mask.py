@@ -1,4 +1,4 @@
-"""The global concurrency timeline for twin.lockstep.lockstep: when each axis has collectives in flight on any
+"""The global concurrency timeline for twin.engine.lockstep.lockstep: when each axis has collectives in flight on any
 group (twin.engine.engine re-rates a collective whenever another axis starts or stops having some).
 """
 
@@ -10,7 +10,7 @@ INF = 1 << 62  # a time never reached (ns)
 
 
 def concurrency_timeline(ls, gimm: dict) -> tuple[dict, dict, dict]:
-    """From the intervals a sweep left in ls.AT (twin.lockstep.lockstep; gimm[op][group]: its dependencies were
+    """From the intervals a sweep left in ls.AT (twin.engine.lockstep.lockstep; gimm[op][group]: its dependencies were
     done before it started, so it started in its predecessor's end): for each axis k, the times of concurrency changes of the other axes (sorted, sentinel at the
     end), the mask of the other axes in flight after each, and whether it is ambiguous.
 

@@ -27,9 +27,9 @@ it, and waits whose blame (the breakdown's exposed communication) differs with t
 concurrency change may or may not happen (several groups of an axis end and others start at one
 nanosecond), both ways are computed and must agree (the rate is the same on both sides).
 
-twin/lockstep/compute.py steps a compute op (busy re-rating), twin/lockstep/collective.py a collective
-(concurrency re-rating), twin/lockstep/mask.py builds the concurrency timeline from a sweep's
-intervals, twin/lockstep/blame.py records each compute wait and walks it back for the breakdown.
+twin/engine/lockstep/compute.py steps a compute op (busy re-rating), twin/engine/lockstep/collective.py a collective
+(concurrency re-rating), twin/engine/lockstep/mask.py builds the concurrency timeline from a sweep's
+intervals, twin/engine/lockstep/blame.py records each compute wait and walks it back for the breakdown.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from __future__ import annotations
 import numpy as np
 
 from twin.program.grid import AXES
-from twin.lockstep.blame import PRED, Ambiguous, blame, blocker, record_waits
-from twin.lockstep.collective import collective_end, ties_ok
-from twin.lockstep.compute import compute_end
-from twin.lockstep.mask import INF, concurrency_timeline
+from twin.engine.lockstep.blame import PRED, Ambiguous, blame, blocker, record_waits
+from twin.engine.lockstep.collective import collective_end, ties_ok
+from twin.engine.lockstep.compute import compute_end
+from twin.engine.lockstep.mask import INF, concurrency_timeline
 from twin.engine.symmetry import axis_groups
 
 NS = 1e9
@@ -82,7 +82,7 @@ class _Lockstep:
             last[op.stream] = op.index
         # the order ops are stepped in: compute ops in program order, each collective right after the
         # last of its dependencies and its stream predecessor (so that every collective that can start
-        # while a compute op runs is stepped before it: twin.lockstep.lockstep's docstring)
+        # while a compute op runs is stepped before it: twin.engine.lockstep.lockstep's docstring)
         keys: list[tuple] = [()] * n
         for i in range(n):
             if self.ax[i] < 0:

@@ -1,4 +1,4 @@
-"""Compute ops for twin.lockstep.lockstep: each op's end on every rank, re-rated when the rank's collectives in
+"""Compute ops for twin.engine.lockstep.lockstep: each op's end on every rank, re-rated when the rank's collectives in
 flight go from none to some or back (overlap_slowdown), with twin.engine.engine's arithmetic; and the checks
 that stop lockstep where the engine's order of same-nanosecond events would move an end (Ambiguous).
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from twin.lockstep.blame import Ambiguous
-from twin.lockstep.mask import INF
+from twin.engine.lockstep.blame import Ambiguous
+from twin.engine.lockstep.mask import INF
 
 
 def compute_end(ls, i, S):
