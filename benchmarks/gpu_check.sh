@@ -16,7 +16,7 @@
 #
 # $OUT receives three files: gpu_check.json (the summary), gpu_check.log (everything printed) and
 # gpu_check_files.tar.gz (every log, step log, trace and table). Needs python3 with torch, numpy,
-# typer and rich; not simpy, plotly or networkx (the twin's simulation is not used here).
+# typer and rich; not plotly or networkx (the twin's simulation is not used here).
 #
 # With this workplace's device tool (the copy there may have no .git: name the commit):
 #   run(command="GIT_COMMIT=<sha> bash benchmarks/gpu_check.sh", timeout_s=540); the
@@ -83,11 +83,11 @@ case "$DEVICE" in cuda) BASE=${BASE:-h200}; PROFILE=h200 ;; *) BASE=${BASE:-cali
 mkdir -p "$WORK/profile"
 timeout 120 $PY -m twin.cli calibrate "$WORK/gemm.json" --base "$BASE" --out "$WORK/profile/$PROFILE.toml" 2>&1 \
   | tee "$WORK/calibrate.log"
-if $PY -c "import simpy, plotly, networkx" 2>/dev/null; then
+if $PY -c "import plotly, networkx" 2>/dev/null; then
   timeout 300 $PY -m twin.cli validate "$WORK/run_recompute" "$WORK/run_no_recompute" --system "${SYSTEM:-$PROFILE}" \
     --profile "$WORK/profile/$PROFILE.toml" --json "$WORK/validate.json" 2>&1 | tee "$WORK/validate.log"
 else  # the H200 image lacks the simulator's packages: validate where the files come back
-  echo "twin validate skipped (no simpy/plotly/networkx here); on a machine with the repository, unpack"
+  echo "twin validate skipped (no plotly/networkx here); on a machine with the repository, unpack"
   echo "gpu_check_files.tar.gz into DIR and run: twin validate DIR/run_recompute DIR/run_no_recompute \\"
   echo "  --system h200 --profile DIR/profile/$PROFILE.toml --json DIR/validate.json --html DIR/validate.html"
 fi

@@ -50,6 +50,8 @@ TWIN = {
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "2x2x2x2"],
     "twin simulate --system h200 --model gpt-1b --grid 1x1x1x1": None,
+    # docs/architecture.md (the engine and simpy)
+    "twin simulate --system frontier --grid 2x32x64x8": None,
     # docs/fidelity.md
     "twin sensitivity --system frontier --model gpt-80b --gpus 8192 --grid 2x8x16x32":
         ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
