@@ -80,7 +80,7 @@ def main() -> None:
     from twin.engine import plan as engine_plan
     from twin.program.grid import Grid
     from twin.program.program import build_program
-    from twin.predict.simulate import collective_timer
+    from twin.costs.collectives import collective_timer
     from twin.predict.study import prepare
     from twin.predict.study_cache import model_for, program_for
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))

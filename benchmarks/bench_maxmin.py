@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
 import twin.costs.flows as flows  # noqa: E402
-import twin.predict.simulate as simulate  # noqa: E402
+from twin.predict.run import simulate_grid  # noqa: E402
+from twin.predict.simulate import SimulationConfig, simulate  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.predict.study import prepare  # noqa: E402
 
@@ -38,9 +39,9 @@ def capture(grid: str) -> list[tuple]:
     flows._max_min = record
     try:
         if grid == "auto":
-            simulate.simulate("frontier")
+            simulate(SimulationConfig("frontier"))
         else:
-            simulate.simulate_grid(prepare("frontier"), Grid.parse(grid))
+            simulate_grid(prepare("frontier"), Grid.parse(grid))
     finally:
         flows._max_min = solve
     return seen

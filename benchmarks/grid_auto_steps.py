@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/grid_auto_steps.py [--system frontier] [--baseline OTHER_CHECKOUT]
 
-Prints one line per step of `twin.predict.simulate.choose_grid` on the system's default study: the
+Prints one line per step of `twin.predict.auto.choose_grid` on the system's default study: the
 routing-free estimate of every grid, the quick bounds of the pool, each routed bound, each
 simulation (in full, or stopped partway by the branch and bound: its bound, the stop and the
 simulated time it stopped at), then the chosen grid and the total. With --baseline, the same in a
@@ -22,7 +22,8 @@ import time
 def steps(system: str) -> None:
     t0 = time.process_time()
     import twin.engine.engine as engine
-    import twin.predict.simulate as sim
+    import twin.predict.auto as sim
+    import twin.predict.run as run_mod
     from twin.predict.study import prepare
     imports = time.process_time() - t0
     log = []
@@ -38,7 +39,7 @@ def steps(system: str) -> None:
             return r
         setattr(sim, name, g)
 
-    run = sim.simulate_program
+    run = run_mod.simulate_program
 
     def simulate_program(*a, **k):
         try:
@@ -46,7 +47,7 @@ def steps(system: str) -> None:
         except engine.Stopped as e:
             stop_at["now"] = e.now_ns / engine.NS
             raise
-    sim.simulate_program = simulate_program
+    run_mod.simulate_program = simulate_program
 
     def simulated(a, k, r):
         if r is not None:

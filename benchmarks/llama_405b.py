@@ -27,7 +27,7 @@ from twin.predict.memory import GIB, memory_per_gpu  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
 from twin.program.program import Options  # noqa: E402
 from twin.predict.search import candidate_grids  # noqa: E402
-from twin.predict.simulate import search  # noqa: E402
+from twin.predict.auto import search  # noqa: E402
 from twin.predict.study import prepare  # noqa: E402
 from topologies.system import load_system  # noqa: E402
 

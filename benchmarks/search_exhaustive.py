@@ -1,5 +1,5 @@
 """Does the search miss the best grid? Simulate EVERY valid grid of a few studies and compare with what
-`twin.predict.simulate.choose_grid` (grid auto) picks (a check, not a test: minutes of CPU).
+`twin.predict.auto.choose_grid` (grid auto) picks (a check, not a test: minutes of CPU).
 
     python benchmarks/search_exhaustive.py [--limit N] [CASE ...]
 
@@ -23,7 +23,8 @@ import time
 
 from twin.predict.bounds import lower_bound, quick_bounds
 from twin.predict.search import estimate_grids, rank_grids
-from twin.predict.simulate import SCAN, choose_grid, simulate_grid
+from twin.predict.auto import choose_grid, SCAN
+from twin.predict.run import simulate_grid
 from twin.predict.study import prepare
 from twin.predict.study_cache import model_for
 

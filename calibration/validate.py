@@ -76,7 +76,7 @@ def _excess_of(study, grid: Grid) -> dict[str, float]:
     gives beyond its line measured alone (the per-op excess of calibration/fit.py's `_excess_line`),
     at the op's bytes; {} where the profile has no measured collectives."""
     from twin.costs.profile_types import CollectiveTable
-    from twin.predict.simulate import program_for
+    from twin.predict.study_cache import program_for
     table = study.profile.collectives()
     if table is None:
         return {}
@@ -96,7 +96,7 @@ def _host_of(study, grid: Grid) -> dict[str, float]:
     twin.host.order.host_times: the host's op_s, plus its issue_s per collective issued just before it
     that it does not wait for)."""
     from twin.host.order import host_times
-    from twin.predict.simulate import program_for
+    from twin.predict.study_cache import program_for
     prog = program_for(study, grid)
     host = _host(study)
     return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, host.op_s, host.issue_s))}
@@ -110,7 +110,7 @@ def _host(study) -> HostSharing:
 def _predicted_stretch(study, grid: Grid) -> float | None:
     """The twin's stretch of this grid's compute ops (twin.host.sharing.shared_core_stretch), or None."""
     from twin.host.sharing import as_run, shared_core_stretch
-    from twin.predict.simulate import model_for, program_for
+    from twin.predict.study_cache import model_for, program_for
     if study.profile.host is None:
         return None
     prog = as_run(study.profile.host, program_for(study, grid))
@@ -121,7 +121,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     """Predicted against measured for one run (see the module docstring); a JSON-ready dict."""
     from twin.predict.memory import memory_per_gpu
     from twin.program.model import load_model
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
 
     run = read_run(run_dir)
@@ -178,7 +178,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
             z[1] += sp.duration_s < 1e-7
     per_kind = by_kind(ops, zero)
     compute = [abs(o["error"]) for o in ops if o["kind"] not in COLLECTIVES]
-    from twin.present.trace import trace_breakdown
+    from twin.program.trace import trace_breakdown
     idle = [trace_breakdown([s for s in run["spans"] if s.rank == r])["idle"] for r in {s.rank for s in run["spans"]}]
     mem_pred = memory_per_gpu(spec, grid, options, batch, spec.seq_len, study.profile.activation_bytes)
     peaks = run["summary"].get("memory_peak_bytes")

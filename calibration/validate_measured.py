@@ -18,7 +18,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 def read_run(run_dir: str | Path) -> dict:
     """What a run wrote: metadata, step times, memory peaks, spans. Raises TwinError, one line."""
-    from twin.present.trace import read_metadata, read_trace, trace_files
+    from twin.program.trace import read_metadata, read_trace, trace_files
     d = Path(run_dir)
     trace, log = d / "trace", d / "log.jsonl"
     if not trace.exists() and (d / "trace.json").exists():

@@ -31,7 +31,7 @@ def _size(value) -> int:
 def test_clear_empties_every_cache_a_simulation_filled(fresh_caches):
     """A grid search and its simulations fill the caches (GPU: Alps, adaptive routing; CPU: the fitted
     profile and host model); clear() empties every one, and what grew in a module is registered."""
-    from twin.predict.simulate import choose_grid
+    from twin.predict.auto import choose_grid
     from twin.predict.study import prepare
     before = {k: _size(v) for k, v in _module_containers().items()}
     for system, model, gpus in (("alps", "gpt-1b", 16), ("cpu", "gpt-tiny", 8)):

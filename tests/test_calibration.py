@@ -79,7 +79,7 @@ def test_fitted_profile_drives_the_twin(tmp_path):
     assert table.time("all_reduce", "data", 2, 1 << 20) == pytest.approx(2e-4 + (1 << 20) / 1e9, rel=1e-3)
     assert table.time("all_reduce", "x", 4, 1 << 20) is None  # not measured: the flow model answers
     assert all("m.json (testhost" in src for k, src in prof.sources.items() if k.startswith(("collective", "gemm_table")))
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
     from twin.program.grid import Grid
     study = prepare("cpu", "gpt-tiny", 2, profile=str(prof_path), gemm_tuning=False)
@@ -118,7 +118,7 @@ def test_program_order_issue_is_an_explicit_sourced_profile_field(tmp_path):
     measurements with its source), not wherever a host time per op happens to be measured."""
     from topologies.common import TwinError
     from twin.program.grid import Grid
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
     data = with_host_row(MEASUREMENT)
     prof = load_profile(fitted(tmp_path, data, "cpu-order"))

@@ -120,7 +120,7 @@ def test_the_shipped_profile_predicts_its_loop():
     -16 %), Spearman 0.967. The runs' own noise (0.139 per run) lets a model exact on every grid's
     mean expect 33.3 of 35 within 15 %. Asserted with a margin: median under 6.5 %, at least 33 within
     15 %, worst under 19 %, Spearman at least 0.95."""
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
     from twin.program.grid import Grid
     from twin.program.model import load_model
@@ -264,7 +264,7 @@ def test_each_grid_takes_its_own_stretch_from_the_twins_timeline(tmp_path):
     from twin.host.cores import busy_shares, core_stretch
     from twin.host.order import host_ordered, host_times
     from twin.host.sharing import shared_core_stretch
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
     from twin.predict.study_cache import model_for, program_for
     from twin.program.grid import Grid
@@ -315,7 +315,8 @@ def test_grid_auto_on_cpu_picks_the_fastest_grid():
     stretch 1.50 against 1.66) ruled it out, and gpt-small on 4 ranks chose 1x1x2x2 at 0.512 s over
     1x1x1x4 at 0.490 s."""
     from twin.predict.search import rank_grids
-    from twin.predict.simulate import choose_grid, simulate_grid
+    from twin.predict.auto import choose_grid
+    from twin.predict.run import simulate_grid
     from twin.predict.study import prepare
     study = prepare("cpu", "gpt-small", 4)
     best, _ = choose_grid(study)

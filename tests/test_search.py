@@ -6,7 +6,7 @@ from topologies.common import TwinError
 from twin.costs.profile_types import HostSharing
 from twin.program.grid import Grid
 from twin.predict.search import Bandwidth, analytical, candidate_grids, estimate_grids, rank_grids
-from twin.predict.simulate import choose_grid, search
+from twin.predict.auto import choose_grid, search
 from twin.predict.study import prepare
 
 
@@ -51,7 +51,7 @@ def test_analytical_terms_follow_the_ring_volumes():
 
 
 def test_search_simulates_the_best_and_auto_picks_the_fastest():
-    import twin.predict.simulate as sim_mod
+    import twin.predict.auto as sim_mod
     from twin.predict.bounds import lower_bound
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     cands = search(study, top=3, simulate_top=3)
@@ -74,10 +74,10 @@ def test_lower_bound_is_below_every_simulation(system, model, gpus, batch):
     """The bound that rules grids out stays below the simulated time of every valid grid (Alps: groups
     crossing its 4-GPU nodes; Frontier: 8 GCDs per node), and contention sped no collective up by
     more than the search's slack."""
-    from twin.predict.simulate import BOUND_SLACK
+    from twin.predict.auto import BOUND_SLACK
     from twin.predict.bounds import lower_bound
     from twin.predict.study_cache import model_for
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     study = prepare(system, model, gpus, batch=batch)
     grids = [c.grid for c in rank_grids(study)]
     assert len(grids) >= 10
@@ -118,7 +118,7 @@ def test_a_second_search_in_the_process_reuses_the_first(monkeypatch):
     """search, --grid auto, scaling and sensitivity share ranked probes, bounds and simulations: asking
     again for an equal study (a new Study object) simulates and bounds nothing again."""
     import twin.predict.bounds as bounds_mod
-    import twin.predict.simulate as sim_mod
+    import twin.predict.run as sim_mod
     study = prepare("perlmutter", "gpt-1b", 16, batch=16)
     first, _ = choose_grid(study)
     cands = search(study, top=3, simulate_top=2)  # simulates the exact top 2 for its table too
@@ -142,7 +142,7 @@ def test_a_stopped_simulation_shows_a_bound_below_its_time(system, model, gpus, 
     import re
     from topologies import caches
     from twin.costs.profile import PROFILES_DIR
-    from twin.predict.simulate import simulate_grid, stopped_bound
+    from twin.predict.run import simulate_grid, stopped_bound
     profile = None
     if system == "cpu":
         profile = tmp_path / "cpu.toml"
@@ -171,7 +171,7 @@ def test_a_drawn_cpu_simulation_is_never_stopped(fresh_caches):
     """The shipped CPU profile draws the spans of a step (twin.host.spread): a stop below its time still
     gives the whole result, the mean over the draws."""
     from topologies import caches
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     study = prepare("cpu", "gpt-tiny", 8, batch=8)
     assert study.profile.for_ranks(8).host.span_spread
     g = rank_grids(study)[0].grid
@@ -186,7 +186,7 @@ def test_grid_auto_simulates_in_full_only_grids_that_could_win():
     grid auto simulates in full could still beat the fastest by its lower bound, and the analytical
     top two (1x32x32x32, 1x32x16x64), which their bounds rule out, are not simulated."""
     from twin.predict.bounds import lower_bound
-    from twin.predict.simulate import BOUND_SLACK, _auto
+    from twin.predict.auto import _auto, BOUND_SLACK
     study = prepare("frontier")
     looked = _auto(study, 2, None)
     sims = [c for c in looked if c.simulated_s is not None]

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from twin.cli.main import app
 from twin.predict.simulate import SimulationConfig, simulate
+from twin.program.grid import Grid
 from twin.program.trace import read_trace
 
 runner = CliRunner()
@@ -137,6 +138,8 @@ def test_an_impossible_full_trace_is_refused_before_the_grid_search(tmp_path, mo
     r = runner.invoke(app, ["simulate", "--system", "frontier", "--full", "--trace", str(tmp_path / "t")])
     assert r.exit_code == 2
     assert "a trace of this run would hold" in r.output and "Traceback" not in r.output
-    assert sim.min_ops_per_rank(sim.prepare("perlmutter", "gpt-1b", 16, 16)) <= min(
-        len(sim.program_for(sim.prepare("perlmutter", "gpt-1b", 16, 16), g).ops)
-        for g in (sim.Grid(2, 2, 2, 2), sim.Grid(1, 4, 4, 1), sim.Grid(16, 1, 1, 1), sim.Grid(1, 1, 1, 16)))
+    from twin.predict.run import min_ops_per_rank
+    from twin.predict.study_cache import program_for
+    study = sim.prepare("perlmutter", "gpt-1b", 16, 16)
+    assert min_ops_per_rank(study) <= min(len(program_for(study, g).ops) for g in (
+        Grid(2, 2, 2, 2), Grid(1, 4, 4, 1), Grid(16, 1, 1, 1), Grid(1, 1, 1, 16)))

@@ -47,7 +47,7 @@ def test_quick_bound_is_below_the_bound_and_both_below_the_simulation(fresh_cach
     """quick_bound <= routed_bound <= lower_bound <= the simulated time; routed_bound routes nothing
     and reaches lower_bound once the grid's axes are routed."""
     import twin.predict.bounds as bounds_mod
-    from twin.predict.simulate import simulate_grid
+    from twin.predict.run import simulate_grid
     study = prepare("alps", "gpt-1b", 32, batch=32)
     grids = [c.grid for c in rank_grids(study)[:6]]
     for g in grids:

@@ -186,7 +186,7 @@ def search_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
-    from twin.predict.simulate import search
+    from twin.predict.auto import search
     from twin.predict.study import prepare
 
     if top < 1:

@@ -110,7 +110,7 @@ def simulate_program(program: Program, compute_s: list[float],
         with t + tail_ns[i] > stop_ns, the run stops and raises Stopped(t + tail_ns[i]), a lower bound
         on its end (ns). 0: run to the end.
     by_size: collective_s(i, concurrent) depends on op i only through its (kind, axis, bytes), as
-        twin.predict.simulate.collective_timer's does: it is then asked once per distinct collective and
+        twin.costs.collectives.collective_timer's does: it is then asked once per distinct collective and
         concurrency (a program of 3,000 collectives has a few dozen distinct ones).
     """
     grid: Grid = program.grid

@@ -38,7 +38,7 @@ def lower_bound(study: Study, grid: Grid, collectives=None) -> float:
     depend on what else runs; a time is a minimum over algorithms of latency + bytes / slowest rate).
     A flow split into sub-flows on adaptive paths sums its sub-flows' rates, and there contention
     sometimes helps: up to 7% on some collectives of Alps and Perlmutter, 0.05% on a whole iteration.
-    So the search rules a grid out only with a slack (twin.predict.simulate.BOUND_SLACK), and
+    So the search rules a grid out only with a slack (twin.predict.auto.BOUND_SLACK), and
     `benchmarks/search_exhaustive.py` measures simulated / bound over every grid of several studies.
     (The first block of an axis alone, the ranking's probe, would be cheaper but is no bound: on Alps,
     x groups of 8 across two 4-GPU nodes ran up to 9% slower alone than within the whole grid, whose

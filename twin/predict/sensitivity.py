@@ -137,7 +137,8 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
     to its alternative; rows sorted by the larger change of the iteration time, largest first.
     `progress(what, done, total)` is called before each simulation."""
     from twin.costs.collectives import CollectiveModel
-    from twin.predict.simulate import choose_grid, simulate_grid
+    from twin.predict.auto import choose_grid
+    from twin.predict.run import simulate_grid
 
     if not 0 < step < 1:
         raise TwinError(f"--step must be between 0 and 1 (a relative move), got {step}")

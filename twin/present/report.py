@@ -193,7 +193,8 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     stage starts. Raises TwinError."""
     from topologies.common import TwinError
     from topologies.placement import place
-    from twin.predict.simulate import search, simulate_grid
+    from twin.predict.auto import search
+    from twin.predict.run import simulate_grid
     from twin.predict.study import collective_model
 
     validate = validator() if runs else None

@@ -42,7 +42,6 @@ twin/program/ops.py are importable from here too.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from twin.program.blocks import Blocks
 from twin.program.grid import Grid
