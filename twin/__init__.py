@@ -3,16 +3,17 @@
 Data flows one way: model spec + grid + options -> program (the schedule of one rank)
 -> simulation on a system -> result -> traces and plots. Nothing here imports torch.
 
-The names below are loaded on first use, so that importing one module of the twin (topologies.common, which
-topologies uses) does not import the rest.
+The names below are loaded on first use, so that importing one module of the twin (the program
+alone, say, as the backend does) does not import the simulator.
 """
 
 import importlib
 
 _EXPORTS = {
-    "TwinError": "topologies.common", "Grid": "twin.program.grid", "ModelSpec": "twin.program.model", "load_model": "twin.program.model",
-    "list_models": "twin.program.model", "Op": "twin.program.program", "Options": "twin.program.program", "Program": "twin.program.program",
-    "build_program": "twin.program.program",
+    "TwinError": "topologies.common", "Grid": "twin.program.grid", "ModelSpec": "twin.program.model",
+    "load_model": "twin.program.model", "list_models": "twin.program.model", "Op": "twin.program.program",
+    "Options": "twin.program.program", "Program": "twin.program.program", "build_program": "twin.program.program",
+    "SimulationConfig": "twin.predict.simulate", "simulate": "twin.predict.simulate",
 }
 __all__ = list(_EXPORTS)
 
