@@ -1,10 +1,12 @@
-"""The collective model against the measured ring bandwidth table, and how fast it is.
+"""The collective model against AxoNN's ring bandwidth table, and how fast it is.
 
     python benchmarks/bench_collectives.py
 
-1. Model vs measured ring bandwidth (GB/s) for Perlmutter and Frontier groups of size p = 2, 4, 8, 16
-   and rank stride s = 1, 2, 4, 8 (docs/reference/collective-bandwidth.md; "p>8" read at 16),
-   all groups of the axis running at once, with the ratio model/measured.
+1. Model (each system's "axonn-table" figures, fit to this table) vs measured ring bandwidth (GB/s)
+   for Perlmutter and Frontier groups of size p = 2, 4, 8, 16 and rank stride s = 1, 2, 4, 8
+   (docs/reference/collective-bandwidth.md; "p>8" read at 16),
+   all groups of the axis running at once, with the ratio model/measured. The default figures are
+   fit to measured collectives instead: benchmarks/bench_measured_collectives.py.
 2. Alps: NCCL all-reduce bus bandwidth on 2 nodes (systems.md) against the model.
 3. Speed on the default Frontier study (gpt-320b, 32,768 GCDs, grid 8x8x4x128): building the
    CollectiveModel, then every distinct (kind, axis, bytes) of the program, alone and with each

@@ -1,14 +1,15 @@
 """Twin predictions against published end-to-end results (validation only: nothing is fitted to them).
 
     python benchmarks/bench_published.py [--simulate-top 4] [--defaults] [--json out.json]
-        [--set frontier.collectives.inter_node_channel_efficiency=0.8 ...]
+        [--figures frontier:axonn-table ...] [--set frontier.collectives.inter_node_channel_efficiency=0.8 ...]
 
 Every published row of issue 11 (docs/reference/published.md), each with the twin's prediction,
 its error and its known cause (docs/fidelity.md has the evidence): flop/s rows as a relative error, efficiency and share-of-peak rows in points, and the
 target (10% or 10 points) met or not. The same predictions as `twin simulate` / `twin scaling`
 (grid auto: the analytical ranking, the best `--simulate-top` simulated). Flop/s use the reference
 formula of Narayanan et al. with recomputation, the convention of the published AxoNN figures.
-With --defaults it also predicts each system's default study (no published figure). --set runs a
+With --defaults it also predicts each system's default study (no published figure). --figures takes
+one of a system's other sets of collective figures (its file's [[collectives.variants]]). --set runs a
 what-if: a system parameter replaced for this run only (section collectives, node or network; the
 rows then say what the published runs would need, which is not a fit: the twin keeps its files).
 docs/fidelity.md explains the remaining errors.
@@ -46,25 +47,28 @@ OVERLAP = ("perlmutter", "gpt-20b", 1024, 53.0)
 # The known causes of each row's remaining error, in one line (docs/fidelity.md has the evidence),
 # keyed by the start of the row's name.
 CAUSES = {
-    "perlmutter gpt-40b": "within target; Perlmutter's NCCL step latency (6 us) is assumed",
-    "perlmutter gpt-80b": "compute-bound in the twin (GEMMs 263-278 TF/s, sourced 280); the batch of the 2023 "
-                          "run is unknown: 1,024 sequences would give +8.8%, 512 -16%",
-    "frontier weak, efficiency 8,192": "the 512 point is compute-bound and too fast (+8.8 pts), the 8,192 point "
-                                       "network-bound at the table's 5 GB/s per GCD across nodes",
-    "frontier weak, efficiency 16,384": "as above; and with the table no grid can run gpt-160b at the published "
-                                        "speed with the documented batch (benchmarks/axonn_comm_model.py)",
-    "frontier weak, % of bf16 peak at 8,192": "network-bound at the table's 5 GB/s per GCD across nodes; met "
-                                              "if a NIC carried 80% of its rate for its 2 GCDs as on Perlmutter, "
-                                              "or with a batch of 8,192 sequences (both unknown)",
+    "perlmutter gpt-40b": "the cross-node channel rate: 16.25 GB/s from the 2025 whole-node rings (the default); "
+                          "AxoNN's table has 20 (--figures perlmutter:axonn-table: -5.4%)",
+    "perlmutter gpt-80b": "compute-bound in the twin (GEMMs 263-278 TF/s, sourced 280; gemm_flops +-10% moves "
+                          "it 6-8%); the batch of the 2023 run is unknown",
+    "frontier weak, efficiency 8,192": "the 512 point alone: compute-bound and 10 pts too fast; at its implied "
+                                       "41.1% this row would be met",
+    "frontier weak, efficiency 16,384": "the 512 point (as above), and the 16,384 point 16% slow: y all-reduces "
+                                        "across 4 nodes at the documented batch",
+    "frontier weak, % of bf16 peak at 8,192": "within target",
     "frontier weak, % of bf16 peak at 512": "compute-bound: the MI250X GEMM rate (125 TF/s, systems.md; "
-                                            "+-10% moves it 7-8%) decides it; no MI250X measurement on its shapes",
+                                            "+-10% moves it 7-9%) decides it; no MI250X measurement on its shapes",
     "perlmutter gpt-20b": "within target; GPU count and grid of the published figure unknown (assumed)",
 }
 
 
-def what_if(settings: list[str]) -> dict:
-    """{system name: SystemSpec} with each SYSTEM.SECTION.KEY=VALUE of `settings` applied."""
+def what_if(settings: list[str], figures: list[str] = ()) -> dict:
+    """{system name: SystemSpec}: each SYSTEM:VARIANT of `figures` (a system with one of its named
+    sets of collective figures), then each SYSTEM.SECTION.KEY=VALUE of `settings` applied."""
     specs: dict = {}
+    for item in figures:
+        spec = load_system(item)
+        specs[spec.name] = spec
     fields = {"collectives": "collectives", "network": "dragonfly", "node": None}
     for item in settings:
         try:
@@ -143,11 +147,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--set", action="append", default=[], metavar="SYSTEM.SECTION.KEY=VALUE",
                     help="what-if: replace a system parameter for this run (repeatable)")
+    ap.add_argument("--figures", action="append", default=[], metavar="SYSTEM:VARIANT",
+                    help="use one of a system's other sets of collective figures, e.g. frontier:axonn-table (repeatable)")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    specs = what_if(a.set)
+    specs = what_if(a.set, a.figures)
     if specs:
-        print("WHAT-IF, not the twin's files: " + ", ".join(a.set))
+        print("WHAT-IF, not the twin's defaults: " + ", ".join(a.figures + a.set))
     out = rows(a.simulate_top, specs)
     print(f"{'published run':<66} {'published':>10} {'twin':>8} {'error':>14} {'target':>7}  grid")
     for r in out:

@@ -19,15 +19,17 @@ MEASURED = {
 CASES = [(sy, s, p, bw) for sy, t in MEASURED.items() for s, row in t.items() for p, bw in row.items()]
 
 
-def model_bandwidth(system: str, stride: int, p: int) -> float:
-    """Bus bandwidth (GB/s) of the axis with group size p and rank stride `stride`, all its groups at once."""
+def model_bandwidth(system: str, stride: int, p: int, variant: str = "axonn-table") -> float:
+    """Bus bandwidth (GB/s) of the axis with group size p and rank stride `stride`, all its groups at
+    once, with the system's collective figures `variant` (by default those fit to this table)."""
     grid, axis = (Grid(p, 1, 1, 1), "x") if stride == 1 else (Grid(stride, p, 1, 1), "y")
     assert grid.stride(axis) == stride and grid.axis_size(axis) == p
-    return CollectiveModel(load_system(system), grid).effective_bandwidth(axis) / 1e9
+    return CollectiveModel(load_system(f"{system}:{variant}"), grid).effective_bandwidth(axis) / 1e9
 
 
 def test_ring_bandwidth_matches_the_measured_table():
-    """Model vs measured ring bandwidth for Perlmutter and Frontier groups.
+    """Model vs measured ring bandwidth for Perlmutter and Frontier groups, with the figures each
+    system file fits to this table (its "axonn-table" collective variant).
 
     Each system has two calibrated numbers (its system file says "fit to the measured table"): the
     fraction of a GPU-GPU link a ring step reaches (one entry: p=2, s=1) and the fraction of the NIC
@@ -65,7 +67,8 @@ def test_hierarchical_phases_are_pipelined():
     m = CollectiveModel(load_system("frontier"), Grid(2, 8, 1, 1))   # y: 4 GCDs per node on 2 nodes
     axes = frozenset({"y"})
     rates = m._bus_rates(axes, "hierarchical")["y"]
-    alphas, sizes = m._phases("y", "hierarchical")[1:]
+    alphas, sizes, floors = m._phases("y", "hierarchical")[1:]
+    assert floors == [0.0, m.system.collectives.inter_node_step_floor]  # inside nodes, then across
     big = 2**30
     t = m._ring_time("all_reduce", "y", big, axes, "hierarchical")
     transfers = [2 * (q - 1) / q * d / r for r, q, d in zip(rates, sizes, (big, big / sizes[0]))]
@@ -99,12 +102,12 @@ def test_time_formula_properties():
 
 def test_concurrent_axes_contend_for_nics():
     # Perlmutter 4x2x2x1: y (stride 4) and z (stride 8) rings both leave every GPU through its own NIC:
-    # alone each channel gets its 20 GB/s cap; together two channels share a 25 GB/s NIC
+    # alone each channel gets its 16.25 GB/s cap; together two channels share a 25 GB/s NIC
     m = CollectiveModel(load_system("perlmutter"), Grid(4, 2, 2, 1))
-    assert m.effective_bandwidth("y") == pytest.approx(20e9)
+    assert m.effective_bandwidth("y") == pytest.approx(16.25e9)
     assert m.effective_bandwidth("y", frozenset({"z"})) == pytest.approx(12.5e9)
     alone, shared = m.time("all_gather", "y", 1 << 28), m.time("all_gather", "y", 1 << 28, frozenset({"z"}))
-    assert shared > 1.5 * alone
+    assert shared > 1.25 * alone
     # the x axis (NVLink only) is not slowed by network traffic of the others
     assert m.effective_bandwidth("x", frozenset({"y", "z"})) == m.effective_bandwidth("x")
 
@@ -116,7 +119,7 @@ def test_hierarchical_and_scattered_variants_run():
     t_flat, t_hier = flat.time("all_gather", "y", 1 << 30), hier.time("all_gather", "y", 1 << 30)
     assert 0.5 < t_hier / t_flat < 2.0
     sc = CollectiveModel(s, Grid(4, 4, 4, 4), placement="scattered", seed=1)
-    assert 0 < sc.effective_bandwidth("data") <= 20e9 * 1.0001
+    assert 0 < sc.effective_bandwidth("data") <= 16.25e9 * 1.0001
 
 
 def test_bad_input_is_a_twin_error():
@@ -136,12 +139,12 @@ def test_bad_input_is_a_twin_error():
 def test_frontier_default_study_axes():
     m = CollectiveModel(load_system("frontier"), Grid(8, 8, 4, 128))
     bw = {a: m.effective_bandwidth(a) / 1e9 for a in ("x", "y", "z", "data")}
-    assert bw["x"] == pytest.approx(130)          # 8 GCDs of a node, 2-direction ring
-    assert bw["y"] == pytest.approx(5)            # one member per node: one RCCL channel
+    assert bw["x"] == pytest.approx(85)           # 8 GCDs of a node, a one-direction ring
+    assert bw["y"] == pytest.approx(10.5)         # one member per node: one RCCL channel
     # data: 128-member rings, one member per node, crossing 32 groups; each group boundary is crossed by
-    # 256 channels (1.28 TB/s) but has only 4 global cables (100 GB/s) on the minimal path: adaptive
-    # routing detours through other groups and keeps (nearly) the channel cap; minimal routing cannot
-    assert 4.0 <= bw["data"] <= 5.0001
+    # 256 channels (2.7 TB/s) but has only 4 global cables (100 GB/s) on the minimal path: adaptive
+    # routing detours through other groups and keeps most of the channel cap; minimal routing cannot
+    assert 8.0 <= bw["data"] <= 10.5001
     minimal = CollectiveModel(load_system("frontier"), Grid(8, 8, 4, 128), routing="minimal")
     assert minimal.effective_bandwidth("data") < 0.5e9
     t = m.time("all_reduce", "data", 1 << 28, frozenset({"z"}))

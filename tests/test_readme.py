@@ -62,12 +62,21 @@ TWIN = {
     "twin sensitivity --system frontier --model gpt-5b --gpus 512 --grid 1x1x128x4":
         ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "1x1x8x2"],
+    "twin sensitivity --system frontier --model gpt-80b --gpus 8192 --grid 2x8x32x16":
+        ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+         "--grid", "2x2x2x2"],
+    "twin sensitivity --system frontier --model gpt-5b --gpus 512 --grid 1x1x64x8":
+        ["sensitivity", "--system", "frontier", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+         "--grid", "1x1x8x2"],
+    "twin simulate --system frontier:axonn-table": ["simulate", "--system", "frontier:axonn-table", *SMALL,
+                                                    "--simulate-top", "1"],
     "twin sensitivity --system perlmutter --model gpt-80b --gpus 1024 --grid 1x4x64x4":
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "1x4x4x1"],
 }
 # scripts of benchmarks/ that a page shows: example -> the arguments run instead (None: as written), from the root
-SCRIPTS = {"python benchmarks/axonn_comm_model.py": None}
+SCRIPTS = {"python benchmarks/axonn_comm_model.py": None,
+           "python benchmarks/bench_measured_collectives.py --summary": None}
 # run in this order, in one folder (the second reads the program file the first writes)
 TWIN_CHAIN = ["twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json prog.json",
               "twin simulate --system cpu --program prog.json"]
@@ -137,6 +146,8 @@ ELSEWHERE = {
         "tests/test_calibration.py::test_the_loop_end_to_end runs benchmarks/bench_validate.py (--ci: 2 grids)",
     "python benchmarks/bench_published.py": "a benchmark run on demand (every published row: 13 s to a minute); "
                                             "tests/test_fidelity.py checks the parts it uses",
+    "python benchmarks/bench_published.py --figures frontier:axonn-table --figures perlmutter:axonn-table":
+        "the same benchmark with other collective figures (tests/test_measured_collectives.py loads them)",
     "torchrun --nproc-per-node 8 -m backend.cli run --model gpt-5b --grid 2x2x2x1 --device cuda": "needs 8 GPUs",
     "srun -N 2 --ntasks-per-node 4 --gpus-per-task 1 backend run --model gpt-5b --grid 2x2x2x1 --device cuda":
         "needs Slurm and 8 GPUs",

@@ -12,7 +12,7 @@ import numpy as np
 from twin.costs.collectives import CollectiveModel
 
 
-def ring_channels_by_definition(gpus: np.ndarray, gpn: int, channel_cap: float) -> list[list]:
+def ring_channels_by_definition(gpus: np.ndarray, gpn: int, channel_cap: float, directions: int = 2) -> list[list]:
     internal, back, cross = [], [], {}
     for r, m in enumerate(gpus.tolist()):
         q = len(m)
@@ -25,12 +25,13 @@ def ring_channels_by_definition(gpus: np.ndarray, gpn: int, channel_cap: float) 
             runs[-1] += 1
             run_start.append(start)
         single = len(runs) == 1
-        k = (2 if q > 2 else 1) if single else min(runs)
+        both = q > 2 and directions == 2  # a ring inside one node runs both ways, or one
+        k = (2 if both else 1) if single else min(runs)
         for i in range(q):
             j = (i + 1) % q
             if node[i] == node[j]:
                 internal.append((m[i], m[j], m[i], m[j], r, k if single else 1, np.inf))
-                if single and q > 2:
+                if single and both:
                     back.append((m[j], m[i], m[j], m[i], r, k, np.inf))
             else:
                 for c in range(k):
@@ -48,8 +49,11 @@ def test_ring_channels_equal_the_plain_layout():
         ids = [rng.permutation(2 * n)[:n], np.arange(n) * int(rng.integers(1, 5)),
                np.sort(rng.choice(3 * n, n, replace=False))][t % 3]
         gpus = ids.reshape(rings, q).astype(np.int64)
-        model = types.SimpleNamespace(system=types.SimpleNamespace(gpus_per_node=gpn), channel_cap=2.5e10)
+        directions = int(rng.integers(1, 3))
+        coll = types.SimpleNamespace(node_ring_directions=directions)
+        model = types.SimpleNamespace(system=types.SimpleNamespace(gpus_per_node=gpn, collectives=coll),
+                                      channel_cap=2.5e10)
         cols = CollectiveModel._ring_channels(model, gpus)
         assert [c.dtype for c in cols] == [np.int64] * 6 + [np.float64]
         got = [tuple(row) for row in zip(*(c.tolist() for c in cols))]
-        assert got == ring_channels_by_definition(gpus, gpn, 2.5e10)
+        assert got == ring_channels_by_definition(gpus, gpn, 2.5e10, directions)

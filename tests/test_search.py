@@ -183,8 +183,8 @@ def test_a_drawn_cpu_simulation_is_never_stopped(fresh_caches):
 
 def test_grid_auto_simulates_in_full_only_grids_that_could_win():
     """The analytical top is not simulated for its rank alone: on the default Frontier study every grid
-    grid auto simulates in full could still beat the fastest by its lower bound, and the analytical
-    top two (1x32x32x32, 1x32x16x64), which their bounds rule out, are not simulated."""
+    grid auto simulates in full could still beat the fastest by its lower bound, and grids of the
+    analytical top that their bounds (or a stopped simulation's) rule out are not simulated in full."""
     from twin.predict.bounds import lower_bound
     from twin.predict.auto import _auto, BOUND_SLACK
     study = prepare("frontier")
@@ -192,4 +192,6 @@ def test_grid_auto_simulates_in_full_only_grids_that_could_win():
     sims = [c for c in looked if c.simulated_s is not None]
     fastest = min(c.simulated_s for c in sims)
     assert all(BOUND_SLACK * lower_bound(study, c.grid) < fastest for c in sims)
-    assert all(c.simulated_s is None and BOUND_SLACK * c.bound_s >= fastest for c in looked[:2])
+    skipped = [c for c in looked if c.simulated_s is None]
+    assert any(c in skipped for c in looked[:4])
+    assert all(BOUND_SLACK * c.bound_s >= fastest for c in skipped)

@@ -167,7 +167,7 @@ def test_search_says_why_it_prints_more_or_fewer_rows_and_slowdown_names_the_str
     few = run80("search", "--system", "cpu", "--model", "gpt-tiny", "--top", "30")
     assert "only 19 grids divide the model and fit in memory on 8 GPUs" in few and "use grid" in few
     # a GPU profile (fixed data, unlike the refitted cpu one) where a lower bound cannot rule out grid 2
-    more = run80("search", "--system", "perlmutter", "--model", "gpt-5b", "--gpus", "64", "--top", "1",
+    more = run80("search", "--system", "perlmutter:axonn-table", "--model", "gpt-5b", "--gpus", "64", "--top", "1",
                  "--simulate-top", "1")
     assert re.search(r"rows 2-\d+: beyond the 1 asked for", more), more
     slow = run80("simulate", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1", "--full",

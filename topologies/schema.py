@@ -227,6 +227,12 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # a node_share's span_spread keys (twin.host.spread): compute ops, every collective, a collective kind over an axis
 SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in COLLECTIVE_KINDS for a in ("x", "y", "z", "data"))
 
+# the keys of a system's [collectives] that a named variant ([[collectives.variants]]) may set too
+COLLECTIVE_TUNING = {"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3), "intra_node_efficiency": FRACTION,
+                     "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY,
+                     "inter_node_step_floor": LATENCY, "step_floor_per_rank": Number(0, 1e-3),
+                     "node_ring_directions": Int(1, 2)}
+
 SYSTEM = Table(
     required={
         "gpu": Table(required={"name": Text(nonempty=True), "peak_flops": RATE, "hbm_gib": Positive(1e6),
@@ -238,7 +244,10 @@ SYSTEM = Table(
                       optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096)}),
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
-                             optional={"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3)}),
+                             optional={**COLLECTIVE_TUNING, "name": Text(nonempty=True),
+                                       "variants": ListOf(Table(required={"name": Text(nonempty=True),
+                                                                          "source": Text(nonempty=True)},
+                                                                optional=COLLECTIVE_TUNING), max_len=16)}),
         "default": Table(required={"model": Text(nonempty=True), "gpus": COUNT}, optional={"batch": COUNT}),
     },
     optional={

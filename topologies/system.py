@@ -7,7 +7,7 @@ rates, seconds for latencies. In the files, `hbm_gib` is in GiB (2^30 bytes) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +57,11 @@ class CollectiveSpec:
     intra_node_efficiency: float         # fraction of a GPU-GPU link a ring step reaches (0..1]
     inter_node_channel_efficiency: float  # fraction of the NIC rate one ring channel reaches across nodes (0..1]
     step_latency: float                  # software latency per algorithm step, s
+    inter_node_step_floor: float = 0.0   # least time of one step of a ring that leaves its node, s
+    step_floor_per_rank: float = 0.0     # added to that floor per member of the ring, s
+    node_ring_directions: int = 2        # directions a ring inside one node runs in (1 or 2)
+    name: str = "default"                # the name of this set of figures (variants: `load_system("sys:name")`)
+    source: str = ""                     # where a variant's figures come from
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class SystemSpec:
     default_gpus: int
     default_batch: int = 0      # global batch of the default study, sequences (0: the model's)
     sources: tuple[str, ...] = field(default=())
+    collective_sets: tuple[CollectiveSpec, ...] = field(default=())  # every named set of the file, the default first
     path: str = ""
 
     @property
@@ -126,10 +132,45 @@ def _table(data: dict, key: str, path: Path) -> dict:
 
 
 def load_system(name_or_path: str) -> SystemSpec:
-    """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file."""
-    path, data = read_spec(name_or_path, SYSTEMS_DIR, "system")
+    """Load a system by name (a shipped spec, see `list_systems()`) or from the path of a .toml file.
+    `NAME:VARIANT` takes the system with one of its named collective variants (its file's
+    [[collectives.variants]]) in place of the default [collectives], e.g. "frontier:axonn-table"."""
+    base, sep, variant = name_or_path.rpartition(":")
+    if not sep or "/" in variant or "\\" in variant:
+        base, variant = name_or_path, ""
+    path, data = read_spec(base, SYSTEMS_DIR, "system")
     check(data, SYSTEM, path, "system")  # types, ranges and known keys; _parse checks the relations
-    return _parse(data, path)
+    spec = _parse(data, path)
+    return with_collectives(spec, variant) if variant else spec
+
+
+def with_collectives(system: SystemSpec, name: str) -> SystemSpec:
+    """`system` with its collective variant `name` (or its default set, by its name) in place of
+    [collectives]; InputError naming the variants there are if it has none of that name."""
+    sets = system.collective_sets or (system.collectives,)
+    for c in sets:
+        if c.name == name:
+            return replace(system, collectives=c)
+    raise InputError(f"system {system.name} has no collective variant {name!r}: choose one of "
+                     f"{', '.join(c.name for c in sets)}")
+
+
+def _collectives(c: dict, w: str) -> tuple[CollectiveSpec, ...]:
+    """The default [collectives], then its named variants (each the default with its keys replaced)."""
+    keys = ("intra_node_efficiency", "inter_node_channel_efficiency", "step_latency")
+    coll = CollectiveSpec(library=_get(c, "library", w, str), ring_only=tuple(c.get("ring_only", [])),
+                          **{k: _get(c, k, w) for k in keys},
+                          inter_node_step_floor=float(c.get("inter_node_step_floor", 0.0)),
+                          step_floor_per_rank=float(c.get("step_floor_per_rank", 0.0)),
+                          node_ring_directions=int(c.get("node_ring_directions", 2)),
+                          name=str(c.get("name", "default")))
+    variants = []
+    for v in c.get("variants", []):
+        if v["name"] in [coll.name] + [x.name for x in variants]:
+            raise InputError(f"system file {w}: two collective variants are named {v['name']!r}")
+        kw = {k: (tuple(x) if k == "ring_only" else x) for k, x in v.items()}
+        variants.append(replace(coll, **kw))
+    return (coll, *variants)
 
 
 def _parse(data: dict, path: Path) -> SystemSpec:
@@ -164,11 +205,8 @@ def _parse(data: dict, path: Path) -> SystemSpec:
     elif nodes > 1:
         raise InputError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly)")
     w = f"{path} [collectives]"
-    ring_only = c.get("ring_only", [])
-    coll = CollectiveSpec(library=_get(c, "library", w, str), ring_only=tuple(ring_only),
-                          intra_node_efficiency=_get(c, "intra_node_efficiency", w),
-                          inter_node_channel_efficiency=_get(c, "inter_node_channel_efficiency", w),
-                          step_latency=_get(c, "step_latency", w))
+    sets = _collectives(c, w)
+    coll = sets[0]
     for k in ("intra_node_efficiency", "inter_node_channel_efficiency"):
         if not 0 < getattr(coll, k) <= 1:
             raise InputError(f"system file {w}: {k} must be in (0, 1], got {getattr(coll, k)}")
@@ -179,7 +217,7 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         nic_bandwidth=_get(n, "nic_bandwidth", f"{path} [node]"),
         gpu_nic_bandwidth=_get(n, "gpu_nic_bandwidth", f"{path} [node]"),
         link_latency=_get(n, "link_latency", f"{path} [node]"), node_links=mat, gpu_nic=tuple(gpu_nic),
-        dragonfly=dragonfly, collectives=coll, default_model=_get(d, "model", w, str),
+        dragonfly=dragonfly, collectives=coll, collective_sets=sets, default_model=_get(d, "model", w, str),
         default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path))
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")

@@ -4,10 +4,14 @@ A ring collective over p ranks runs p-1 steps (all-gather, reduce-scatter) or 2(
 (all-reduce = reduce-scatter + all-gather); in each step every member sends one chunk to its ring
 successor, so one step is a set of concurrent flows, the same in every step. Its time is therefore
 
-    time = steps * alpha + wire_bytes / bus_rate
+    time = steps * max(floor, alpha + chunk / bus_rate)
 
-with wire_bytes = (p-1)/p * payload (x2 for all-reduce), the bytes each rank sends, and bus_rate the
-rate of the slowest member's step ("bus bandwidth" in NCCL's terms). We compute bus_rate once per
+with chunk = payload / p, the bytes each rank sends per step (steps * chunk = (p-1)/p * payload, x2
+for all-reduce), and bus_rate the rate of the slowest member's step ("bus bandwidth" in NCCL's
+terms). `floor` is the least time of a step that leaves the node (the system's
+`inter_node_step_floor`, plus `step_floor_per_rank` per ring member; 0 inside a node): measured
+rings on Frontier and Perlmutter take a nearly constant time per step over a range of small shards
+before the time grows with the shard (docs/fidelity.md). We compute bus_rate once per
 (axis, set of concurrently running axes) by max-min fairness over the flows of one step of EVERY
 group of those axes (they contend for NICs and global links), and derive every payload size from it:
 the steady-state model, exact for rings whose steps all look alike (NCCL pipelines a ring, so its
@@ -17,8 +21,9 @@ concurrent axes are taken to overlap for the whole duration. alpha = the softwar
 file) + the largest path latency of the step's flows (sum of link latencies).
 
 How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured table shows):
-- a ring inside one node runs in both directions (two channels, each half the data) over the direct
-  GPU-GPU links, which reach `intra_node_efficiency` of their rate;
+- a ring inside one node runs over the direct GPU-GPU links, which reach `intra_node_efficiency` of
+  their rate, in both directions (two channels, each half the data) or in one
+  (`node_ring_directions`: AxoNN's table fits 2, the 2025 RCCL measurements 1);
 - a ring across nodes with m members per node runs m channels; channel c crosses from one node to
   the next through the NIC of the c-th member on each node (reached over the node fabric), and one
   channel reaches at most `inter_node_channel_efficiency` x the NIC rate. Node-internal hops of all
@@ -84,19 +89,43 @@ def collective_timer(program, model):
     return timer
 
 
-def ring_phases_time(kind: str, nbytes: float, rates, alphas, sizes) -> float:
+def ring_phases_time(kind: str, nbytes: float, rates, alphas, sizes, floors=None) -> float:
     """Seconds of a ring collective of `nbytes` run as phases of rings (one phase for a flat ring;
     inner then across-node for a hierarchical one): phase i has rings of sizes[i] members, bus rate
-    rates[i] (bytes/s) and per-step latency alphas[i] (s). An all-reduce makes two passes."""
+    rates[i] (bytes/s), per-step latency alphas[i] (s) and least time per step floors[i] (s; none
+    by default). A step of phase i takes max(floors[i], alphas[i] + chunk / rates[i]), the chunk
+    being 1/sizes[i] of the phase's data. An all-reduce makes two passes."""
     mult = 2.0 if kind == "all_reduce" else 1.0
     latency, transfer, data = 0.0, 0.0, float(nbytes)
-    for rate, alpha, q in zip(rates, alphas, sizes):
+    for i, (rate, alpha, q) in enumerate(zip(rates, alphas, sizes)):
         latency += mult * (q - 1) * alpha
+        # a step never takes less than the floor: its transfer part is at least floor - alpha
+        if floors is not None and floors[i] - alpha > data / q / rate:
+            phase = mult * (q - 1) * (floors[i] - alpha)
+        else:
+            phase = mult * (q - 1) / q * data / rate
         # phases are pipelined chunk by chunk (the library's tree/hierarchical algorithms stream
         # the inner and outer stages concurrently): the slowest phase's transfer sets the pace
-        transfer = max(transfer, mult * (q - 1) / q * data / rate)
+        transfer = max(transfer, phase)
         data /= q  # the next (across-node) phase carries 1/q of the data per ring
     return latency + transfer
+
+
+def tree_time(nbytes: float, p: int, rate: float, alpha: float, floor: float = 0.0) -> float:
+    """Seconds of an all-reduce of `nbytes` as a double binary tree over p ranks: 2 ceil(log2 p)
+    steps of latency `alpha` (s, each at least `floor`), the buffer sent twice at `rate` (bytes/s)."""
+    return 2 * math.ceil(math.log2(p)) * max(alpha, floor) + 2.0 * nbytes / rate
+
+
+def phase_floor(system: SystemSpec, rings: np.ndarray) -> float:
+    """The least time of one step (s) of flat rings over the rows of `rings` (machine-wide GPU ids):
+    where a ring leaves its node, the system's `inter_node_step_floor` plus `step_floor_per_rank` for
+    each member of the ring; else none."""
+    node = rings // system.gpus_per_node
+    if not bool((node != node[:, :1]).any()):
+        return 0.0
+    c = system.collectives
+    return c.inter_node_step_floor + c.step_floor_per_rank * rings.shape[1]
 
 
 # (id(net), inter_node_cap) -> (net, link capacities as collectives see them, channel cap): the last 8
@@ -139,11 +168,14 @@ class CollectiveModel:
     Results are cached: build one model per simulation and call `time` as often as needed.
     measured: a table of measured collective times (twin.costs.profile_types.CollectiveTable, from `twin
     calibrate`); where it has the kind and group size, its time replaces the flow model's.
+    contention: whether axes whose collectives run at once share links (max-min fairness over all
+    their flows; the default) or each is timed as if it ran alone (a sensitivity alternative: no
+    measurement covers several groups sharing a node's NICs).
     """
 
     def __init__(self, system: SystemSpec, grid: Grid, placement: str = "contiguous", seed: int = 0,
                  routing: str = "adaptive", algorithm: str = "ring", spread: int = 4, measured=None,
-                 inter_node_cap: str = "channel"):
+                 inter_node_cap: str = "channel", contention: bool = True):
         if routing not in MODES:
             raise TwinError(f"unknown routing {routing!r}: choose one of {', '.join(MODES)}")
         if not isinstance(spread, int) or spread < 1:
@@ -159,6 +191,7 @@ class CollectiveModel:
         self.capacity, self.channel_cap = _link_capacity(self.net, system, inter_node_cap)
         self.seed = seed
         self.measured = measured
+        self.contention = contention
         self.spread = 1 if routing == "minimal" else spread
         self._flows: dict[tuple, tuple] = {}
         self._flat: dict[str, bool] = {}  # per axis: is a hierarchical ring the flat ring?
@@ -175,7 +208,8 @@ class CollectiveModel:
 
     def _flows_key(self, gpus: np.ndarray) -> bytes:
         return digest(network_key(self.net), self.routing, self.seed, self.spread, self.channel_cap,
-                      self.system.nic_bandwidth, self.system.gpus_per_node, gpus)
+                      self.system.nic_bandwidth, self.system.gpus_per_node,
+                      self.system.collectives.node_ring_directions, gpus)
 
     def _ring_flows(self, gpus: np.ndarray) -> FlowSet:
         """Flows of one step of flat rings over the rows of `gpus` (rings, q), laid out in channels
@@ -204,12 +238,13 @@ class CollectiveModel:
         run0 = np.flatnonzero(new_run)                  # each run's first member
         first = np.flatnonzero(run0 % q == 0)           # each ring's first run
         single = np.diff(first, append=len(run0)) == 1
-        K = np.where(single, 2 if q > 2 else 1,         # channels per ring: its shortest run
+        both = q > 2 and self.system.collectives.node_ring_directions == 2
+        K = np.where(single, 2 if both else 1,          # channels per ring: its shortest run
                      np.minimum.reduceat(np.diff(run0, append=R * q), first))
         hop = np.flatnonzero(~cross)                    # node-internal hops: one flow each
         rid = hop // q
         src, dst, ring, weight = [g[hop]], [nxt[hop]], [rid], [np.where(single[rid], K[rid], 1)]
-        if q > 2:                                       # single-node rings run both directions
+        if both:                                        # single-node rings may run both directions
             back = single[rid]
             hop, rid = hop[back], rid[back]
             src.append(nxt[hop]), dst.append(g[hop]), ring.append(rid), weight.append(K[rid])
@@ -266,15 +301,16 @@ class CollectiveModel:
         local = gpus.reshape(-1, p // m, m)
         return [local.reshape(-1, m), np.swapaxes(local, 1, 2).reshape(-1, p // m)]
 
-    def _phases(self, axis: str, algorithm: str) -> tuple[list[FlowSet], list[float], list[int]]:
-        """(flow sets, alpha per step in s, ring size) of each phase of an axis' collective: one phase
+    def _phases(self, axis: str, algorithm: str) -> tuple[list[FlowSet], list[float], list[int], list[float]]:
+        """(flow sets, alpha per step in s, ring size, least time per step in s) of each phase of an axis' collective: one phase
         (flat ring) or two (hierarchical: rings inside nodes, then m rings across nodes)."""
         key = (axis, algorithm)
         if key not in self._flows:
             phases = self._phase_gpus(axis, algorithm)
             flows = [self._ring_flows(g) for g in phases]
             alphas = [self.system.collectives.step_latency + f.path_latency(self.net.latency) for f in flows]
-            self._flows[key] = (flows, alphas, [g.shape[1] for g in phases])
+            self._flows[key] = (flows, alphas, [g.shape[1] for g in phases],
+                                [phase_floor(self.system, g) for g in phases])
         return self._flows[key]
 
     def routed(self, axis: str) -> bool:
@@ -324,8 +360,14 @@ class CollectiveModel:
     def _ring_time(self, kind: str, axis: str, nbytes: float, axes: frozenset, algorithm: str) -> float:
         algorithm = self._algorithm(axis, algorithm)
         rates = self._bus_rates(axes, algorithm)[axis]
-        _, alphas, sizes = self._phases(axis, algorithm)
-        return ring_phases_time(kind, nbytes, rates, alphas, sizes)
+        _, alphas, sizes, floors = self._phases(axis, algorithm)
+        return ring_phases_time(kind, nbytes, rates, alphas, sizes, floors)
+
+    def _sharing(self, axis: str, concurrent: frozenset) -> frozenset:
+        """The axes whose flows share links with `axis`' while `concurrent` run too."""
+        if not self.contention:
+            return frozenset({axis})
+        return frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
 
     # -- public API -------------------------------------------------------------------------------
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset[str] = frozenset()) -> float:
@@ -353,15 +395,15 @@ class CollectiveModel:
             if t is not None:
                 self._times[key] = t
                 return t
-        axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
+        axes = self._sharing(axis, concurrent)
         t = self._ring_time(kind, axis, nbytes, axes, self.algorithm)
         if kind == "all_reduce" and "all_reduce" not in self.system.collectives.ring_only:
             if self._algorithm(axis, "hierarchical") == "hierarchical":
                 t = min(t, self._ring_time(kind, axis, nbytes, axes, "hierarchical"))
             algorithm = self._algorithm(axis, self.algorithm)
             rates = self._bus_rates(axes, algorithm)[axis]
-            alphas = self._phases(axis, algorithm)[1]
-            t = min(t, 2 * math.ceil(math.log2(p)) * max(alphas) + 2.0 * nbytes / min(rates))
+            _, alphas, _, floors = self._phases(axis, algorithm)
+            t = min(t, tree_time(nbytes, p, min(rates), max(alphas), max(floors)))
         self._times[key] = t
         return t
 
@@ -373,7 +415,7 @@ class CollectiveModel:
             return math.inf
         if axis not in AXES:
             raise TwinError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
-        axes = frozenset({axis} | {a for a in concurrent if a in AXES and self.grid.axis_size(a) > 1})
+        axes = self._sharing(axis, concurrent)
         algorithm = self._algorithm(axis, self.algorithm)
         rates = self._bus_rates(axes, algorithm)[axis]
         sizes = self._phases(axis, algorithm)[2]

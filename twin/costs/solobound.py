@@ -25,13 +25,12 @@ except where rings cross dragonfly groups (global links; the data axes of gpt-32
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from topologies import caches
 from topologies.network import GLOBAL, LOCAL
-from twin.costs.collectives import ring_phases_time
+from twin.costs.collectives import phase_floor, ring_phases_time, tree_time
 
 RATE_ROUNDING = 1 + 1e-9  # the rate bound is raised by this much, so that float rounding keeps it above the routed rate
 
@@ -111,8 +110,8 @@ class SoloBound:
         self._times: dict[tuple, float] = {}
         self._figures: dict[tuple[str, str], tuple] = {}
 
-    def _phases(self, axis: str, algorithm: str) -> tuple[list[float], list[float], list[int]]:
-        """(rate bounds, alpha bounds, ring sizes) of each phase of an axis' collective."""
+    def _phases(self, axis: str, algorithm: str) -> tuple[list[float], list[float], list[int], list[float]]:
+        """(rate bounds, alpha bounds, ring sizes, least step times) of each phase of an axis' collective."""
         hit = self._figures.get((axis, algorithm))
         if hit is None:
             m = self.model
@@ -123,13 +122,12 @@ class SoloBound:
                 phases = m._phase_gpus(axis, used)
                 figures = [phase_bounds(m, rings) for rings in phases]
                 hit = self.cache[key] = ([f[0] for f in figures], [f[1] for f in figures],
-                                         [r.shape[1] for r in phases])
+                                         [r.shape[1] for r in phases], [phase_floor(m.system, r) for r in phases])
             self._figures[axis, algorithm] = hit
         return hit
 
     def _ring_time(self, kind: str, axis: str, nbytes: float, algorithm: str) -> float:
-        rates, alphas, sizes = self._phases(axis, algorithm)
-        return ring_phases_time(kind, nbytes, rates, alphas, sizes)
+        return ring_phases_time(kind, nbytes, *self._phases(axis, algorithm))
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
         key = (kind, axis, nbytes)
@@ -151,6 +149,6 @@ class SoloBound:
         if kind == "all_reduce" and "all_reduce" not in m.system.collectives.ring_only:
             if self._phases(axis, "hierarchical")[2] != self._phases(axis, "ring")[2]:  # a hierarchical ring
                 t = min(t, self._ring_time(kind, axis, nbytes, "hierarchical"))
-            rates, alphas, _ = self._phases(axis, m.algorithm)
-            t = min(t, 2 * math.ceil(math.log2(p)) * max(alphas) + 2.0 * nbytes / min(rates))
+            rates, alphas, _, floors = self._phases(axis, m.algorithm)
+            t = min(t, tree_time(nbytes, p, min(rates), max(alphas), max(floors)))
         return t

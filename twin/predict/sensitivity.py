@@ -6,13 +6,16 @@ The grid stays the one the base prediction uses (`--grid auto` picks it once): t
 the prediction of that run moves, not which grid would win instead. Parameters:
 - system: NIC rate, GPU-NIC attachment, node-fabric links (all of them scaled), dragonfly link rate,
   global links per group pair (rounded, at least +-1), the collective library's intra-node and
-  per-channel inter-node efficiencies (capped at 1), its software latency per step, the hardware
+  per-channel inter-node efficiencies (capped at 1), its software latency per step and least time of
+  a step across nodes, the hardware
   latencies (link, switch and NIC together);
 - profile: reached GEMM rate, HBM bandwidth, launch cost, attention efficiencies, k_half, and the
   slowdown of compute under overlapping communication (its excess over 1 moves by +-10%);
-- alternatives: minimal or non-minimal routing instead of adaptive, scattered nodes instead of
-  contiguous ones, all-reduce as a flat ring only (no tree or hierarchical algorithm), the measured
-  cross-node rate read as a cap per NIC shared by its channels instead of per channel.
+- alternatives: the system's other sets of collective figures (`[[collectives.variants]]`: older
+  measurements, AxoNN's table), minimal or non-minimal routing instead of adaptive, scattered nodes
+  instead of contiguous ones, and the rules that extrapolate the measured collectives: all-reduce as
+  a flat ring only (no tree or hierarchical algorithm), the measured cross-node rate read as a cap
+  per NIC shared by its channels instead of per channel, concurrent axes timed as if each ran alone.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ def _system_variants(study: Study, step: float):
             out.append(("network.global_links_per_pair", L, net("global_links_per_pair"), lo, hi))
         out.append(("collectives.inter_node_channel_efficiency", c.inter_node_channel_efficiency,
                     coll("inter_node_channel_efficiency")))
+        if c.inter_node_step_floor > 0:
+            out.append(("collectives.inter_node_step_floor", c.inter_node_step_floor, coll("inter_node_step_floor")))
         lat = (s.link_latency, df.switch_latency, df.nic_latency)
 
         def latencies(f):
@@ -129,6 +134,36 @@ def _profile_variants(study: Study, step: float):
     return out
 
 
+def _alternatives(study: Study, g: Grid) -> list[tuple]:
+    """(parameter, base, alternative, make() -> (Study, collective model or None)) of each documented
+    alternative that applies to the study: routing, placement, the rules that extrapolate the
+    measured collectives (docs/fidelity.md) and the system's other sets of collective figures."""
+    from twin.costs.collectives import CollectiveModel
+
+    s, pl = study.system, study.placement
+    out = []
+    for c in s.collective_sets:
+        if c.name == s.collectives.name:
+            continue
+        out.append(("collective figures", s.collectives.name, c.name,
+                    lambda c=c: (dc.replace(study, system=dc.replace(s, collectives=c)), None)))
+    if s.nodes == 1:
+        return out
+    for mode in ("minimal", "nonminimal"):
+        out.append(("routing", "adaptive", mode, lambda mode=mode: (study, CollectiveModel(s, g, placement=pl, routing=mode))))
+    other = "scattered" if pl == "contiguous" else "contiguous"
+    out.append(("placement", pl, other, lambda: (study, CollectiveModel(s, g, placement=other))))
+    out.append(("inter-node cap", "per ring channel", "per NIC (shared)",
+                lambda: (study, CollectiveModel(s, g, placement=pl, inter_node_cap="nic"))))
+    if "all_reduce" not in s.collectives.ring_only:
+        ring = dc.replace(s, collectives=dc.replace(s.collectives, ring_only=s.collectives.ring_only + ("all_reduce",)))
+        out.append(("all-reduce algorithm", "fastest of ring/hierarchical/tree", "flat ring only",
+                    lambda: (dc.replace(study, system=ring), None)))
+    out.append(("concurrent axes", "share NICs and links", "each as if alone",
+                lambda: (study, CollectiveModel(s, g, placement=pl, contention=False))))
+    return out
+
+
 def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = "auto", batch: int | None = None,
                 seq_len: int | None = None, options: Options | None = None, placement: str = "contiguous",
                 step: float = 0.1, simulate_top: int = 2, alternatives: bool = True,
@@ -136,7 +171,6 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
     """Predict the study, then again with each parameter moved by -step and +step (relative), or set
     to its alternative; rows sorted by the larger change of the iteration time, largest first.
     `progress(what, done, total)` is called before each simulation."""
-    from twin.costs.collectives import CollectiveModel
     from twin.predict.auto import choose_grid
     from twin.predict.run import simulate_grid
 
@@ -148,7 +182,7 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
     else:
         g = Grid.parse(grid) if isinstance(grid, str) else grid
     variants = _system_variants(study, step) + _profile_variants(study, step)
-    total = 1 + 2 * len(variants) + (5 if alternatives and study.system.nodes > 1 else 0)
+    total = 1 + 2 * len(variants) + (len(_alternatives(study, g)) if alternatives else 0)
     done = 0
 
     def run(st: Study, collectives=None, what: str = "the study") -> float:
@@ -168,20 +202,10 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         kind = "profile" if name.startswith("profile.") else "system"
         rows.append(Row(name, kind, _fmt(v), _fmt(lo), _fmt(hi),
                         run(make(lo), what=name) if lo != v else None, run(make(hi), what=name) if hi != v else None))
-    if alternatives and study.system.nodes > 1:
-        s = study.system
-        for mode in ("minimal", "nonminimal"):
-            rows.append(Row("routing", "alternative", "adaptive", mode, "", run(
-                study, CollectiveModel(s, g, placement=study.placement, routing=mode)), None))
-        other = "scattered" if study.placement == "contiguous" else "contiguous"
-        rows.append(Row("placement", "alternative", study.placement, other, "",
-                        run(study, CollectiveModel(s, g, placement=other)), None))
-        rows.append(Row("inter-node cap", "alternative", "per ring channel", "per NIC (shared)", "",
-                        run(study, CollectiveModel(s, g, placement=study.placement, inter_node_cap="nic")), None))
-        if "all_reduce" not in s.collectives.ring_only:
-            ring = dc.replace(s, collectives=dc.replace(s.collectives, ring_only=s.collectives.ring_only + ("all_reduce",)))
-            rows.append(Row("all-reduce algorithm", "alternative", "fastest of ring/hierarchical/tree",
-                            "flat ring only", "", run(dc.replace(study, system=ring)), None))
+    if alternatives:
+        for name, base_text, alt_text, make in _alternatives(study, g):
+            st, cm = make()
+            rows.append(Row(name, "alternative", base_text, alt_text, "", run(st, cm, what=name), None))
     for r in rows:
         r.low_pct = None if r.low_s is None else 100.0 * (r.low_s / base - 1)
         r.high_pct = None if r.high_s is None else 100.0 * (r.high_s / base - 1)
