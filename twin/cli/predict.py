@@ -104,11 +104,11 @@ def simulate_cmd(
             stage("writing the trace and timeline")
     if trace is not None:
         from twin.program.trace import write_trace
-        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
+        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus, waits=r.waits)
     if html is not None:
         from twin.present.plots import timeline_html
         write_atomic(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
-                                                f"{r.iteration_time_s:.3f} s per iteration"))
+                                                f"{r.iteration_time_s:.3f} s per iteration", waits=r.waits))
     if json_out:
         typer.echo(r.to_json())
         return

@@ -82,6 +82,8 @@ class EngineResult:
     ranks: int                       # simulated ranks
     spans: list[tuple[int, int, float, float]] = field(default_factory=list)  # (rank, op, start_s, dur_s)
     classes: int = 1                 # classes of ranks that behave alike, each simulated once (twin.engine.symmetry)
+    waits: list[tuple[int, float, float, str]] = field(default_factory=list)  # (rank, start_s, end_s, axis)
+    # with record: every stretch the breakdown counts as exposed communication of `axis`, as blamed
 
 
 def simulate_program(program: Program, compute_s: list[float],
@@ -182,6 +184,7 @@ def simulate_program(program: Program, compute_s: list[float],
     idle = end - compute - sum(exposed.values())
     ops = (len(by_stream["compute"]) + sum(len(by_stream[a]) for a in axes)) * nranks
     spans = [(r, i, t / NS, d / NS) for c, i, t, d in sim.spans for r in classes.ranks[c]]
+    waits = [(r, a / NS, b / NS, axis) for c, a, b, axis in sim.waits for r in classes.ranks[c]]
     return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
                         exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
-                        simulated_ops=ops, ranks=nranks, spans=spans, classes=nsim)
+                        simulated_ops=ops, ranks=nranks, spans=spans, classes=nsim, waits=waits)

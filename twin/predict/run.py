@@ -26,7 +26,7 @@ from twin.predict.study import Study, check_grid
 from twin.predict.study_cache import model_for, program_for, study_key
 from twin.program.grid import AXES, Grid
 from twin.program.program import Program, build_program
-from twin.program.trace import Span, op_args
+from twin.program.trace import Span, op_args, wait_span
 
 MAX_SLOWDOWN = 1e3         # a straggler's compute at most this many times slower
 MAX_TRACE_SPANS = 4_000_000  # recorded ops (trace events) of one run: about 1.2 GB of trace files
@@ -153,5 +153,6 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     if record:
         result.spans = [Span(r, prog.ops[i].name, prog.ops[i].kind, prog.ops[i].stream, s, d, op_args(prog.ops[i]))
                         for r, i, s, d in res.spans]
+        result.waits = [wait_span(r, a, b, axis) for r, a, b, axis in res.waits]
     result.wall_time_s = time.perf_counter() - t0
     return result

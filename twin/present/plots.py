@@ -2,9 +2,10 @@
 time goes, the ranks of a full run, the grid search, the scaling curve, predicted vs measured.
 
 Timeline: one row per (rank, stream), time in seconds, one trace per op kind so the legend filters
-kinds. Under each rank's streams a row "waits" shows when its compute stream runs nothing: red (one
-shade per axis) while it waits for a collective (exposed communication), grey when nothing runs at
-all. The critical path (the chain of ops whose durations add up to the iteration) is drawn as a black
+kinds. Under each rank's streams a row "waits" shows when its compute stream runs nothing: one
+colour per axis while it waits for a collective of that axis (exposed communication, as the engine
+attributed it: the stretches its breakdown sums, never recomputed here; only a measured trace, which
+has no attribution, falls back to twin.program.trace.compute_gaps), grey when it is idle. The critical path (the chain of ops whose durations add up to the iteration) is drawn as a black
 line through its ops. Past `MAX_BARS` spans, bars become `Scattergl` line segments. At most
 `MAX_RANKS` ranks are drawn (the first and the slowest ones): a full run of thousands of ranks stays
 a page a browser can draw, and `ranks_figure` summarises every rank. (`px.timeline` is not used: it
@@ -18,7 +19,7 @@ from collections import defaultdict
 import plotly.graph_objects as go
 
 from twin.program.program import STREAMS
-from twin.program.trace import Span, compute_gaps
+from twin.program.trace import Span, attributed_gaps, compute_gaps
 
 MAX_BARS = 20_000
 MAX_RANKS = 8
@@ -55,12 +56,28 @@ def pick_ranks(spans: list[Span], limit: int = MAX_RANKS) -> list[int]:
     return sorted(pick)
 
 
+def rank_gaps(by_rank: dict[int, list[Span]], ranks: list[int],
+              waits: list[Span] | None) -> dict[int, list[tuple[float, float, str | None]]]:
+    """Per rank, the stretches its compute stream runs nothing, (start, end, axis or None for idle):
+    the engine's attribution where `waits` is given (from 0 to the iteration's end), else the guess
+    from the spans alone (a measured trace)."""
+    if waits is None:
+        return {r: compute_gaps(by_rank[r]) for r in ranks}
+    end = max((s.start_s + s.duration_s for ss in by_rank.values() for s in ss), default=0.0)
+    end = max([end] + [w.start_s + w.duration_s for w in waits])
+    mine: dict[int, list[Span]] = defaultdict(list)
+    for w in waits:
+        mine[w.rank].append(w)
+    return {r: attributed_gaps(by_rank[r], mine[r], end) for r in ranks}
+
+
 def timeline_figure(spans: list[Span], title: str = "", critical: set[tuple[int, str]] | None = None,
                     window: tuple[float, float] | None = None, ranks: list[int] | None = None,
-                    note: str = "") -> go.Figure:
+                    note: str = "", waits: list[Span] | None = None) -> go.Figure:
     """The timeline of `spans` (see the module docstring). `critical`: (rank, op name) of the ops on
     the critical path; `window`: the x range it opens on (seconds; double-click shows everything);
-    `ranks`: which ranks to draw (default `pick_ranks`)."""
+    `ranks`: which ranks to draw (default `pick_ranks`); `waits`: the engine's attributed waits
+    (SimulationResult.waits; None for a measured trace)."""
     ranks = pick_ranks(spans) if ranks is None else ranks
     chosen = set(ranks)
     spans = [s for s in spans if s.rank in chosen]
@@ -95,12 +112,12 @@ def timeline_figure(spans: list[Span], title: str = "", critical: set[tuple[int,
         ss = by_kind[kind]
         add(kind, ss, KIND_COLOURS.get(kind, "#444444"), [_row(s.rank, s.stream) for s in ss],
             [s.start_s for s in ss], [s.duration_s for s in ss], [s.name for s in ss])
-    waits: dict[str | None, list] = defaultdict(list)
-    for r in ranks:
-        for a, b, axis in compute_gaps(by_rank[r]):
-            waits[axis].append((r, a, b))
-    for axis in sorted(waits, key=lambda a: (a is None, STREAMS.index(a) if a else 0)):
-        ws = waits[axis]
+    shaded: dict[str | None, list] = defaultdict(list)
+    for r, gaps in rank_gaps(by_rank, ranks, waits).items():
+        for a, b, axis in gaps:
+            shaded[axis].append((r, a, b))
+    for axis in sorted(shaded, key=lambda a: (a is None, STREAMS.index(a) if a else 0)):
+        ws = shaded[axis]
         name = "idle (nothing runs)" if axis is None else f"exposed comm {axis}"
         add(name, ws, IDLE_COLOUR if axis is None else AXIS_COLOURS[axis], [_row(r, "waits") for r, _, _ in ws],
             [a for _, a, _ in ws], [b - a for _, a, b in ws],
@@ -153,14 +170,18 @@ def breakdown_figure(breakdown_s: dict, iteration_s: float, title: str = "where 
     return fig
 
 
-def ranks_figure(spans: list[Span], iteration_s: float) -> go.Figure:
-    """Every rank's breakdown (stacked bars: compute, exposed per axis, idle), for a full run."""
+def ranks_figure(spans: list[Span], iteration_s: float, waits: list[Span] | None = None) -> go.Figure:
+    """Every rank's breakdown (stacked bars: compute, exposed per axis, idle), for a full run;
+    `waits`: the engine's attribution (as in timeline_figure)."""
     from twin.program.trace import trace_breakdown
     by_rank: dict[int, list[Span]] = defaultdict(list)
     for s in spans:
         by_rank[s.rank].append(s)
     ranks = sorted(by_rank)
-    rows = {r: trace_breakdown(by_rank[r]) for r in ranks}
+    mine: dict[int, list[Span]] = defaultdict(list)
+    for w in waits or ():
+        mine[w.rank].append(w)
+    rows = {r: trace_breakdown(by_rank[r], None if waits is None else mine[r]) for r in ranks}
     fig = go.Figure()
     parts = [("compute", lambda b: b["compute"])]
     parts += [(f"exposed {a}", lambda b, a=a: b["exposed_comm"][a]) for a in AXIS_COLOURS]

@@ -290,9 +290,9 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
              "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
              "Click a legend entry to hide a kind.</p>")
     page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
-                                             critical=rep.critical, window=rep.window))
+                                             critical=rep.critical, window=rep.window, waits=r.waits))
     if r.mode == "full" and r.simulated_ranks > 1:
-        page.figure("ranks", ranks_figure(r.spans, it))
+        page.figure("ranks", ranks_figure(r.spans, it, r.waits))
     page.add("<h2>The network under the job</h2>")
     if rep.bandwidth:
         rows = []
