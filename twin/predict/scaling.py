@@ -119,12 +119,12 @@ def scaling_figure(result: ScalingResult):
     labels = [f"{p.model}<br>{p.grid}<br>{p.iteration_s:.2f} s" for p in result.points]
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=[p.percent_of_peak for p in result.points], mode="lines+markers",
-                             name="% of peak", text=labels, hovertemplate="%{x} GPUs: %{y:.1f}%<br>%{text}"))
+                             name="% of peak", text=labels, hovertemplate="%{x:,d} GPUs: %{y:.1f}%<br>%{text}"))
     fig.add_trace(go.Scatter(x=x, y=[p.efficiency for p in result.points], mode="lines+markers",
                              name="efficiency vs first point (%)", text=labels,
-                             hovertemplate="%{x} GPUs: %{y:.1f}%<br>%{text}"))
+                             hovertemplate="%{x:,d} GPUs: %{y:.1f}%<br>%{text}"))
     fig.update_layout(title=f"{result.series} scaling on {result.system} (twin prediction)",
-                      xaxis=dict(title="GPUs", type="log", tickvals=x), yaxis=dict(title="percent", rangemode="tozero"),
+                      xaxis=dict(title="GPUs", type="log", tickvals=x, tickformat=",d"), yaxis=dict(title="percent", rangemode="tozero"),
                       template="plotly_white")
     return fig
 

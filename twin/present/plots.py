@@ -195,24 +195,53 @@ def ranks_figure(spans: list[Span], iteration_s: float, waits: list[Span] | None
     return fig
 
 
-def search_figure(candidates: list) -> go.Figure:
-    """The best grids (twin.predict.search.Candidate): analytical estimate split into compute and communication
-    per axis, and the simulated time where there is one (black diamonds)."""
+def search_parts(c) -> tuple[dict[str, float], dict[str, float]]:
+    """A candidate's estimate as the search chart draws it: (exposed, hidden) seconds per axis, the
+    exposed parts adding with compute to `analytical_s`, the hidden ones overlapped with compute."""
+    exposed = c.exposed_s if c.exposed_s is not None else {a: 0.0 for a in c.comm_s}
+    return exposed, {a: max(0.0, c.comm_s.get(a, 0.0) - exposed.get(a, 0.0)) for a in c.comm_s}
+
+
+def search_figure(candidates: list, chosen=None) -> go.Figure:
+    """The best grids (twin.predict.search.Candidate) as the estimate adds them up: compute, then the
+    communication it cannot hide (per axis, stacked on compute: the bar's top is the estimate), and the
+    communication hidden behind compute drawn as thin hatched bars, side by side from 0, inside the
+    compute bar (overlapped, so adding nothing); the simulated time where there is one (black diamonds); `chosen`, the grid the
+    study runs, marked with a star."""
     names = [str(c.grid) for c in candidates]
+    parts = [search_parts(c) for c in candidates]
     fig = go.Figure()
-    fig.add_trace(go.Bar(name="compute (analytical)", x=names, y=[c.compute_s for c in candidates],
-                         marker_color=PART_COLOURS["compute"]))
+    fig.add_trace(go.Bar(name="compute (analytical)", x=names, y=[c.compute_s for c in candidates], base=[0.0] * len(names),
+                         marker_color=PART_COLOURS["compute"], width=0.8,
+                         hovertemplate="%{x}: compute %{y:.3f} s<extra></extra>"))
+    top = [c.compute_s for c in candidates]
     for a, colour in AXIS_COLOURS.items():
-        ys = [c.comm_s.get(a, 0.0) for c in candidates]
+        ys = [e.get(a, 0.0) for e, _ in parts]
         if any(ys):
-            fig.add_trace(go.Bar(name=f"comm {a} (analytical)", x=names, y=ys, marker_color=colour))
+            fig.add_trace(go.Bar(name=f"exposed comm {a}", x=names, y=ys, base=list(top), marker_color=colour, width=0.8,
+                                 hovertemplate=f"%{{x}}: exposed {a} %{{y:.3f}} s<extra></extra>"))
+            top = [t + y for t, y in zip(top, ys)]
+    hidden = [a for a in AXIS_COLOURS if any(h.get(a, 0.0) for _, h in parts)]
+    for k, a in enumerate(hidden):  # side by side from 0: each runs beside compute, none after another
+        ys = [h.get(a, 0.0) for _, h in parts]
+        fig.add_trace(go.Bar(name=f"comm {a} hidden behind compute", x=names, y=ys, base=[0.0] * len(names),
+                             width=0.7 / len(hidden), offset=-0.35 + 0.7 * k / len(hidden),
+                             marker=dict(color="rgba(255,255,255,0.25)", line=dict(color=AXIS_COLOURS[a], width=1.5),
+                                         pattern=dict(shape="/", fgcolor=AXIS_COLOURS[a])),
+                             hovertemplate=f"%{{x}}: {a} overlapped with compute %{{y:.3f}} s<extra></extra>"))
     sim = [(n, c.simulated_s) for n, c in zip(names, candidates) if c.simulated_s is not None]
     if sim:
         fig.add_trace(go.Scatter(name="simulated", x=[n for n, _ in sim], y=[v for _, v in sim], mode="markers",
                                  marker=dict(symbol="diamond", size=13, color="black")))
-    fig.update_layout(barmode="stack", title="the best grids: analytical estimate and simulation",
+    if chosen is not None and str(chosen) in names:
+        k = names.index(str(chosen))
+        y = max(top[k], candidates[k].simulated_s or 0.0)
+        fig.add_trace(go.Scatter(name="chosen grid", x=[names[k]], y=[y * 1.06], mode="markers+text", text=["chosen"],
+                                 textposition="top center", marker=dict(symbol="star", size=16, color="#ffbf00",
+                                                                        line=dict(color="black", width=1))))
+    fig.update_layout(barmode="overlay", title="the best grids: analytical estimate and simulation",
                       xaxis_title="grid XxYxZxD (ranked best first)", yaxis_title="seconds per iteration",
-                      height=420, template="plotly_white", legend=dict(orientation="h", y=-0.3))
+                      height=440, template="plotly_white", legend=dict(orientation="h", y=-0.3))
     return fig
 
 
@@ -225,12 +254,12 @@ def scaling_figure(points: list[dict]) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Scatter(name="twin", x=xs, y=ys, mode="lines+markers",
                              text=[f"{p.get('grid', '')} {p.get('percent_of_peak', 0):.1f} % of peak" for p in pts],
-                             hovertemplate="%{x} GPUs: %{y:.1f} PF/s<br>%{text}<extra></extra>"))
+                             hovertemplate="%{x:,d} GPUs: %{y:.1f} PF/s<br>%{text}<extra></extra>"))
     if pts:
         fig.add_trace(go.Scatter(name="perfect scaling", x=xs, y=[ys[0] * x / xs[0] for x in xs], mode="lines",
                                  line=dict(dash="dash", color="grey")))
-    fig.update_layout(title="scaling", xaxis_title="GPUs", yaxis_title="PF/s", xaxis_type="log", yaxis_type="log",
-                      height=400, template="plotly_white")
+    fig.update_layout(title="scaling", xaxis=dict(title="GPUs", type="log", tickvals=xs, tickformat=",d"),
+                      yaxis_title="PF/s", yaxis_type="log", height=400, template="plotly_white")
     return fig
 
 
