@@ -18,6 +18,8 @@ from collections import defaultdict
 
 import plotly.graph_objects as go
 
+from topologies.draw import AXIS_COLOURS  # one colour per axis on every page
+
 from twin.program.program import STREAMS
 from twin.program.trace import Span, attributed_gaps, compute_gaps
 
@@ -28,7 +30,6 @@ KIND_COLOURS = {
     "loss": "#bcbd22", "optimizer": "#17becf", "all_gather": "#2ca02c", "reduce_scatter": "#ff7f0e",
     "all_reduce": "#d62728",
 }
-AXIS_COLOURS = {"x": "#e41a1c", "y": "#ff7f00", "z": "#a65628", "data": "#f781bf"}
 IDLE_COLOUR = "#bdbdbd"
 PART_COLOURS = {"compute": "#1f77b4", "idle": IDLE_COLOUR, **{f"exposed {a}": c for a, c in AXIS_COLOURS.items()}}
 

@@ -285,8 +285,9 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
     page.add("<h2>Timeline</h2>")
     window = f"It opens on {rep.window_label}; double-click the plot to see the whole iteration. " if rep.window else ""
     page.add(f'<p class="note">{window}Each rank has one row per stream (compute, then the communication stream of '
-             "each axis) and a row <b>waits</b>: red shades where the compute stream waits for a collective "
-             "(exposed communication, by axis), grey where nothing runs. The black line follows the critical "
+             "each axis) and a row <b>waits</b>: one colour per axis where the compute stream waits for a "
+             "collective of that axis (exposed communication, the very stretches the breakdown adds up), grey "
+             "where it is idle. The black line follows the critical "
              "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
              "Click a legend entry to hide a kind.</p>")
     page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
@@ -303,11 +304,13 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
                              f"{r.breakdown_s['exposed_comm'][a]:.4f} s"])
         page.add(html_table(["axis", "group size", "bus bandwidth per ring (GB/s)", "ring bytes leaving a dragonfly group",
                              "exposed per iteration"], rows))
-    if rep.group_load:
+    crossing = [a for a, m in rep.group_load.items() if np.nansum(m) > 0]  # the axes the heat map draws
+    if crossing:
         page.add('<p class="note">Each cell: the mean load, over one iteration, of the global links from one of '
                  "the job's dragonfly groups to another, as a share of their capacity, from the bytes the axis' "
                  "rings send (minimal routes; Slingshot's adaptive routing spreads a hot pair over other groups). "
-                 "Pick the axis with the buttons.</p>")
+                 + ("Pick the axis with the buttons above the map.</p>" if len(crossing) > 1 else
+                    f"Only the {crossing[0]} axis' rings leave a group.</p>"))
         page.figure("groups", group_traffic_figure(
             rep.group_load, rep.groups, note=f"{len(rep.groups)} of {study.system.groups} groups hold the job"))
     elif study.system.dragonfly:
