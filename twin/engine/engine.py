@@ -91,7 +91,7 @@ def simulate_program(program: Program, compute_s: list[float],
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
                      record: bool = False, merge_alike: bool = True, comm_slowdown: float = 1.0,
                      lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None,
-                     by_size: bool = False) -> EngineResult:
+                     by_size: bool = False, tick: Callable[[float], None] | None = None) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -114,6 +114,7 @@ def simulate_program(program: Program, compute_s: list[float],
     by_size: collective_s(i, concurrent) depends on op i only through its (kind, axis, bytes), as
         twin.costs.collectives.collective_timer's does: it is then asked once per distinct collective and
         concurrency (a program of 3,000 collectives has a few dozen distinct ones).
+    tick: called now and then with the share of the run done (0-1, an estimate), for a progress bar.
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}
@@ -136,7 +137,7 @@ def simulate_program(program: Program, compute_s: list[float],
         lockstep = nsim >= LOCKSTEP_RANKS
     if full and lockstep and nsim == nranks and comm_slowdown == 1.0 and not record:
         from twin.engine.lockstep.lockstep import simulate_lockstep
-        res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown)
+        res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown, tick=tick)
         if res is not None:
             end, compute_ns, exposed_ns, _ = res
             compute = compute_ns / nranks
@@ -168,7 +169,7 @@ def simulate_program(program: Program, compute_s: list[float],
             s.advance()
         for g in groups:
             g.advance()
-        sim.run()
+        sim.run(tick)
     finally:
         if gc_on:
             gc.enable()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from twin.engine.streams import ComputeStream, GroupStream
 
 NS = 1e9  # nanoseconds per second
+TICK_EVERY = 1 << 14  # due times between two progress ticks (Sim.run)
 
 
 class Stopped(Exception):
@@ -128,15 +129,21 @@ class Sim:
         stream.slot = len(b)
         b.append(stream)
 
-    def run(self) -> None:
-        """Run the buckets in time order until none is left."""
+    def run(self, tick: Callable[[float], None] | None = None) -> None:
+        """Run the buckets in time order until none is left; `tick(fraction)`, where given, is called
+        every TICK_EVERY due times with the share of the compute ops done (for a progress bar)."""
         heap, buckets = self.heap, self.buckets
+        count = 0
         while heap:
             self.now = now = heappop(heap)
             for k, s in enumerate(buckets[now]):  # entries added at this very time (zero delays) run last
                 if s.slot == k and s.due == now:
                     s.on_done()
             del buckets[now]
+            if tick is not None:
+                count += 1
+                if count % TICK_EVERY == 0:
+                    tick(sum(c.pc for c in self.compute) / max(1, sum(c.end for c in self.compute)))
 
     def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
         """Attribute the compute stream's wait [t1, t2] (ns), which ended when `op` completed, by walking

@@ -57,7 +57,7 @@ _STOPPED: dict[tuple[bytes, str], float] = caches.register("twin.predict.run.sto
 
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
                   record: bool = False, collectives=None, grid_choice: str = "given",
-                  program: Program | None = None, stop_s: float = 0.0) -> SimulationResult | None:
+                  program: Program | None = None, stop_s: float = 0.0, tick=None) -> SimulationResult | None:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
     collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds).
     A symmetric run (no full mode, slowdown, record or stand-in model) already made in this process
@@ -66,7 +66,8 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     `program`: simulate this program (e.g. an edited program file) instead of the built one.
     stop_s > 0 (a plain symmetric run): give up, returning None, as soon as the iteration is sure to
     take longer than stop_s seconds (the engine's branch and bound, twin.predict.bounds.tail_ns); the lower
-    bound that showed it is kept for the process (`stopped_bound`)."""
+    bound that showed it is kept for the process (`stopped_bound`). `tick(fraction)`: progress of the
+    engine's run (twin.engine.engine.simulate_program's tick)."""
     t0 = time.perf_counter()
     plain = not (full or slowdown or record) and collectives is None and program is None
     if plain:
@@ -82,7 +83,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
         raise ValueError("stop_s is for plain symmetric runs")
     try:
         result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                                grid_choice=grid_choice, program=program, stop_s=stop_s)
+                                grid_choice=grid_choice, program=program, stop_s=stop_s, tick=tick)
     except Stopped as e:
         bound = e.bound_ns / NS
         _STOPPED[key] = max(bound, _STOPPED.pop(key, 0.0))
@@ -105,7 +106,7 @@ def stopped_bound(study: Study, grid: Grid) -> float:
 
 def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, float] | None,
                    record: bool, collectives, grid_choice: str, program: Program | None,
-                   stop_s: float = 0.0) -> SimulationResult:
+                   stop_s: float = 0.0, tick=None) -> SimulationResult:
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
@@ -126,13 +127,13 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     stop_ns = int(stop_s * NS)
     if p.host is not None:
         res = shared_host.simulate_shared(study, grid, prog, cm, full=full, slowdown=slowdown, record=record,
-                                          stop_ns=stop_ns, tails=lambda: tail_ns(study, grid))
+                                          stop_ns=stop_ns, tails=lambda: tail_ns(study, grid), tick=tick)
     else:
         compute_s = [0.0 if op.is_collective else km.kernel_time(op) for op in prog.ops]
         tails = tail_ns(study, grid) if stop_s else None
         res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                                overlap_slowdown=p.overlap_slowdown, record=record,
-                               stop_ns=stop_ns if tails is not None else 0, tail_ns=tails, by_size=True)
+                               stop_ns=stop_ns if tails is not None else 0, tail_ns=tails, by_size=True, tick=tick)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it

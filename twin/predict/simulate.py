@@ -53,7 +53,8 @@ class SimulationConfig:
 def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> SimulationResult:
     """Simulate one training iteration as `config` says; see the module docstring.
     collectives: a stand-in collective model (anything with .time(kind, axis, nbytes, concurrent) ->
-    seconds) in place of the flow model; progress(stage name): a callback, e.g. twin.present.progress.Stages."""
+    seconds) in place of the flow model; progress(stage name): a callback, e.g. twin.present.progress.Stages
+    (where it has a `part(fraction)` method, the engine's run reports its progress there)."""
     t0 = time.perf_counter()
     c = config
     if c.slowdown and not c.full:
@@ -79,6 +80,6 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
     if result is None:
         say(f"simulating grid {g}" + (" (every rank)" if c.full else ""))
         result = simulate_grid(study, g, full=c.full, slowdown=c.slowdown, record=c.record, collectives=collectives,
-                               grid_choice=how, program=c.program)
+                               grid_choice=how, program=c.program, tick=getattr(progress, "part", None))
     result.wall_time_s = time.perf_counter() - t0
     return result
