@@ -78,7 +78,7 @@ def simulate_cmd(
     slowdown: SlowdownOpt = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
-    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
+    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json-out FILE`); it fixes model, grid, batch and switches.")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
     quiet: QuietOpt = False,
@@ -291,12 +291,6 @@ def sensitivity_cmd(
     if json_out:
         typer.echo(r.to_json())
         return
-    cols = ("parameter", "value", "low / high", "time at low", "time at high")
-    t = table(*cols, title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
-                           f"{r.base_s:.3f} s per iteration, and how it changes (profile.*: kernel profile; others: system file)",
-              keep=("parameter", "time at low", "time at high"), right=("time at low", "time at high"))
-    for row in r.rows:
-        t.add_row(row.parameter, row.base, f"{row.low} / {row.high}" if row.high else row.low,
-                  "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
-                  "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
+    from twin.present.tables import sensitivity_table
+    t = sensitivity_table(r)
     console.print(t)
