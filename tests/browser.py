@@ -31,7 +31,8 @@ INSPECT = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(
 
 
 DATA = """() => {
-  const arr = v => (v == null ? null : (typeof v === 'object' && v.length !== undefined ? Array.from(v) : v));
+  const arr = v => (v == null ? null : v._inputArray ? Array.from(v._inputArray)  // typed arrays plotly decoded
+                  : (typeof v === 'object' && v.length !== undefined ? Array.from(v) : v));
   const plots = {};
   document.querySelectorAll('.js-plotly-plot').forEach(gd => {
     plots[gd.id] = {

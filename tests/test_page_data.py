@@ -123,3 +123,34 @@ def test_the_report_scaling_axis_reads_plain_gpu_counts(tmp_path):
     path.write_text(page.html())
     ticks = page_data(path)["plots"]["plot-scaling"]["ticks"]["x"]
     assert ticks == ["1,024", "4,096", "16,384"]
+
+
+def test_the_simulate_timeline_page_draws_the_printed_breakdown(tmp_path):
+    path = tmp_path / "t.html"
+    args = ["simulate", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
+            "--grid", "2x4x2x1", "--html", str(path), "--json"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.stdout)["breakdown_s"]
+    drawn: dict[str, float] = defaultdict(float)
+    for t in next(iter(page_data(path)["plots"].values()))["traces"]:
+        if t["name"].startswith("exposed comm "):
+            drawn[t["name"].removeprefix("exposed comm ")] += _seconds(t)
+    assert drawn
+    for axis, seconds in printed["exposed_comm"].items():
+        assert drawn.get(axis, 0.0) == pytest.approx(seconds, abs=1e-3), (axis, drawn, printed)
+
+
+def test_the_topology_page_draws_the_job_it_prints(tmp_path):
+    import re
+    path = tmp_path / "topo.html"
+    r = runner.invoke(app, ["topology", "--system", "frontier", "--gpus", "2048", "--html", str(path)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    groups_used, groups = map(int, re.search(r"nodes in (\d+) of (\d+) groups", text).groups())
+    data = page_data(path)
+    traces = next(iter(data["plots"].values()))["traces"]
+    marks = next(t for t in traces if t["name"].startswith("groups"))
+    assert len(marks["x"]) == groups
+    assert f"({groups_used} hold the job" in marks["name"]
+    assert sum("the job uses" in s for s in marks["text"]) == groups_used
