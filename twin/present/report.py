@@ -220,7 +220,8 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     say(f"simulating grid {g}" + (" (every rank)" if full else ""))
     t1 = time.perf_counter()
     cm = collective_model(study, g)
-    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how)
+    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how,
+                           tick=getattr(progress, "part", None))  # a --full run moves the bar as it goes
     seconds["simulate"] = time.perf_counter() - t1
     program = build_program(study.model, g, study.options, study.batch, study.seq_len)
     rep = Report(result=result, candidates=cands)
