@@ -95,7 +95,9 @@ def simulate_cmd(
         if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
             raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
         prog = load_program(program)
-    with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
+    plan = ([("ranking grids", 3.0)] if prog is None and grid.strip().lower() == "auto" else []) + [
+        ("simulating", 1.0 + 4.0 * full)]  # a given grid is not ranked: the bar is the simulation's alone
+    with Stages(plan, quiet_default(json_out, quiet)) as stage:
         config = SimulationConfig(system, model, gpus, grid, batch, seq, opts, placement=placement, profile=profile,
                                   gemm_tuning=gemm_tuning, full=full, slowdown=_parse_slowdown(slowdown),
                                   record=bool(trace or html), simulate_top=simulate_top, program=prog)
@@ -114,7 +116,9 @@ def simulate_cmd(
         return
     _print_result(r)
     if slowdown and r.mode == "full":
-        console.print("stragglers: " + ", ".join(f"rank {k} (compute x{v:g})" for k, v in _parse_slowdown(slowdown).items())
+        slow = list(_parse_slowdown(slowdown).items())
+        named = ", ".join(f"rank {k} (compute x{v:g})" for k, v in slow[:8]) + (f" and {len(slow) - 8} more" if len(slow) > 8 else "")
+        console.print("stragglers: " + named
                       + f"; every rank waits for them: {r.breakdown_s['idle'] + sum(r.breakdown_s['exposed_comm'].values()):.4f} s "
                       "of the iteration is not compute on the average rank")
     for what, path in (("trace", trace), ("timeline", html)):
