@@ -237,9 +237,11 @@ def search_figure(candidates: list, chosen=None) -> go.Figure:
     if chosen is not None and str(chosen) in names:
         k = names.index(str(chosen))
         y = max(top[k], candidates[k].simulated_s or 0.0)
-        fig.add_trace(go.Scatter(name="chosen grid", x=[names[k]], y=[y * 1.06], mode="markers+text", text=["chosen"],
-                                 textposition="top center", marker=dict(symbol="star", size=16, color="#ffbf00",
-                                                                        line=dict(color="black", width=1))))
+        fig.add_trace(go.Scatter(name="chosen grid", x=[names[k]], y=[y * 1.06], mode="markers+text", text=["chosen"], textfont=dict(size=14),
+                                 textposition="top center", cliponaxis=False,
+                                 marker=dict(symbol="star", size=16, color="#ffbf00", line=dict(color="black", width=1))))
+    highest = max(top + [c.simulated_s or 0.0 for c in candidates], default=1.0)
+    fig.update_yaxes(range=[0, 1.2 * highest])  # room for the star and its label above the bars
     fig.update_layout(barmode="overlay", title="the best grids: analytical estimate and simulation",
                       xaxis_title="grid XxYxZxD (ranked best first)", yaxis_title="seconds per iteration",
                       height=440, template="plotly_white", legend=dict(orientation="h", y=-0.3))
