@@ -84,3 +84,11 @@ def test_program_and_simulate_program_agree_on_memory(tmp_path):
     s = runner.invoke(app, ["simulate", "--system", "cpu", "--program", str(prog)])
     assert s.exit_code == 0, s.output
     assert re.search(r"memory per GPU\s+([\d.]+ \w?i?B)", s.stdout).group(1) == on_cpu
+
+
+def test_search_json_adds_up_as_its_chart_does():
+    r = runner.invoke(app, JSON["search"])
+    assert r.exit_code == 0, r.output
+    for c in json.loads(r.stdout):
+        assert c["compute_s"] + sum(c["exposed_comm_s"].values()) == pytest.approx(c["analytical_s"], rel=1e-9)
+        assert all(c["exposed_comm_s"][a] <= c["comm_s"][a] + 1e-12 for a in c["comm_s"])

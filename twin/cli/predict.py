@@ -202,7 +202,7 @@ def search_cmd(
         cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
     if json_out:
         typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
-                                "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
+                                "comm_s": c.comm_s, "exposed_comm_s": c.exposed_s, "memory_per_gpu_bytes": c.memory_bytes,
                                 "simulated_s": c.simulated_s} for c in cands], indent=1))
         return
     cols = ("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)", "simulated (s)", "memory")

@@ -72,7 +72,8 @@ def series_points(system: SystemSpec, series: str) -> list[tuple[str, int]]:
     if series == "strong":
         g = system.default_gpus
         return [(system.default_model, g // k) for k in (8, 4, 2, 1) if g % k == 0 and g // k >= 1]
-    raise TwinError(f"unknown series {series!r}: choose one of {', '.join(SERIES)}")
+    from topologies.datafile import did_you_mean
+    raise TwinError(f"unknown series {series!r}:{did_you_mean(series, SERIES)} choose one of {', '.join(SERIES)}")
 
 
 def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[str, int]] | None = None,
