@@ -199,7 +199,7 @@ def search_cmd(
     from twin.present.progress import Stages, quiet_default
     with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:
         stage("ranking and simulating grids")
-        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
+        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top, tick=stage.part)
     if json_out:
         typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
                                 "comm_s": c.comm_s, "exposed_comm_s": c.exposed_s, "memory_per_gpu_bytes": c.memory_bytes,

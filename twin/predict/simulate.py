@@ -70,7 +70,8 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         if c.record and c.full:  # refuse an impossible trace before the search, not after it
             check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
-        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives)
+        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,
+                                tick=getattr(progress, "part", None))
         g = best.grid
         if best.result is not None and not (c.full or c.slowdown or c.record):
             result = best.result  # already simulated in this very setting

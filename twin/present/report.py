@@ -209,7 +209,7 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     cands = []
     if auto or top > 0:
         say("ranking grids")
-        cands = search(study, top=max(top, 1), simulate_top=simulate_top)
+        cands = search(study, top=max(top, 1), simulate_top=simulate_top, tick=getattr(progress, "part", None))
         seconds["search"] = time.perf_counter() - t0
     if auto:
         sims = [c for c in cands if c.simulated_s is not None] or cands[:1]
