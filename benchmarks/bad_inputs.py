@@ -86,7 +86,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
                                                    "--slowdown", f"3:{v}"], "error", {}))
     out.append(("twin --slowdown without --full", twin + ["simulate", "--system", "perlmutter", *small,
                                                         "--slowdown", "3:2"], "error", {}))
-    out.append(("twin program --json ''", twin + ["program", "--model", "gpt-tiny", "--grid", "1x1x1x1", "--json", ""], "error", {}))
+    out.append(("twin program --json-out ''", twin + ["program", "--model", "gpt-tiny", "--grid", "1x1x1x1", "--json-out", ""], "error", {}))
     out.append(("twin simulate --trace ''", twin + ["simulate", "--system", "perlmutter", *small, "--trace", ""], "error", {}))
     out.append(("twin simulate --html ''", twin + ["simulate", "--system", "perlmutter", *small, "--html", ""], "error", {}))
     out.append(("twin topology --html ''", twin + ["topology", "--system", "cpu", "--html", ""], "error", {}))
@@ -94,8 +94,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
                                                                   "--trace", str(tmp / "no/such/dir/t.json")], "ok", {}))
     out.append(("twin simulate --trace onto a file", twin + ["simulate", "--system", "perlmutter", *small,
                                                            "--trace", str(tmp / "sys-nodes=true.toml")], "error", {}))
-    out.append(("twin program --json onto a folder", twin + ["program", "--model", "gpt-tiny", "--grid", "1x1x1x1",
-                                                           "--json", str(tmp)], "error", {}))
+    out.append(("twin program --json-out onto a folder", twin + ["program", "--model", "gpt-tiny", "--grid", "1x1x1x1",
+                                                               "--json-out", str(tmp)], "error", {}))
     out.append(("twin topology scattered --seed -1", twin + ["topology", "--system", "perlmutter", "--placement",
                                                            "scattered", "--seed", "-1"], "error", {}))
     for v in ("nan", "inf", "1e300"):

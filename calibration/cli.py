@@ -40,7 +40,8 @@ def validate_cmd(
     run_dirs: Annotated[list[str], typer.Argument(help="Directories written by `backend run --out DIR`.")],
     system: SystemOpt = "cpu",
     profile: ProfileOpt = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole report (every op) as JSON here.", callback=output_file)] = None,
+    json_print: Annotated[bool, typer.Option("--json", help="Print the whole report (every op) as JSON instead of the table.")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json-out", help="Write the whole report (every op) as JSON to this file.", callback=output_file)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write the report as one page here: summary, tables per grid and per kind, scatters per grid and per op.", callback=output_file)] = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -50,8 +51,15 @@ def validate_cmd(
     from calibration.validate import validate_runs
     from calibration.validate_page import validation_html
     from twin.present.progress import Steps, quiet_default
-    with Steps(quiet_default(False, quiet)) as steps:
+    with Steps(quiet_default(json_print, quiet)) as steps:
         rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
+    if json_print:
+        if json_out is not None:
+            write_atomic(json_out, json.dumps(rep, indent=1))
+        if html is not None:
+            write_atomic(html, validation_html(rep))
+        typer.echo(json.dumps(rep, indent=1))
+        return
     cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "spread (runs)", "per-op median |err|",
             "compute |err|", "memory (MiB)", "predicted (MiB)")
     t = table(*cols, title="twin vs backend (a grid's runs: their median, spread max/min - 1)",

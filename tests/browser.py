@@ -4,7 +4,8 @@
 for the whole session, closed by tests/conftest.py), records
 JavaScript errors and, for each plotly plot, how many traces and data points it holds and how many it
 drew (SVG traces, heat map images, WebGL canvases), then saves a full-page screenshot. Tests skip,
-saying why, where no browser can start.
+saying why, where no browser can start. `page_data(path)` reads back what a page's plots hold and
+what its tables print, so that tests compare the two.
 """
 
 from __future__ import annotations
@@ -27,6 +28,28 @@ INSPECT = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(
   return {id: gd.id, traces: data.length, points: points, drawn: drawn, width: rect.width, height: rect.height,
           title: (gd.layout && gd.layout.title && (gd.layout.title.text || gd.layout.title)) || ''};
 })"""
+
+
+DATA = """() => {
+  const arr = v => (v == null ? null : v._inputArray ? Array.from(v._inputArray)  // typed arrays plotly decoded
+                  : (typeof v === 'object' && v.length !== undefined ? Array.from(v) : v));
+  const plots = {};
+  document.querySelectorAll('.js-plotly-plot').forEach(gd => {
+    plots[gd.id] = {
+      traces: (gd.data || []).map(t => ({name: t.name || '', type: t.type || 'scatter', x: arr(t.x), y: arr(t.y),
+                                        z: t.z ? Array.from(t.z, r => arr(r)) : null, base: arr(t.base),
+                                        text: arr(t.text), visible: t.visible === undefined ? true : t.visible})),
+      ticks: {x: Array.from(gd.querySelectorAll('.xtick text'), e => e.textContent),
+              y: Array.from(gd.querySelectorAll('.ytick text'), e => e.textContent)},
+      title: (gd.layout && gd.layout.title && (gd.layout.title.text || gd.layout.title)) || '',
+      buttons: Array.from(gd.querySelectorAll('.updatemenu-button text'), e => e.textContent),
+    };
+  });
+  const tables = Array.from(document.querySelectorAll('table'), t =>
+    Array.from(t.querySelectorAll('tr'), r => Array.from(r.querySelectorAll('th, td'), c => c.textContent.trim())));
+  const notes = Array.from(document.querySelectorAll('p'), p => p.textContent);
+  return {plots, tables, notes};
+}"""
 
 
 def browser_or_skip():
@@ -84,6 +107,21 @@ def render_page(path: Path, screenshot: Path | None = None, width: int = 1400, t
     finally:
         page.close()
     return {"errors": errors, "plots": plots}
+
+
+def page_data(path: Path, timeout_ms: int = 60_000) -> dict:
+    """What a page holds, read in the browser after plotly drew it: per plot id its traces (name, type,
+    x, y, z, base, text, visible), its drawn tick labels, title and button labels; every HTML table as
+    rows of cell texts; every paragraph's text. Tests compare what a page draws with what it prints."""
+    page = _browser().new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(Path(path).resolve().as_uri(), wait_until="load", timeout=timeout_ms)
+        page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                               ".every(gd => gd._fullLayout)", timeout=timeout_ms)
+        page.wait_for_timeout(200)
+        return page.evaluate(DATA)
+    finally:
+        page.close()
 
 
 def assert_drew(result: dict, expect: set[str] | None = None) -> None:

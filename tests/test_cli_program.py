@@ -28,7 +28,7 @@ def test_models_lists_gpt_family():
 def test_program_summary_and_json(tmp_path):
     out = tmp_path / "prog.json"
     r = runner.invoke(app, ["program", "--model", "gpt-5b", "--grid", "2x2x2x64", "--gpus", "512",
-                            "--json", str(out)])
+                            "--json-out", str(out)])
     assert r.exit_code == 0, r.output
     assert "all_gather" in r.output and "memory per GPU" in r.output
     data = json.loads(out.read_text())
@@ -63,7 +63,7 @@ def test_malformed_model_file(tmp_path):
 def test_json_file_not_clobbered_on_error(tmp_path):
     out = tmp_path / "prog.json"
     out.write_text("keep me")
-    r = runner.invoke(app, ["program", "--grid", "3x1x1x1", "--json", str(out)])
+    r = runner.invoke(app, ["program", "--grid", "3x1x1x1", "--json-out", str(out)])
     assert r.exit_code == 2 and out.read_text() == "keep me"
 
 

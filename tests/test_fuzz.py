@@ -96,7 +96,7 @@ def options(table: dict) -> st.SearchStrategy:
 TWIN = {
     "program": {"--model": st.sampled_from(["gpt-tiny", "gpt-small", "nope", "", "OUT/file.txt"]), "--grid": GRIDS,
                 "--gpus": NUMBERS, "--batch": NUMBERS, "--seq": NUMBERS, "--micro-batches": NUMBERS,
-                "--cache-layers": NUMBERS, "--hbm-gib": NUMBERS, "--json": PATHS, "--no-oar": None,
+                "--cache-layers": NUMBERS, "--hbm-gib": NUMBERS, "--json-out": PATHS, "--json": None, "--no-oar": None,
                 "--no-recompute": None, "--bogus": None},
     "simulate": {"--grid": GRIDS, "--gpus": NUMBERS, "--batch": NUMBERS, "--seq": NUMBERS, "--micro-batches": NUMBERS,
                  "--placement": st.sampled_from(["contiguous", "scattered", "x"]), "--full": None,

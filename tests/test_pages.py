@@ -93,12 +93,12 @@ def test_full_run_timeline_stays_drawable(tmp_path):
     shown = pick_ranks(r.spans)
     assert len(shown) == MAX_RANKS and 0 in shown and 5 in shown
     path = tmp_path / "full.html"
-    path.write_text(timeline_html(r.spans, "full"))
+    path.write_text(timeline_html(r.spans, "full", waits=r.waits))
     assert path.stat().st_size < 6e6
     result = render_page(path, SHOTS / "full.png")
     assert_drew(result)
     assert result["plots"][0]["height"] < 1500  # 64 ranks x 6 rows would be ~9,400 px
-    fig = ranks_figure(r.spans, r.iteration_time_s)
+    fig = ranks_figure(r.spans, r.iteration_time_s, r.waits)
     assert len(fig.data[0].x) == 64
 
 

@@ -73,3 +73,49 @@ def test_a_quick_command_shows_no_bar_and_a_slow_one_shows_it_late(monkeypatch):
         steps("point 2", 1, 2)
         time.sleep(0.3)
     assert "point 2" in shown.getvalue() and "1/2" in shown.getvalue(), shown.getvalue()
+
+
+def test_a_full_run_moves_the_bar_with_an_estimate(bar, monkeypatch):
+    """--full: the engine reports the share of its run done, so the bar moves within the stage and
+    the time left is a figure, not rich's "-:--:--"."""
+    import twin.engine.sim
+    monkeypatch.setattr(twin.engine.sim, "TICK_EVERY", 1)
+    from twin.predict.simulate import SimulationConfig, simulate
+    parts = []
+
+    class Record:
+        def __call__(self, stage):
+            pass
+
+        def part(self, fraction):
+            parts.append(fraction)
+
+    simulate(SimulationConfig("cpu", "gpt-tiny", 8, "2x2x1x2", full=True, slowdown={1: 1.3}), progress=Record())
+    assert parts and all(0 <= a <= b <= 1 for a, b in zip(parts, parts[1:])) and parts[-1] > 0.5
+    r = CliRunner().invoke(app, ["simulate", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x1x2", "--full",
+                                 "--slowdown", "1:1.3"])
+    assert r.exit_code == 0, r.output
+    assert "left ~" in bar.getvalue() and "-:--:--" not in bar.getvalue(), bar.getvalue()
+
+
+def test_time_left_is_the_pace_so_far():
+    from twin.present.progress import time_left
+    assert time_left(30.0, 1.0, 4.0) == "0:01:30"
+    assert time_left(0.0, 0.0, 4.0) == "estimating"
+
+
+def test_ctrl_c_leaves_the_bar_where_it_was_and_says_interrupted(bar, monkeypatch):
+    import twin.predict.simulate
+
+    def interrupted(config, progress=None, **kw):
+        progress("ranking grids")
+        progress.part(0.5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(twin.predict.simulate, "simulate", interrupted)
+    r = CliRunner().invoke(app, ["simulate", "--system", "cpu", "--model", "gpt-tiny"])
+    assert r.exit_code == 130
+    assert [line for line in r.output.splitlines() if line.strip()] == [
+        "interrupted (Ctrl-C): files written before stay as they were"]
+    drawn = bar.getvalue()
+    assert "ranking grids" in drawn and "100%" not in drawn, drawn

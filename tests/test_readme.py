@@ -78,14 +78,14 @@ TWIN = {
 SCRIPTS = {"python benchmarks/axonn_comm_model.py": None,
            "python benchmarks/bench_measured_collectives.py --summary": None}
 # run in this order, in one folder (the second reads the program file the first writes)
-TWIN_CHAIN = ["twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json prog.json",
+TWIN_CHAIN = ["twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json-out prog.json",
               "twin simulate --system cpu --program prog.json"]
 
 # ---- the backend, in the pages' order: example -> what runs instead (None: as written) ------------------
 TINY_BENCH = ["--squares", "64", "--sizes-mib", "0.01", "--min-time", "0.01"]
 BACKEND = [
     # README: what you simulate is what you run
-    ("twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json prog.json", None),
+    ("twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json-out prog.json", None),
     ("backend run --program prog.json", "backend run --program prog.json --steps 2 --out runs/prog"),
     # docs/backend.md
     ("backend run --model gpt-tiny --grid 2x2x2x1 --steps 50 --device cpu --out runs/tiny",
@@ -105,8 +105,8 @@ BACKEND = [
     ("twin calibrate m.json --out twin/profiles/mycpu.toml", "twin calibrate m.json --out mycpu.toml"),
     ("backend run --model gpt-small --grid 2x2x2x1 --steps 6 --out runs/small",
      "backend run --model gpt-tiny --grid 2x1x1x1 --steps 4 --out runs/small"),
-    ("twin validate runs/small --profile mycpu --json v.json --html v.html",
-     "twin validate runs/small --profile mycpu.toml --json v.json --html v.html"),
+    ("twin validate runs/small --profile mycpu --json-out v.json --html v.html",
+     "twin validate runs/small --profile mycpu.toml --json-out v.json --html v.html"),
     # docs/llama.md
     ("backend run --model llama-tiny --grid 2x2x2x1", "backend run --model llama-tiny --grid 2x2x2x1 --steps 2 "
      "--out runs/llama-tiny"),

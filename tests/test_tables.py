@@ -77,7 +77,10 @@ def test_simulate_topology_program(run80):
 
 def test_sensitivity_and_scaling(run80):
     out = run80("sensitivity", "--system", "cpu", "--model", "gpt-tiny", "--grid", "2x2x2x1")
-    assert "collectives.intra_node_efficiency" in words(out) and "profile.hbm_bandwidth" in words(out)
+    assert "intra_node_efficiency" in words(out) and "profile.hbm_bandwidth" in words(out)
+    assert re.search(r"^collectives\. .*\n  intra_node_efficiency", out, re.M)  # a long name in two lines
+    assert re.search(r"profile\.hbm_bandwidth +[\d.]+ \([\d.]+ / [\d.]+\) [GT]B/s ", out)  # values with units
+    assert re.search(r"collectives\.step_latency +[\d.]+ \([\d.]+ / [\d.]+\) µs ", out)
     out = run80("scaling", "--system", "cpu", "--series", "strong")
     assert {"1x1x1x1", "gpt-tiny"} <= words(out) and "F/s" in out
 

@@ -50,7 +50,7 @@ def _check_against(breakdown: dict, figures: dict, ranks: set[int]) -> None:
 def test_hta_reads_the_twins_trace(tmp_path):
     r = simulate(SimulationConfig("perlmutter", "gpt-1b", 16, "2x4x2x1", batch=16, record=True))
     folder = tmp_path / "trace"
-    write_trace(folder, r.spans, r.as_dict(wall_time=False), world_size=r.gpus)
+    write_trace(folder, r.spans, r.as_dict(wall_time=False), world_size=r.gpus, waits=r.waits)  # with the waits thread
     assert check_nesting(folder) == []
     assert read_metadata(folder)["grid"] == r.grid
     figures = _analyse(folder)

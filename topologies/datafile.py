@@ -12,6 +12,14 @@ from pathlib import Path
 from topologies.common import InputError
 
 
+def did_you_mean(word: str, choices) -> str:
+    """" did you mean X?" (or "X or Y?") for the choices closest to a misspelled `word`, "" if none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=2, cutoff=0.6)
+    return f" did you mean {' or '.join(close)}?" if close else ""
+
+
 def shipped(folder: Path) -> list[str]:
     """Names of the specs in `folder` (its .toml files without the suffix), sorted."""
     return sorted(p.stem for p in folder.glob("*.toml"))
@@ -31,8 +39,8 @@ def spec_text(name_or_path: str, folder: Path, what: str) -> tuple[Path, str]:
     else:
         path = folder / f"{name_or_path}.toml"
         if not path.exists():
-            raise InputError(f"unknown {what} {name_or_path!r}: choose one of {names} "
-                             f"or give the path of a {what} .toml file")
+            raise InputError(f"unknown {what} {name_or_path!r}:{did_you_mean(name_or_path, shipped(folder))} "
+                             f"choose one of {names} or give the path of a {what} .toml file")
     try:
         return path, path.read_text()
     except UnicodeDecodeError as e:

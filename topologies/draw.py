@@ -16,7 +16,9 @@ from topologies.network import Network
 from topologies.placement import Placement
 from topologies.system import SystemSpec
 
-AXIS_COLOURS = {"x": "#e41a1c", "y": "#ff7f00", "z": "#a65628", "data": "#f781bf"}
+# One colour per axis, for its rings here and its exposed communication in the twin's charts; none near
+# an op kind's colour (twin.present.plots.KIND_COLOURS) or another axis' (tests/test_palette.py)
+AXIS_COLOURS = {"x": "#e7298a", "y": "#00008b", "z": "#4d4d00", "data": "#66ff66"}
 MAX_DRAWN_PAIRS = 600  # global-link pairs drawn among the job's groups, at most
 
 
@@ -38,8 +40,33 @@ def _node_layout(s: SystemSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     return np.cos(a), np.sin(a), 1.6 * np.cos(na), 1.6 * np.sin(na)
 
 
-def _add_node_fabric(fig: go.Figure, s: SystemSpec, row: int, col: int) -> None:
-    """One node's GPUs, NICs and links (GB/s per direction) into a subplot."""
+GPU_R, NIC_R = 0.13, 0.08  # the GPU and NIC markers' radii in the node picture's units (circle of GPUs: 1)
+
+
+def _pulled(a: tuple[float, float], b: tuple[float, float], ra: float, rb: float):
+    """The segment from a to b shortened by ra at a and rb at b: it runs between the markers' edges."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    n = max(float(np.hypot(dx, dy)), 1e-9)
+    return (a[0] + ra * dx / n, a[1] + ra * dy / n), (b[0] - rb * dx / n, b[1] - rb * dy / n)
+
+
+def outward_positions(px: np.ndarray, py: np.ndarray) -> list[str]:
+    """Where each label of points on a circle goes: outward, away from the links and ring arrows that
+    run inside the circle."""
+    out = []
+    for x, y in zip(px, py):
+        if y > 0.5:
+            out.append("top center")
+        elif y < -0.5:
+            out.append("bottom center")
+        else:
+            out.append("middle right" if x > 0 else "middle left")
+    return out
+
+
+def _add_node_fabric(fig: go.Figure, s: SystemSpec, row: int, col: int, gpus: bool = True) -> None:
+    """One node's GPUs (unless `gpus` is False: the caller draws them last), NICs and links (GB/s per
+    direction) into a subplot."""
     px, py, nx_, ny_ = _node_layout(s)
     g = s.gpus_per_node
     la, lb = np.triu_indices(g, 1)
@@ -59,12 +86,21 @@ def _add_node_fabric(fig: go.Figure, s: SystemSpec, row: int, col: int) -> None:
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(dash="dot", color="green"), hoverinfo="skip",
                                  name=f"GPU-NIC {s.gpu_nic_bandwidth / 1e9:.0f} GB/s"), row=row, col=col)
         fig.add_trace(go.Scatter(x=nx_, y=ny_, mode="markers+text", text=[f"NIC {i}" for i in range(len(nx_))],
-                                 textposition="top center", marker=dict(size=16, color="green", symbol="square"),
+                                 textposition=outward_positions(nx_, ny_), marker=dict(size=16, color="green", symbol="square"),
                                  name=f"NICs {s.nic_bandwidth / 1e9:.0f} GB/s to a switch"), row=row, col=col)
-    fig.add_trace(go.Scatter(x=px, y=py, mode="markers+text", text=[f"GPU {i}" for i in range(g)],
-                             textposition="middle center", marker=dict(size=30, color="orange"), name="GPUs",
-                             hovertext=[f"GPU {i}: {s.gpu.name}" for i in range(g)], hoverinfo="text"),
-                  row=row, col=col)
+    if gpus:
+        _add_gpus(fig, s, row, col)
+
+
+def _add_gpus(fig: go.Figure, s: SystemSpec, row: int, col: int) -> None:
+    """One node's GPUs, numbered inside their markers (drawn last, so that nothing covers a number)."""
+    px, py, _, _ = _node_layout(s)
+    g = s.gpus_per_node
+    fig.add_trace(go.Scatter(x=px, y=py, mode="markers+text", text=[str(i) for i in range(g)],
+                             textposition="middle center", textfont=dict(color="black", size=13),
+                             marker=dict(size=30, color="orange", line=dict(color="white", width=1)),
+                             name="GPUs (numbered)", hovertext=[f"GPU {i}: {s.gpu.name}" for i in range(g)],
+                             hoverinfo="text"), row=row, col=col)
 
 
 def topology_figure(net: Network, placement: Placement | None = None) -> go.Figure:
@@ -118,29 +154,34 @@ def node_rings_figure(s: SystemSpec, hops: dict[str, list[tuple[int, int | None]
     node to the next member (`(gpu, gpu)` inside the node, `(gpu, None)` when the hop leaves the node
     through the GPU's NIC). `bandwidth[axis]`: the bus bandwidth the axis gets (bytes/s), for the legend."""
     fig = make_subplots(rows=1, cols=1)
-    _add_node_fabric(fig, s, 1, 1)
+    _add_node_fabric(fig, s, 1, 1, gpus=False)
     px, py, nx_, ny_ = _node_layout(s)
     nic = np.asarray(s.gpu_nic) if s.nics_per_node else None
     for i, (axis, hs) in enumerate(hops.items()):
         if not hs:
             continue
         shift = 0.05 * (i - 1.5)
-        xs, ys = [], []
+        xs, ys, sizes = [], [], []
         for a, b in hs:
             if b is None:
                 if nic is None:
                     continue
-                xs += [px[a] + shift, nx_[nic[a]] + shift, None]
-                ys += [py[a] + shift, ny_[nic[a]] + shift, None]
+                end, pull = (nx_[nic[a]], ny_[nic[a]]), NIC_R
             elif a != b:
-                xs += [px[a] + shift, px[b] + shift, None]
-                ys += [py[a] + shift, py[b] + shift, None]
+                end, pull = (px[b], py[b]), GPU_R
+            else:
+                continue
+            (x0, y0), (x1, y1) = _pulled((px[a], py[a]), end, GPU_R, pull)
+            xs += [x0 + shift, x1 + shift, None]
+            ys += [y0 + shift, y1 + shift, None]
+            sizes += [0, 12, 0]  # an arrowhead at the end only, outside the marker it points to
         bw = f", {bandwidth[axis] / 1e9:.1f} GB/s bus bandwidth" if bandwidth and axis in bandwidth else ""
         leaves = sum(1 for _, b in hs if b is None)
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=f"{axis} rings{bw}"
                                  + (f" ({leaves} of {len(hs)} hops leave the node)" if leaves else ""),
                                  line=dict(color=AXIS_COLOURS.get(axis, "black"), width=3),
-                                 marker=dict(symbol="arrow", angleref="previous", size=12), hoverinfo="name"))
+                                 marker=dict(symbol="arrow", angleref="previous", size=sizes), hoverinfo="name"))
+    _add_gpus(fig, s, 1, 1)  # on top of the ring arrows
     fig.update_xaxes(visible=False, scaleanchor="y")
     fig.update_yaxes(visible=False)
     fig.update_layout(title=f"the job's rings on one node ({s.gpus_per_node} x {s.gpu.name})", height=560,
@@ -151,22 +192,28 @@ def node_rings_figure(s: SystemSpec, hops: dict[str, list[tuple[int, int | None]
 def group_traffic_figure(load: dict[str, np.ndarray], groups: list[int], note: str = "") -> go.Figure:
     """Heat maps of the traffic between the job's dragonfly groups, one per axis that crosses groups
     (a dropdown picks the axis): `load[axis][i, j]` is the mean load of the global links from group
-    groups[i] to group groups[j] over one iteration, in % of their capacity."""
+    groups[i] to group groups[j] over one iteration, in % of their capacity. The title names the axis
+    shown; buttons switch axes where there are several."""
     axes = [a for a, m in load.items() if np.nansum(m) > 0]
     fig = go.Figure()
     labels = [f"g{g}" for g in groups]
+
+    def title(a: str) -> dict:
+        return dict(text=f"traffic between dragonfly groups: the {a} axis' rings" + (f"<br><sup>{note}</sup>" if note else ""),
+                    y=0.97)
+
     for i, a in enumerate(axes):
         m = load[a]
         fig.add_trace(go.Heatmap(z=m, x=labels, y=labels, colorscale="Reds", zmin=0,
                                  zmax=max(float(np.nanmax(m)), 1e-9), visible=i == 0, name=a,
                                  colorbar=dict(title="% of the<br>global links"),
-                                 hovertemplate="group %{y} -> %{x}: %{z:.2f} % of the links' capacity<extra>" + a + "</extra>"))
+                                 hovertemplate="group %{y} -> %{x}: %{z:.2f} % of the links' capacity<extra>axis " + a + "</extra>"))
     if len(axes) > 1:
         fig.update_layout(updatemenus=[dict(type="buttons", direction="right", x=0, y=1.12, xanchor="left", buttons=[
             dict(label=f"axis {a}", method="update",
-                 args=[{"visible": [j == i for j in range(len(axes))]}]) for i, a in enumerate(axes)])])
-    fig.update_layout(title=dict(text="traffic between dragonfly groups" + (f"<br><sup>{note}</sup>" if note else ""),
-                                 y=0.97), xaxis_title="to group", yaxis_title="from group",
+                 args=[{"visible": [j == i for j in range(len(axes))]}, {"title": title(a)}]) for i, a in enumerate(axes)])])
+    fig.update_layout(title=title(axes[0]) if axes else dict(text="traffic between dragonfly groups", y=0.97),
+                      xaxis_title="to group", yaxis_title="from group",
                       yaxis=dict(autorange="reversed", scaleanchor="x"), height=560, template="plotly_white",
                       margin=dict(t=120))
     return fig

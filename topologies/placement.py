@@ -47,7 +47,9 @@ class Placement:
 def place(system: SystemSpec, ranks: int, placement: str = "contiguous", seed: int = 0) -> Placement:
     """Place `ranks` ranks (GPUs) on `system`. Raises InputError if the job does not fit the machine."""
     if placement not in PLACEMENTS:
-        raise InputError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        from topologies.datafile import did_you_mean
+        raise InputError(f"unknown placement {placement!r}:{did_you_mean(placement, PLACEMENTS)} "
+                         f"choose one of {', '.join(PLACEMENTS)}")
     if not isinstance(ranks, (int, np.integer)) or ranks < 1:
         raise InputError(f"a job needs at least one GPU, got {ranks!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:

@@ -35,7 +35,7 @@ def check_launcher_world(grid: Grid) -> None:
 
 
 DeviceOpt = Annotated[str, typer.Option(help="cpu (gloo) or cuda (NCCL/RCCL).")]
-ProgramOpt = Annotated[Optional[str], typer.Option(help="Run this program file (`twin program --json`): it fixes the model, grid, batch and switches.")]
+ProgramOpt = Annotated[Optional[str], typer.Option(help="Run this program file (`twin program --json-out FILE`): it fixes the model, grid, batch and switches.")]
 DtypeOpt = Annotated[str, typer.Option(help="GEMM precision: fp32, bf16 or fp16.")]
 InitFromOpt = Annotated[Optional[str], typer.Option(help="Start from the weights of this Hugging Face Llama directory (config.json and *.safetensors); its config is the model.")]
 

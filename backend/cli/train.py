@@ -10,7 +10,8 @@ import typer
 
 from backend.cli.common import DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid
 from topologies.common import TwinError, check_output
-from twin.program.flags import BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt
+from twin.program.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
+                                output_folder)
 from twin.program.grid import Grid
 
 
@@ -80,6 +81,7 @@ def run_cmd(
     progress_timeout: Annotated[float, typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never.")] = 900.0,
     program: ProgramOpt = None,
     init_from: InitFromOpt = None,
+    tensorboard: Annotated[Optional[str], typer.Option(help="Also write TensorBoard scalars here: loss, learning rate, tokens/s, flop/s, memory.", callback=output_folder)] = None,
 ) -> int:
     """Train a GPT or Llama with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch.launcher import launch
@@ -92,7 +94,7 @@ def run_cmd(
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device,
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
                       eval_every=eval_every, eval_batches=eval_batches,
-                      program_file=program, grid=program_grid(program, grid))
+                      program_file=program, grid=program_grid(program, grid), tensorboard=tensorboard)
     if init_from:
         from backend.hf.load import HFCheckpoint
         cfg.init_from, ckpt = init_from, HFCheckpoint(init_from)

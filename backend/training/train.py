@@ -68,6 +68,7 @@ class TrainConfig:
     eval_batches: int = 4             # global batches of held-out data per evaluation
     program_file: str | None = None   # run this program file (twin program --json): it fixes model, grid, batch, switches
     init_from: str | None = None      # a Hugging Face Llama directory: the weights a fresh run starts from
+    tensorboard: str | None = None    # also write TensorBoard scalars here (backend.training.tensorboard)
     spec: dict | None = None          # the model spec itself (e.g. from init_from's config.json); overrides `model`
     hf_config: dict | None = None     # init_from's config.json, kept for `backend export`
     eval_holdout: float = 0.0         # prompt/response data without eval_data: hold out this share of the examples
@@ -224,9 +225,13 @@ class MetricsLog:
         if program.options.recompute:
             self.convention += "+recompute"
         self.times: list[float] = []
+        self.tb = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             keep_log(path, resumed_after)
+            if cfg.tensorboard:
+                from backend.training.tensorboard import EventWriter
+                self.tb = EventWriter(cfg.tensorboard)
 
     def log(self, step: int, loss: float, lr: float, seconds: float, extra: dict | None = None) -> dict:
         """Record one step that took `seconds`; returns the record."""
@@ -242,6 +247,11 @@ class MetricsLog:
         if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.tb is not None:
+                from backend.training.tensorboard import memory_bytes
+                self.tb.scalars(step, {"loss": loss, "lr": lr, "tokens_per_s": rec["tokens_per_s"],
+                                       "flops_per_s": rec["flops_per_s"], "step_time_s": seconds,
+                                       "memory_bytes": memory_bytes(), "val_loss": rec.get("val_loss")})
             # one line that fits 80 columns (flop/s per GPU by the convention the first line names)
             print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss:.4f}  "
                   f"lr {lr:.1e}  {rec['tokens_per_s']:,.0f} tok/s  {format_flops(rec['flops_per_s_per_gpu'])}/GPU  "

@@ -15,7 +15,8 @@ console = Printer()  # every command module prints through this one object; a te
 
 
 def handles_errors(fn):
-    """Turn a TwinError (or a missing/unreadable file) into one line on stderr and exit code 2."""
+    """Turn a TwinError (or a missing/unreadable file) into one line on stderr and exit code 2, and
+    Ctrl-C into one line "interrupted" and exit code 130 (no traceback; the bar stays where it was)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -24,6 +25,9 @@ def handles_errors(fn):
         except (TwinError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted (Ctrl-C): files written before stay as they were", err=True)
+            raise typer.Exit(130) from None
 
     return wrapper
 

@@ -50,7 +50,8 @@ def program_cmd(
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
     hbm_gib: Annotated[Optional[float], typer.Option(help="GPU memory (GiB) to check the fit against; off by default.")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole program (every op) as JSON here.", callback=output_file)] = None,
+    json_print: Annotated[bool, typer.Option("--json", help="Print the whole program (every op) as JSON instead of its summary.")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json-out", help="Write the whole program (every op) as JSON to this file (`twin simulate --program`, `backend run --program`).", callback=output_file)] = None,
 ) -> None:
     """Build the schedule of one iteration for one rank and print its summary."""
     spec = load_model(model)
@@ -65,6 +66,10 @@ def program_cmd(
     prog = build_program(spec, g, opts, batch, seq)
     if json_out is not None:
         save_program(prog, json_out)
+    if json_print:
+        from twin.program.programfile import program_json
+        typer.echo(program_json(prog))
+        return
     s = prog.summary()
     console.print(f"{spec.name} on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "
                   f"{s['seq_len']} tokens, padded vocabulary {s['padded_vocab']}")
@@ -79,8 +84,11 @@ def program_cmd(
     console.print(axes)
     console.print(f"flops per rank {s['flops_per_rank']:.4g}; model flops {s['model_flops']:.4g} "
                   f"(GEMM+attention {s['matmul_flops']:.4g}, reference formula {s['reference_flops']:.4g})")
-    console.print(f"memory per GPU {human_bytes(mem.total)}: " + ", ".join(
+    console.print(f"memory per GPU {human_bytes(mem.total)} with bf16 activations (a GPU's): " + ", ".join(
         f"{k} {human_bytes(v)}" for k, v in mem.as_dict().items() if k != "total"))
+    fp32 = memory_per_gpu(spec, g, opts, batch, seq, activation_bytes=4).total
+    console.print(f"on a CPU (fp32 activations, gloo's reduce-scatter copies), as `twin simulate --system cpu "
+                  f"--program` reports it: {human_bytes(fp32)}")
     if json_out is not None:
         console.print(f"wrote {json_out}")
 

@@ -32,12 +32,38 @@ def plug_ins(group: str = "twin.commands") -> list[tuple[str, object]]:
     return [(ep.name, ep.load()) for ep in entry_points(group=group)]
 
 
+# The one JSON convention (README): `--json` prints JSON on stdout, `--json-out FILE` writes it to a file.
+# These commands once took `--json FILE`; that spelling still works, with a one-line note.
+LEGACY_JSON_FILE = {"program": lambda v: not v.startswith("-"), "validate": lambda v: v.endswith(".json")}
+
+
+def legacy_json(args: list[str]) -> list[str]:
+    """`twin program|validate --json FILE` (the old spelling) as `--json-out FILE`, saying so on stderr."""
+    if not args or args[0] not in LEGACY_JSON_FILE:
+        return args
+    is_file, out = LEGACY_JSON_FILE[args[0]], list(args)
+    for i, a in enumerate(out):
+        if a == "--":
+            break
+        value = a.split("=", 1)[1] if a.startswith("--json=") else (
+            out[i + 1] if a == "--json" and i + 1 < len(out) and is_file(out[i + 1]) else None)
+        if value is not None:
+            out[i] = "--json-out=" + value if a.startswith("--json=") else "--json-out"
+            print(f"note: `--json {value}` is now `--json-out {value}` (`--json` alone prints JSON); "
+                  "running it as that", file=sys.stderr)
+            break
+    return out
+
+
 class _Commands(OneLineErrors):
     """The click group of `twin`: its own commands, and the plugged-in ones (`plug_ins`), added the first time
     the group lists its commands (the help) or is asked for a name it does not hold. A process running one
     of twin's own commands never looks for them. Twin's own command wins a name both use."""
 
     _plugged = False
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, legacy_json(args))
 
     def list_commands(self, ctx):
         self._plug_in()

@@ -78,7 +78,7 @@ def simulate_cmd(
     slowdown: SlowdownOpt = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
-    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json`); it fixes model, grid, batch and switches.")] = None,
+    program: Annotated[Optional[Path], typer.Option(help="Simulate this program file (`twin program --json-out FILE`); it fixes model, grid, batch and switches.")] = None,
     trace: Annotated[Optional[str], typer.Option(help="Write the iteration's trace to this folder: one Chrome trace per rank (Perfetto, HTA).", callback=output_folder)] = None,
     html: Annotated[Optional[str], typer.Option(help="Write an interactive plotly timeline here.", callback=output_file)] = None,
     quiet: QuietOpt = False,
@@ -95,7 +95,9 @@ def simulate_cmd(
         if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
             raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
         prog = load_program(program)
-    with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
+    plan = ([("ranking grids", 3.0)] if prog is None and grid.strip().lower() == "auto" else []) + [
+        ("simulating", 1.0 + 4.0 * full)]  # a given grid is not ranked: the bar is the simulation's alone
+    with Stages(plan, quiet_default(json_out, quiet)) as stage:
         config = SimulationConfig(system, model, gpus, grid, batch, seq, opts, placement=placement, profile=profile,
                                   gemm_tuning=gemm_tuning, full=full, slowdown=_parse_slowdown(slowdown),
                                   record=bool(trace or html), simulate_top=simulate_top, program=prog)
@@ -104,17 +106,19 @@ def simulate_cmd(
             stage("writing the trace and timeline")
     if trace is not None:
         from twin.program.trace import write_trace
-        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
+        write_trace(trace, r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus, waits=r.waits)
     if html is not None:
         from twin.present.plots import timeline_html
         write_atomic(html, timeline_html(r.spans, f"{r.model} on {r.system}, grid {r.grid_str}: "
-                                                f"{r.iteration_time_s:.3f} s per iteration"))
+                                                f"{r.iteration_time_s:.3f} s per iteration", waits=r.waits))
     if json_out:
         typer.echo(r.to_json())
         return
     _print_result(r)
     if slowdown and r.mode == "full":
-        console.print("stragglers: " + ", ".join(f"rank {k} (compute x{v:g})" for k, v in _parse_slowdown(slowdown).items())
+        slow = list(_parse_slowdown(slowdown).items())
+        named = ", ".join(f"rank {k} (compute x{v:g})" for k, v in slow[:8]) + (f" and {len(slow) - 8} more" if len(slow) > 8 else "")
+        console.print("stragglers: " + named
                       + f"; every rank waits for them: {r.breakdown_s['idle'] + sum(r.breakdown_s['exposed_comm'].values()):.4f} s "
                       "of the iteration is not compute on the average rank")
     for what, path in (("trace", trace), ("timeline", html)):
@@ -195,10 +199,10 @@ def search_cmd(
     from twin.present.progress import Stages, quiet_default
     with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:
         stage("ranking and simulating grids")
-        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top)
+        cands = search(study, top=top, simulate_top=top if simulate_top < 0 else simulate_top, tick=stage.part)
     if json_out:
         typer.echo(finite_json([{"grid": str(c.grid), "analytical_s": c.analytical_s, "compute_s": c.compute_s,
-                                "comm_s": c.comm_s, "memory_per_gpu_bytes": c.memory_bytes,
+                                "comm_s": c.comm_s, "exposed_comm_s": c.exposed_s, "memory_per_gpu_bytes": c.memory_bytes,
                                 "simulated_s": c.simulated_s} for c in cands], indent=1))
         return
     cols = ("#", "grid XxYxZxD", "estimate (s)", "compute (s)", "comm x/y/z/data (s)", "simulated (s)", "memory")
@@ -291,12 +295,6 @@ def sensitivity_cmd(
     if json_out:
         typer.echo(r.to_json())
         return
-    cols = ("parameter", "value", "low / high", "time at low", "time at high")
-    t = table(*cols, title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: "
-                           f"{r.base_s:.3f} s per iteration, and how it changes (profile.*: kernel profile; others: system file)",
-              keep=("parameter", "time at low", "time at high"), right=("time at low", "time at high"))
-    for row in r.rows:
-        t.add_row(row.parameter, row.base, f"{row.low} / {row.high}" if row.high else row.low,
-                  "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
-                  "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
+    from twin.present.tables import sensitivity_table
+    t = sensitivity_table(r)
     console.print(t)

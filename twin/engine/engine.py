@@ -82,6 +82,8 @@ class EngineResult:
     ranks: int                       # simulated ranks
     spans: list[tuple[int, int, float, float]] = field(default_factory=list)  # (rank, op, start_s, dur_s)
     classes: int = 1                 # classes of ranks that behave alike, each simulated once (twin.engine.symmetry)
+    waits: list[tuple[int, float, float, str]] = field(default_factory=list)  # (rank, start_s, end_s, axis)
+    # with record: every stretch the breakdown counts as exposed communication of `axis`, as blamed
 
 
 def simulate_program(program: Program, compute_s: list[float],
@@ -89,7 +91,7 @@ def simulate_program(program: Program, compute_s: list[float],
                      slowdown: dict[int, float] | None = None, overlap_slowdown: float = 1.0,
                      record: bool = False, merge_alike: bool = True, comm_slowdown: float = 1.0,
                      lockstep: bool | None = None, stop_ns: int = 0, tail_ns: list[int] | None = None,
-                     by_size: bool = False) -> EngineResult:
+                     by_size: bool = False, tick: Callable[[float], None] | None = None) -> EngineResult:
     """Simulate one iteration of `program`.
 
     compute_s[i]: seconds compute op i takes alone (ignored for collectives).
@@ -112,6 +114,7 @@ def simulate_program(program: Program, compute_s: list[float],
     by_size: collective_s(i, concurrent) depends on op i only through its (kind, axis, bytes), as
         twin.costs.collectives.collective_timer's does: it is then asked once per distinct collective and
         concurrency (a program of 3,000 collectives has a few dozen distinct ones).
+    tick: called now and then with the share of the run done (0-1, an estimate), for a progress bar.
     """
     grid: Grid = program.grid
     slowdown = slowdown or {}
@@ -134,7 +137,7 @@ def simulate_program(program: Program, compute_s: list[float],
         lockstep = nsim >= LOCKSTEP_RANKS
     if full and lockstep and nsim == nranks and comm_slowdown == 1.0 and not record:
         from twin.engine.lockstep.lockstep import simulate_lockstep
-        res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown)
+        res = simulate_lockstep(program, compute_s, collective_s, classes.factor, overlap_slowdown, tick=tick)
         if res is not None:
             end, compute_ns, exposed_ns, _ = res
             compute = compute_ns / nranks
@@ -166,7 +169,7 @@ def simulate_program(program: Program, compute_s: list[float],
             s.advance()
         for g in groups:
             g.advance()
-        sim.run()
+        sim.run(tick)
     finally:
         if gc_on:
             gc.enable()
@@ -182,6 +185,7 @@ def simulate_program(program: Program, compute_s: list[float],
     idle = end - compute - sum(exposed.values())
     ops = (len(by_stream["compute"]) + sum(len(by_stream[a]) for a in axes)) * nranks
     spans = [(r, i, t / NS, d / NS) for c, i, t, d in sim.spans for r in classes.ranks[c]]
+    waits = [(r, a / NS, b / NS, axis) for c, a, b, axis in sim.waits for r in classes.ranks[c]]
     return EngineResult(iteration_s=end / NS, compute_s=compute / NS,
                         exposed_s={a: v / NS for a, v in exposed.items()}, idle_s=idle / NS,
-                        simulated_ops=ops, ranks=nranks, spans=spans, classes=nsim)
+                        simulated_ops=ops, ranks=nranks, spans=spans, classes=nsim, waits=waits)

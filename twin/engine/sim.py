@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from twin.engine.streams import ComputeStream, GroupStream
 
 NS = 1e9  # nanoseconds per second
+TICK_EVERY = 1 << 14  # due times between two progress ticks (Sim.run)
 
 
 class Stopped(Exception):
@@ -62,6 +63,7 @@ class Sim:
         self.pos = plan.pos                             # position of each op in its stream
         self.end_ns, self.record = 0, record
         self.spans: list[tuple[int, int, int, int]] = []
+        self.waits: list[tuple[int, int, int, str]] = []  # (rank, start ns, end ns, axis): blamed exposed waits
         self._collective_s = collective_s
         # same[i]: the first op with op i's (kind, axis, bytes) where collective_s depends on nothing else
         # (by_size): it is asked once per distinct collective and concurrency, not once per op
@@ -127,21 +129,31 @@ class Sim:
         stream.slot = len(b)
         b.append(stream)
 
-    def run(self) -> None:
-        """Run the buckets in time order until none is left."""
+    def run(self, tick: Callable[[float], None] | None = None) -> None:
+        """Run the buckets in time order until none is left; `tick(fraction)`, where given, is called
+        every TICK_EVERY due times with the share of the compute ops done (for a progress bar)."""
         heap, buckets = self.heap, self.buckets
+        count = 0
         while heap:
             self.now = now = heappop(heap)
             for k, s in enumerate(buckets[now]):  # entries added at this very time (zero delays) run last
                 if s.slot == k and s.due == now:
                     s.on_done()
             del buckets[now]
+            if tick is not None:
+                count += 1
+                if count % TICK_EVERY == 0:
+                    tick(sum(c.pc for c in self.compute) / max(1, sum(c.end for c in self.compute)))
 
     def blame(self, rank: int, t1: int, t2: int, op: int, exposed: dict[str, int]) -> None:
         """Attribute the compute stream's wait [t1, t2] (ns), which ended when `op` completed, by walking
         back what delayed each collective: its transfer time is exposed communication of its axis; a wait
         for its stream's previous collective or for a collective of another axis continues the walk;
-        a wait for a compute op of another rank (a straggler) is left to idle."""
+        a wait for a compute op of another rank (a straggler) is left to idle. With `record`, each
+        stretch blamed on an axis is kept in `waits` as (rank, start, end, axis): the one attribution
+        that the breakdown sums and every picture draws."""
+        waits = self.waits if self.record else None
+        me = rank
         while t2 > t1:
             axis = self.axis_of[op]
             if axis is None:
@@ -151,8 +163,12 @@ class Sim:
             start = g.starts[pc]
             if start <= t1:
                 exposed[axis] += t2 - t1
+                if waits is not None:
+                    waits.append((me, t1, t2, axis))
                 return
             exposed[axis] += t2 - start
+            if waits is not None:
+                waits.append((me, start, t2, axis))
             t2 = start
             blk = g.blockers[pc]
             if blk < 0:

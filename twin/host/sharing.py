@@ -34,11 +34,11 @@ def as_run(host: HostSharing, program: Program) -> Program:
 
 def simulate_shared(study, grid: Grid, prog: Program, collectives, *, full: bool = False,
                     slowdown: dict[int, float] | None = None, record: bool = False, stop_ns: int = 0,
-                    tails=None) -> EngineResult:
+                    tails=None, tick=None) -> EngineResult:
     """One iteration of `prog` (already as the host runs it: `as_run`) on ranks that share their
     node's cores, as the engine's result (seconds). `collectives`: the collective model
     (.time(kind, axis, nbytes, concurrent) -> seconds); stop_ns and `tails` (a callable giving the
-    engine's tail_ns, asked only where the run is not drawn) as twin.engine.engine.simulate_program."""
+    engine's tail_ns, asked only where the run is not drawn) and `tick` as twin.engine.engine.simulate_program."""
     host, km = study.profile.host, study.kernels
     hosts = host_times(prog.ops, host.op_s, host.issue_s)
     timer = collective_timer(prog, collectives)
@@ -49,7 +49,7 @@ def simulate_shared(study, grid: Grid, prog: Program, collectives, *, full: bool
     engine_kw = dict(full=full, slowdown=slowdown, overlap_slowdown=study.profile.overlap_slowdown,
                      comm_slowdown=1.0 / host.comm_share)
     res = simulate_program(prog, compute_s, timer, record=record, stop_ns=stop_ns if tail is not None else 0,
-                           tail_ns=tail, by_size=True, **engine_kw)
+                           tail_ns=tail, by_size=True, tick=tick, **engine_kw)
     if drawn:  # the stretch's last draws are these where they ran in the same mode (symmetric)
         runs = settled_runs if settled_runs and not full else \
             drawn_runs(prog, compute_s, hosts, timer, host.span_spread, simulate_program, **engine_kw)

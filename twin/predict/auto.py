@@ -44,23 +44,30 @@ SCAN = 16
 BOUND_SLACK = 0.998
 
 
-def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None) -> list[Candidate]:
+def _part(tick, lo: float, hi: float):
+    """`tick` (a progress callback taking the share done, 0-1) for the part of the work from lo to hi."""
+    return None if tick is None else (lambda f: tick(lo + (hi - lo) * f))
+
+
+def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None, tick=None) -> list[Candidate]:
     """Every valid grid ranked by the analytical model (twin.predict.search.rank_grids: the best `top` exactly),
     the best `simulate_top` of them simulated; then grid auto's bound search (`_bound_search`) over
     the analytical top max(simulate_top, 2) + SCAN of the routing-free estimate (at least grid auto's
     pool), with the fastest simulated so far as the time to beat, so that search and grid auto find
     the same fastest grid. Returns the best `top` of the ranking and any grid simulated beyond them
-    (with its exact estimate), in ranking order."""
+    (with its exact estimate), in ranking order. `tick(share done)`: progress, where given."""
     ranked = rank_grids(study, collectives, keep=None if collectives is not None else max(top, simulate_top))
     best = math.inf
-    for c in ranked[:simulate_top]:
+    for i, c in enumerate(ranked[:simulate_top]):
         best = min(best, _simulate(study, c, collectives))
+        if tick is not None:
+            tick(0.5 * (i + 1) / simulate_top)
     shown = ranked[:max(top, simulate_top)]
     if collectives is None:
         done = {str(c.grid): c for c in shown}
         pool = [c for c in estimate_grids(study)[:max(simulate_top, 2) + SCAN]
                 if str(c.grid) not in done or done[str(c.grid)].simulated_s is None]
-        _bound_search(study, pool, best)
+        _bound_search(study, pool, best, _part(tick, 0.5, 1.0))
         for c in pool:
             if c.simulated_s is None:
                 continue
@@ -73,7 +80,7 @@ def search(study: Study, top: int = 10, simulate_top: int = 2, collectives=None)
                                 key=lambda c: (c.analytical_s, str(c.grid)))
 
 
-def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
+def _auto(study: Study, simulate_top: int, collectives, tick=None) -> list[Candidate]:
     """The grids grid auto looks at: the analytical top simulate_top + SCAN by the routing-free
     estimate (twin.predict.search.estimate_grids), every one through `_bound_search` (the first one it takes,
     the best bound, simulated in full; each other simulated, and stopped partway where its bound
@@ -85,11 +92,11 @@ def _auto(study: Study, simulate_top: int, collectives) -> list[Candidate]:
             _simulate(study, c, collectives)
         return looked
     looked = estimate_grids(study)[:simulate_top + SCAN]
-    _bound_search(study, looked, math.inf)
+    _bound_search(study, looked, math.inf, tick)
     return looked
 
 
-def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
+def _bound_search(study: Study, pool: list[Candidate], best: float, tick=None) -> float:
     """Simulate the grids of `pool` that could beat `best` (seconds), best bound first; returns the
     fastest simulated time. Each grid's key is the largest lower bound the search has for it, first
     quick_bound, then routed_bound (the exact times of the axes routed so far) once the quick bound
@@ -97,13 +104,18 @@ def _bound_search(study: Study, pool: list[Candidate], best: float) -> float:
     BOUND_SLACK x its key is below the fastest simulated time (no bound routes anything; the
     simulation routes what it asks). A simulation stops as soon as its clock plus the least time left
     (twin.predict.bounds.tail_ns) shows the same (simulate_grid's stop_s): that grid keeps the bound it
-    reached, and no time (`simulated_s` stays None)."""
+    reached, and no time (`simulated_s` stays None). `tick(share done)`: progress, as the share of the
+    at most two steps per grid taken so far (an estimate: the search usually ends sooner)."""
     queue = []
     for i, (c, bound) in enumerate(zip(pool, quick_bounds(study, [c.grid for c in pool]))):
         c.bound_s = bound
         queue.append((bound, str(c.grid), False, i))
     heapq.heapify(queue)
+    steps = 0
     while queue:
+        if tick is not None:
+            tick(steps / (2 * len(pool)))
+        steps += 1
         bound, name, exact, i = heapq.heappop(queue)
         if BOUND_SLACK * bound >= best:
             break  # neither this grid nor any with a larger bound can beat the fastest simulated grid
@@ -127,10 +139,10 @@ def _simulate(study: Study, c: Candidate, collectives) -> float:
     return r.iteration_time_s
 
 
-def choose_grid(study: Study, simulate_top: int = 2, collectives=None) -> tuple[Candidate, str]:
+def choose_grid(study: Study, simulate_top: int = 2, collectives=None, tick=None) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated (its Candidate, with its symmetric-mode
-    result), and a line saying how it was chosen."""
-    looked = _auto(study, simulate_top, collectives)
+    result), and a line saying how it was chosen. `tick(share done)`: progress, where given."""
+    looked = _auto(study, simulate_top, collectives, tick)
     sims = [c for c in looked if c.simulated_s is not None]
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
     bounded = [c for c in looked if c.bound_s is not None and c.simulated_s is None]

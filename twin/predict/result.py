@@ -47,6 +47,7 @@ class SimulationResult:
     flops_convention: str = FLOPS_CONVENTION
     wall_time_s: float = 0.0         # seconds this simulation took (not deterministic; last in JSON)
     spans: list = field(default_factory=list, repr=False)  # twin.program.trace.Span of every op, when recorded
+    waits: list = field(default_factory=list, repr=False)  # the engine's exposed waits (trace.wait_span), when recorded
 
     def as_dict(self, wall_time: bool = True) -> dict:
         d = {

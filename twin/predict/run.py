@@ -26,7 +26,7 @@ from twin.predict.study import Study, check_grid
 from twin.predict.study_cache import model_for, program_for, study_key
 from twin.program.grid import AXES, Grid
 from twin.program.program import Program, build_program
-from twin.program.trace import Span, op_args
+from twin.program.trace import Span, op_args, wait_span
 
 MAX_SLOWDOWN = 1e3         # a straggler's compute at most this many times slower
 MAX_TRACE_SPANS = 4_000_000  # recorded ops (trace events) of one run: about 1.2 GB of trace files
@@ -57,7 +57,7 @@ _STOPPED: dict[tuple[bytes, str], float] = caches.register("twin.predict.run.sto
 
 def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dict[int, float] | None = None,
                   record: bool = False, collectives=None, grid_choice: str = "given",
-                  program: Program | None = None, stop_s: float = 0.0) -> SimulationResult | None:
+                  program: Program | None = None, stop_s: float = 0.0, tick=None) -> SimulationResult | None:
     """Simulate one iteration of the study on `grid` (checked first). `collectives` overrides the
     collective model (anything with .time(kind, axis, nbytes, concurrent=frozenset) -> seconds).
     A symmetric run (no full mode, slowdown, record or stand-in model) already made in this process
@@ -66,7 +66,8 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
     `program`: simulate this program (e.g. an edited program file) instead of the built one.
     stop_s > 0 (a plain symmetric run): give up, returning None, as soon as the iteration is sure to
     take longer than stop_s seconds (the engine's branch and bound, twin.predict.bounds.tail_ns); the lower
-    bound that showed it is kept for the process (`stopped_bound`)."""
+    bound that showed it is kept for the process (`stopped_bound`). `tick(fraction)`: progress of the
+    engine's run (twin.engine.engine.simulate_program's tick)."""
     t0 = time.perf_counter()
     plain = not (full or slowdown or record) and collectives is None and program is None
     if plain:
@@ -82,7 +83,7 @@ def simulate_grid(study: Study, grid: Grid, *, full: bool = False, slowdown: dic
         raise ValueError("stop_s is for plain symmetric runs")
     try:
         result = _simulate_grid(study, grid, full=full, slowdown=slowdown, record=record, collectives=collectives,
-                                grid_choice=grid_choice, program=program, stop_s=stop_s)
+                                grid_choice=grid_choice, program=program, stop_s=stop_s, tick=tick)
     except Stopped as e:
         bound = e.bound_ns / NS
         _STOPPED[key] = max(bound, _STOPPED.pop(key, 0.0))
@@ -105,7 +106,7 @@ def stopped_bound(study: Study, grid: Grid) -> float:
 
 def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, float] | None,
                    record: bool, collectives, grid_choice: str, program: Program | None,
-                   stop_s: float = 0.0) -> SimulationResult:
+                   stop_s: float = 0.0, tick=None) -> SimulationResult:
     t0 = time.perf_counter()
     check_grid(study, grid)
     if slowdown:
@@ -126,13 +127,13 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     stop_ns = int(stop_s * NS)
     if p.host is not None:
         res = shared_host.simulate_shared(study, grid, prog, cm, full=full, slowdown=slowdown, record=record,
-                                          stop_ns=stop_ns, tails=lambda: tail_ns(study, grid))
+                                          stop_ns=stop_ns, tails=lambda: tail_ns(study, grid), tick=tick)
     else:
         compute_s = [0.0 if op.is_collective else km.kernel_time(op) for op in prog.ops]
         tails = tail_ns(study, grid) if stop_s else None
         res = simulate_program(prog, compute_s, collective_timer(prog, cm), full=full, slowdown=slowdown,
                                overlap_slowdown=p.overlap_slowdown, record=record,
-                               stop_ns=stop_ns if tails is not None else 0, tail_ns=tails, by_size=True)
+                               stop_ns=stop_ns if tails is not None else 0, tail_ns=tails, by_size=True, tick=tick)
     flops = study.model.reference_flops(study.batch, study.seq_len, prog.vocab, study.options.recompute)
     it = res.iteration_s
     fps = flops / it
@@ -153,5 +154,6 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
     if record:
         result.spans = [Span(r, prog.ops[i].name, prog.ops[i].kind, prog.ops[i].stream, s, d, op_args(prog.ops[i]))
                         for r, i, s, d in res.spans]
+        result.waits = [wait_span(r, a, b, axis) for r, a, b, axis in res.waits]
     result.wall_time_s = time.perf_counter() - t0
     return result

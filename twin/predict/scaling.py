@@ -72,7 +72,8 @@ def series_points(system: SystemSpec, series: str) -> list[tuple[str, int]]:
     if series == "strong":
         g = system.default_gpus
         return [(system.default_model, g // k) for k in (8, 4, 2, 1) if g % k == 0 and g // k >= 1]
-    raise TwinError(f"unknown series {series!r}: choose one of {', '.join(SERIES)}")
+    from topologies.datafile import did_you_mean
+    raise TwinError(f"unknown series {series!r}:{did_you_mean(series, SERIES)} choose one of {', '.join(SERIES)}")
 
 
 def scaling(system: str | SystemSpec, series: str = "weak", points: list[tuple[str, int]] | None = None,
@@ -119,12 +120,12 @@ def scaling_figure(result: ScalingResult):
     labels = [f"{p.model}<br>{p.grid}<br>{p.iteration_s:.2f} s" for p in result.points]
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=[p.percent_of_peak for p in result.points], mode="lines+markers",
-                             name="% of peak", text=labels, hovertemplate="%{x} GPUs: %{y:.1f}%<br>%{text}"))
+                             name="% of peak", text=labels, hovertemplate="%{x:,d} GPUs: %{y:.1f}%<br>%{text}"))
     fig.add_trace(go.Scatter(x=x, y=[p.efficiency for p in result.points], mode="lines+markers",
                              name="efficiency vs first point (%)", text=labels,
-                             hovertemplate="%{x} GPUs: %{y:.1f}%<br>%{text}"))
+                             hovertemplate="%{x:,d} GPUs: %{y:.1f}%<br>%{text}"))
     fig.update_layout(title=f"{result.series} scaling on {result.system} (twin prediction)",
-                      xaxis=dict(title="GPUs", type="log", tickvals=x), yaxis=dict(title="percent", rangemode="tozero"),
+                      xaxis=dict(title="GPUs", type="log", tickvals=x, tickformat=",d"), yaxis=dict(title="percent", rangemode="tozero"),
                       template="plotly_white")
     return fig
 

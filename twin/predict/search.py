@@ -64,6 +64,8 @@ class Candidate:
     result: object = None  # the SimulationResult, once simulated
     exact: bool = True     # False: analytical_s is only the optimistic bound of the branch and bound
     bound_s: float | None = None  # a lower bound on its simulated time, where the search checked one
+    exposed_s: dict[str, float] | None = None  # per axis, the part of comm_s the estimate adds to compute
+    # (compute_s + sum(exposed_s) = analytical_s; the rest of comm_s is hidden behind compute)
 
 
 def candidate_grids(gpus: int) -> list[Grid]:
@@ -178,16 +180,22 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     vocab = model.padded_vocab(grid.y)
     compute += 3 * km.gemm_time(m, vocab // grid.y, h // grid.x, "NT")
     per_block = {how: 0.0 for how in ("exposed", "oar", "z")}
+    by_how = {how: {a: 0.0 for a in AXES} for how in per_block}  # per block, seconds per axis
     comm = {a: 0.0 for a in AXES}
     for (a, how, all_reduce), v in vol.items():
         size, stride = grid.axis_size(a), grid.stride(a)
         bw = bandwidth.all_reduce(size, stride) if all_reduce else bandwidth(size, stride)
         t = v / bw + count[a, how, all_reduce] * bandwidth.latency(size, stride)
         per_block[how] += t
+        by_how[how][a] += t
         comm[a] += model.layers * t
-    exposed = per_block["exposed"] + max(0.0, per_block["oar"] - wgrad) + max(0.0, per_block["z"] - block)
+    # what each hiding place cannot hide, shared among its axes in proportion to their time
+    left = {"exposed": 1.0, "oar": max(0.0, per_block["oar"] - wgrad), "z": max(0.0, per_block["z"] - block)}
+    share = {how: 1.0 if how == "exposed" else (left[how] / per_block[how] if per_block[how] else 0.0) for how in left}
+    exposed_axes = {a: model.layers * sum(share[how] * by_how[how][a] for how in by_how) for a in AXES}
+    exposed = per_block["exposed"] + left["oar"] + left["z"]
     mem = memory_per_gpu(model, grid, opt, study.batch, study.seq_len, study.profile.activation_bytes).total
-    return Candidate(grid, compute + model.layers * exposed, compute, comm, mem)
+    return Candidate(grid, compute + model.layers * exposed, compute, comm, mem, exposed_s=exposed_axes)
 
 
 # (machine_key, optimistic) -> the probes of that machine (bandwidth_for): the last 16

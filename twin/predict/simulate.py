@@ -53,7 +53,8 @@ class SimulationConfig:
 def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> SimulationResult:
     """Simulate one training iteration as `config` says; see the module docstring.
     collectives: a stand-in collective model (anything with .time(kind, axis, nbytes, concurrent) ->
-    seconds) in place of the flow model; progress(stage name): a callback, e.g. twin.present.progress.Stages."""
+    seconds) in place of the flow model; progress(stage name): a callback, e.g. twin.present.progress.Stages
+    (where it has a `part(fraction)` method, the engine's run reports its progress there)."""
     t0 = time.perf_counter()
     c = config
     if c.slowdown and not c.full:
@@ -69,7 +70,8 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         if c.record and c.full:  # refuse an impossible trace before the search, not after it
             check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
-        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives)
+        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,
+                                tick=getattr(progress, "part", None))
         g = best.grid
         if best.result is not None and not (c.full or c.slowdown or c.record):
             result = best.result  # already simulated in this very setting
@@ -79,6 +81,6 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
     if result is None:
         say(f"simulating grid {g}" + (" (every rank)" if c.full else ""))
         result = simulate_grid(study, g, full=c.full, slowdown=c.slowdown, record=c.record, collectives=collectives,
-                               grid_choice=how, program=c.program)
+                               grid_choice=how, program=c.program, tick=getattr(progress, "part", None))
     result.wall_time_s = time.perf_counter() - t0
     return result

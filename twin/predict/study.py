@@ -48,7 +48,9 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
     if gpus < 1 or gpus > spec.total_gpus:
         raise TwinError(f"{spec.name} has {spec.total_gpus} GPUs; --gpus {gpus} is out of range")
     if placement not in ("contiguous", "scattered"):
-        raise TwinError(f"unknown placement {placement!r}: choose contiguous or scattered")
+        from topologies.datafile import did_you_mean
+        raise TwinError(f"unknown placement {placement!r}:{did_you_mean(placement, ('contiguous', 'scattered'))} "
+                        "choose contiguous or scattered")
     prof_name = profile or getattr(spec, "profile", None)
     prof = load_profile(prof_name) if prof_name else profile_for_gpu(spec.gpu.name)
     if abs(prof.peak_flops - spec.gpu.peak_flops) > 1e-6 * spec.gpu.peak_flops:

@@ -2,9 +2,10 @@
 time goes, the ranks of a full run, the grid search, the scaling curve, predicted vs measured.
 
 Timeline: one row per (rank, stream), time in seconds, one trace per op kind so the legend filters
-kinds. Under each rank's streams a row "waits" shows when its compute stream runs nothing: red (one
-shade per axis) while it waits for a collective (exposed communication), grey when nothing runs at
-all. The critical path (the chain of ops whose durations add up to the iteration) is drawn as a black
+kinds. Under each rank's streams a row "waits" shows when its compute stream runs nothing: one
+colour per axis while it waits for a collective of that axis (exposed communication, as the engine
+attributed it: the stretches its breakdown sums, never recomputed here; only a measured trace, which
+has no attribution, falls back to twin.program.trace.compute_gaps), grey when it is idle. The critical path (the chain of ops whose durations add up to the iteration) is drawn as a black
 line through its ops. Past `MAX_BARS` spans, bars become `Scattergl` line segments. At most
 `MAX_RANKS` ranks are drawn (the first and the slowest ones): a full run of thousands of ranks stays
 a page a browser can draw, and `ranks_figure` summarises every rank. (`px.timeline` is not used: it
@@ -17,8 +18,10 @@ from collections import defaultdict
 
 import plotly.graph_objects as go
 
+from topologies.draw import AXIS_COLOURS  # one colour per axis on every page
+
 from twin.program.program import STREAMS
-from twin.program.trace import Span, compute_gaps
+from twin.program.trace import Span, attributed_gaps, compute_gaps
 
 MAX_BARS = 20_000
 MAX_RANKS = 8
@@ -27,7 +30,6 @@ KIND_COLOURS = {
     "loss": "#bcbd22", "optimizer": "#17becf", "all_gather": "#2ca02c", "reduce_scatter": "#ff7f0e",
     "all_reduce": "#d62728",
 }
-AXIS_COLOURS = {"x": "#e41a1c", "y": "#ff7f00", "z": "#a65628", "data": "#f781bf"}
 IDLE_COLOUR = "#bdbdbd"
 PART_COLOURS = {"compute": "#1f77b4", "idle": IDLE_COLOUR, **{f"exposed {a}": c for a, c in AXIS_COLOURS.items()}}
 
@@ -55,12 +57,28 @@ def pick_ranks(spans: list[Span], limit: int = MAX_RANKS) -> list[int]:
     return sorted(pick)
 
 
+def rank_gaps(by_rank: dict[int, list[Span]], ranks: list[int],
+              waits: list[Span] | None) -> dict[int, list[tuple[float, float, str | None]]]:
+    """Per rank, the stretches its compute stream runs nothing, (start, end, axis or None for idle):
+    the engine's attribution where `waits` is given (from 0 to the iteration's end), else the guess
+    from the spans alone (a measured trace)."""
+    if waits is None:
+        return {r: compute_gaps(by_rank[r]) for r in ranks}
+    end = max((s.start_s + s.duration_s for ss in by_rank.values() for s in ss), default=0.0)
+    end = max([end] + [w.start_s + w.duration_s for w in waits])
+    mine: dict[int, list[Span]] = defaultdict(list)
+    for w in waits:
+        mine[w.rank].append(w)
+    return {r: attributed_gaps(by_rank[r], mine[r], end) for r in ranks}
+
+
 def timeline_figure(spans: list[Span], title: str = "", critical: set[tuple[int, str]] | None = None,
                     window: tuple[float, float] | None = None, ranks: list[int] | None = None,
-                    note: str = "") -> go.Figure:
+                    note: str = "", waits: list[Span] | None = None) -> go.Figure:
     """The timeline of `spans` (see the module docstring). `critical`: (rank, op name) of the ops on
     the critical path; `window`: the x range it opens on (seconds; double-click shows everything);
-    `ranks`: which ranks to draw (default `pick_ranks`)."""
+    `ranks`: which ranks to draw (default `pick_ranks`); `waits`: the engine's attributed waits
+    (SimulationResult.waits; None for a measured trace)."""
     ranks = pick_ranks(spans) if ranks is None else ranks
     chosen = set(ranks)
     spans = [s for s in spans if s.rank in chosen]
@@ -95,12 +113,12 @@ def timeline_figure(spans: list[Span], title: str = "", critical: set[tuple[int,
         ss = by_kind[kind]
         add(kind, ss, KIND_COLOURS.get(kind, "#444444"), [_row(s.rank, s.stream) for s in ss],
             [s.start_s for s in ss], [s.duration_s for s in ss], [s.name for s in ss])
-    waits: dict[str | None, list] = defaultdict(list)
-    for r in ranks:
-        for a, b, axis in compute_gaps(by_rank[r]):
-            waits[axis].append((r, a, b))
-    for axis in sorted(waits, key=lambda a: (a is None, STREAMS.index(a) if a else 0)):
-        ws = waits[axis]
+    shaded: dict[str | None, list] = defaultdict(list)
+    for r, gaps in rank_gaps(by_rank, ranks, waits).items():
+        for a, b, axis in gaps:
+            shaded[axis].append((r, a, b))
+    for axis in sorted(shaded, key=lambda a: (a is None, STREAMS.index(a) if a else 0)):
+        ws = shaded[axis]
         name = "idle (nothing runs)" if axis is None else f"exposed comm {axis}"
         add(name, ws, IDLE_COLOUR if axis is None else AXIS_COLOURS[axis], [_row(r, "waits") for r, _, _ in ws],
             [a for _, a, _ in ws], [b - a for _, a, b in ws],
@@ -153,14 +171,18 @@ def breakdown_figure(breakdown_s: dict, iteration_s: float, title: str = "where 
     return fig
 
 
-def ranks_figure(spans: list[Span], iteration_s: float) -> go.Figure:
-    """Every rank's breakdown (stacked bars: compute, exposed per axis, idle), for a full run."""
+def ranks_figure(spans: list[Span], iteration_s: float, waits: list[Span] | None = None) -> go.Figure:
+    """Every rank's breakdown (stacked bars: compute, exposed per axis, idle), for a full run;
+    `waits`: the engine's attribution (as in timeline_figure)."""
     from twin.program.trace import trace_breakdown
     by_rank: dict[int, list[Span]] = defaultdict(list)
     for s in spans:
         by_rank[s.rank].append(s)
     ranks = sorted(by_rank)
-    rows = {r: trace_breakdown(by_rank[r]) for r in ranks}
+    mine: dict[int, list[Span]] = defaultdict(list)
+    for w in waits or ():
+        mine[w.rank].append(w)
+    rows = {r: trace_breakdown(by_rank[r], None if waits is None else mine[r]) for r in ranks}
     fig = go.Figure()
     parts = [("compute", lambda b: b["compute"])]
     parts += [(f"exposed {a}", lambda b, a=a: b["exposed_comm"][a]) for a in AXIS_COLOURS]
@@ -174,24 +196,55 @@ def ranks_figure(spans: list[Span], iteration_s: float) -> go.Figure:
     return fig
 
 
-def search_figure(candidates: list) -> go.Figure:
-    """The best grids (twin.predict.search.Candidate): analytical estimate split into compute and communication
-    per axis, and the simulated time where there is one (black diamonds)."""
+def search_parts(c) -> tuple[dict[str, float], dict[str, float]]:
+    """A candidate's estimate as the search chart draws it: (exposed, hidden) seconds per axis, the
+    exposed parts adding with compute to `analytical_s`, the hidden ones overlapped with compute."""
+    exposed = c.exposed_s if c.exposed_s is not None else {a: 0.0 for a in c.comm_s}
+    return exposed, {a: max(0.0, c.comm_s.get(a, 0.0) - exposed.get(a, 0.0)) for a in c.comm_s}
+
+
+def search_figure(candidates: list, chosen=None) -> go.Figure:
+    """The best grids (twin.predict.search.Candidate) as the estimate adds them up: compute, then the
+    communication it cannot hide (per axis, stacked on compute: the bar's top is the estimate), and the
+    communication hidden behind compute drawn as thin hatched bars, side by side from 0, inside the
+    compute bar (overlapped, so adding nothing); the simulated time where there is one (black diamonds); `chosen`, the grid the
+    study runs, marked with a star."""
     names = [str(c.grid) for c in candidates]
+    parts = [search_parts(c) for c in candidates]
     fig = go.Figure()
-    fig.add_trace(go.Bar(name="compute (analytical)", x=names, y=[c.compute_s for c in candidates],
-                         marker_color=PART_COLOURS["compute"]))
+    fig.add_trace(go.Bar(name="compute (analytical)", x=names, y=[c.compute_s for c in candidates], base=[0.0] * len(names),
+                         marker_color=PART_COLOURS["compute"], width=0.8,
+                         hovertemplate="%{x}: compute %{y:.3f} s<extra></extra>"))
+    top = [c.compute_s for c in candidates]
     for a, colour in AXIS_COLOURS.items():
-        ys = [c.comm_s.get(a, 0.0) for c in candidates]
+        ys = [e.get(a, 0.0) for e, _ in parts]
         if any(ys):
-            fig.add_trace(go.Bar(name=f"comm {a} (analytical)", x=names, y=ys, marker_color=colour))
+            fig.add_trace(go.Bar(name=f"exposed comm {a}", x=names, y=ys, base=list(top), marker_color=colour, width=0.8,
+                                 hovertemplate=f"%{{x}}: exposed {a} %{{y:.3f}} s<extra></extra>"))
+            top = [t + y for t, y in zip(top, ys)]
+    hidden = [a for a in AXIS_COLOURS if any(h.get(a, 0.0) for _, h in parts)]
+    for k, a in enumerate(hidden):  # side by side from 0: each runs beside compute, none after another
+        ys = [h.get(a, 0.0) for _, h in parts]
+        fig.add_trace(go.Bar(name=f"comm {a} hidden behind compute", x=names, y=ys, base=[0.0] * len(names),
+                             width=0.7 / len(hidden), offset=-0.35 + 0.7 * k / len(hidden),
+                             marker=dict(color="rgba(255,255,255,0.25)", line=dict(color=AXIS_COLOURS[a], width=1.5),
+                                         pattern=dict(shape="/", fgcolor=AXIS_COLOURS[a])),
+                             hovertemplate=f"%{{x}}: {a} overlapped with compute %{{y:.3f}} s<extra></extra>"))
     sim = [(n, c.simulated_s) for n, c in zip(names, candidates) if c.simulated_s is not None]
     if sim:
         fig.add_trace(go.Scatter(name="simulated", x=[n for n, _ in sim], y=[v for _, v in sim], mode="markers",
                                  marker=dict(symbol="diamond", size=13, color="black")))
-    fig.update_layout(barmode="stack", title="the best grids: analytical estimate and simulation",
+    if chosen is not None and str(chosen) in names:
+        k = names.index(str(chosen))
+        y = max(top[k], candidates[k].simulated_s or 0.0)
+        fig.add_trace(go.Scatter(name="chosen grid", x=[names[k]], y=[y * 1.06], mode="markers+text", text=["chosen"], textfont=dict(size=14),
+                                 textposition="top center", cliponaxis=False,
+                                 marker=dict(symbol="star", size=16, color="#ffbf00", line=dict(color="black", width=1))))
+    highest = max(top + [c.simulated_s or 0.0 for c in candidates], default=1.0)
+    fig.update_yaxes(range=[0, 1.2 * highest])  # room for the star and its label above the bars
+    fig.update_layout(barmode="overlay", title="the best grids: analytical estimate and simulation",
                       xaxis_title="grid XxYxZxD (ranked best first)", yaxis_title="seconds per iteration",
-                      height=420, template="plotly_white", legend=dict(orientation="h", y=-0.3))
+                      height=440, template="plotly_white", legend=dict(orientation="h", y=-0.3))
     return fig
 
 
@@ -204,12 +257,12 @@ def scaling_figure(points: list[dict]) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Scatter(name="twin", x=xs, y=ys, mode="lines+markers",
                              text=[f"{p.get('grid', '')} {p.get('percent_of_peak', 0):.1f} % of peak" for p in pts],
-                             hovertemplate="%{x} GPUs: %{y:.1f} PF/s<br>%{text}<extra></extra>"))
+                             hovertemplate="%{x:,d} GPUs: %{y:.1f} PF/s<br>%{text}<extra></extra>"))
     if pts:
         fig.add_trace(go.Scatter(name="perfect scaling", x=xs, y=[ys[0] * x / xs[0] for x in xs], mode="lines",
                                  line=dict(dash="dash", color="grey")))
-    fig.update_layout(title="scaling", xaxis_title="GPUs", yaxis_title="PF/s", xaxis_type="log", yaxis_type="log",
-                      height=400, template="plotly_white")
+    fig.update_layout(title="scaling", xaxis=dict(title="GPUs", type="log", tickvals=xs, tickformat=",d"),
+                      yaxis_title="PF/s", yaxis_type="log", height=400, template="plotly_white")
     return fig
 
 

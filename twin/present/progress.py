@@ -6,6 +6,11 @@ and an estimate of the time left (from the stages' expected shares of the work a
         ...
         stage("simulating grid 8x8x4x128")   # matched to a planned stage by its first word(s)
 
+The estimate: a stage that reports its own progress (`stage.part(fraction)`: the engine does, in a
+`--full` run) moves the bar within the stage; the time left is the time so far times the work left
+over the work done, shown from the first step on. Ctrl-C leaves the bar where it was (not at 100 %)
+and the command says "interrupted" in one line (twin.cli.common.handles_errors).
+
 Quiet (`--quiet`, `--json`) or not on a terminal-like stderr: nothing is shown, and the calls cost nothing.
 A bar appears only once the command has run SHOW_AFTER_S (1 s): a quicker command never imports rich.
 `Steps` is the same bar over a count of like steps (`steps(what, done, total)`).
@@ -71,21 +76,41 @@ class _Bar:
             self._timer.daemon = True
             self._timer.start()
 
-    def _exit(self, completed: float | None = None) -> None:
+    def _exit(self, completed: float | None = None, interrupted: bool = False) -> None:
+        """Close the bar: moved to `completed` and cleared when the command ends; left where it was,
+        on screen, when it was `interrupted` (Ctrl-C)."""
         if self._timer is not None:
             self._timer.cancel()
         with self._lock:
             self._closed = True
             if self.progress is not None:
-                if completed is not None:
+                if interrupted:
+                    self.progress.live.transient = False  # keep the bar as it was drawn last
+                elif completed is not None:
                     self.progress.update(self.task, completed=completed)
                 self.progress.stop()
 
 
+def time_left(elapsed: float | None, completed: float, total: float) -> str:
+    """The estimate the bar shows: the time so far times the work left over the work done (h:mm:ss),
+    or "estimating" before any work is done."""
+    if not elapsed or completed <= 0 or total <= 0:
+        return "estimating"
+    left = max(0.0, elapsed * (total - completed) / completed)
+    return f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+
+
 def _columns(*middle) -> list:
-    from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class TimeLeft(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(time_left(task.elapsed, task.completed, task.total), style="progress.remaining")
+
     return [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-            *[TextColumn(m) for m in middle], TimeElapsedColumn(), TextColumn("left ~"), TimeRemainingColumn()]
+            TextColumn("{task.percentage:>3.0f}%"), *[TextColumn(m) for m in middle], TimeElapsedColumn(),
+            TextColumn("left ~"), TimeLeft()]
 
 
 class Stages(_Bar):
@@ -119,8 +144,14 @@ class Stages(_Bar):
         if not self.quiet:
             self._update(description=name, completed=self.done)
 
-    def __exit__(self, *exc) -> None:
-        self._exit(completed=sum(self.weights.values()))
+    def part(self, fraction: float) -> None:
+        """The current stage is `fraction` (0-1) done: move the bar within it."""
+        if not self.quiet and self.current is not None:
+            f = min(max(fraction, 0.0), 1.0)
+            self._update(completed=self.done + f * self._weight(self.current))
+
+    def __exit__(self, kind, *exc) -> None:
+        self._exit(completed=sum(self.weights.values()), interrupted=kind is KeyboardInterrupt)
 
 
 class Steps(_Bar):
@@ -138,8 +169,8 @@ class Steps(_Bar):
         if not self.quiet:
             self._update(description=what, completed=done, total=total)
 
-    def __exit__(self, *exc) -> None:
-        self._exit()
+    def __exit__(self, kind, *exc) -> None:
+        self._exit(interrupted=kind is KeyboardInterrupt)
 
 
 def quiet_default(json_out: bool, quiet: bool) -> bool:

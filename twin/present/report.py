@@ -209,7 +209,7 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     cands = []
     if auto or top > 0:
         say("ranking grids")
-        cands = search(study, top=max(top, 1), simulate_top=simulate_top)
+        cands = search(study, top=max(top, 1), simulate_top=simulate_top, tick=getattr(progress, "part", None))
         seconds["search"] = time.perf_counter() - t0
     if auto:
         sims = [c for c in cands if c.simulated_s is not None] or cands[:1]
@@ -220,7 +220,8 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     say(f"simulating grid {g}" + (" (every rank)" if full else ""))
     t1 = time.perf_counter()
     cm = collective_model(study, g)
-    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how)
+    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how,
+                           tick=getattr(progress, "part", None))  # a --full run moves the bar as it goes
     seconds["simulate"] = time.perf_counter() - t1
     program = build_program(study.model, g, study.options, study.batch, study.seq_len)
     rep = Report(result=result, candidates=cands)
@@ -285,14 +286,15 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
     page.add("<h2>Timeline</h2>")
     window = f"It opens on {rep.window_label}; double-click the plot to see the whole iteration. " if rep.window else ""
     page.add(f'<p class="note">{window}Each rank has one row per stream (compute, then the communication stream of '
-             "each axis) and a row <b>waits</b>: red shades where the compute stream waits for a collective "
-             "(exposed communication, by axis), grey where nothing runs. The black line follows the critical "
+             "each axis) and a row <b>waits</b>: one colour per axis where the compute stream waits for a "
+             "collective of that axis (exposed communication, the very stretches the breakdown adds up), grey "
+             "where it is idle. The black line follows the critical "
              "path: the chain of ops, each waiting on the previous, whose durations make up the iteration. "
              "Click a legend entry to hide a kind.</p>")
     page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
-                                             critical=rep.critical, window=rep.window))
+                                             critical=rep.critical, window=rep.window, waits=r.waits))
     if r.mode == "full" and r.simulated_ranks > 1:
-        page.figure("ranks", ranks_figure(r.spans, it))
+        page.figure("ranks", ranks_figure(r.spans, it, r.waits))
     page.add("<h2>The network under the job</h2>")
     if rep.bandwidth:
         rows = []
@@ -303,11 +305,13 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
                              f"{r.breakdown_s['exposed_comm'][a]:.4f} s"])
         page.add(html_table(["axis", "group size", "bus bandwidth per ring (GB/s)", "ring bytes leaving a dragonfly group",
                              "exposed per iteration"], rows))
-    if rep.group_load:
+    crossing = [a for a, m in rep.group_load.items() if np.nansum(m) > 0]  # the axes the heat map draws
+    if crossing:
         page.add('<p class="note">Each cell: the mean load, over one iteration, of the global links from one of '
                  "the job's dragonfly groups to another, as a share of their capacity, from the bytes the axis' "
                  "rings send (minimal routes; Slingshot's adaptive routing spreads a hot pair over other groups). "
-                 "Pick the axis with the buttons.</p>")
+                 + ("Pick the axis with the buttons above the map.</p>" if len(crossing) > 1 else
+                    f"Only the {crossing[0]} axis' rings leave a group.</p>"))
         page.figure("groups", group_traffic_figure(
             rep.group_load, rep.groups, note=f"{len(rep.groups)} of {study.system.groups} groups hold the job"))
     elif study.system.dragonfly:
@@ -319,11 +323,16 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
         page.figure("node", node_rings_figure(study.system, rep.hops, rep.bandwidth))
     page.add("<h2>Grid search</h2>")
     if rep.candidates:
-        page.add('<p class="note">Every valid grid ranked by the analytical model (compute plus communication, '
-                 "not overlapped); the best few simulated. The simulated time decides.</p>")
-        page.figure("search", search_figure(rep.candidates))
-        page.add(html_table(["rank", "grid XxYxZxD", "analytical (s)", "simulated (s)", "memory (GiB)"],
-                            [[str(i), str(c.grid), f"{c.analytical_s:.3f}",
+        page.add('<p class="note">Every valid grid ranked by the analytical model: compute plus the communication '
+                 "it cannot hide (stacked; the bar's top is the estimate). Communication hidden behind compute "
+                 "(overlapped, so it adds nothing) is drawn hatched inside the compute bar, one thin bar per axis. The best few are "
+                 "simulated (diamonds); the simulated time decides, and the star marks the grid this page "
+                 "simulates.</p>")
+        page.figure("search", search_figure(rep.candidates, chosen=r.grid_str))
+        page.add(html_table(["rank", "grid XxYxZxD", "compute (s)", "exposed comm (s)", "analytical (s)",
+                             "simulated (s)", "memory (GiB)"],
+                            [[str(i) + (" (chosen)" if str(c.grid) == r.grid_str else ""), str(c.grid),
+                              f"{c.compute_s:.3f}", f"{c.analytical_s - c.compute_s:.3f}", f"{c.analytical_s:.3f}",
                               "-" if c.simulated_s is None else f"{c.simulated_s:.3f}",
                               f"{c.memory_bytes / 2**30:.1f}"] for i, c in enumerate(rep.candidates, 1)]))
     else:

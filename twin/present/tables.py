@@ -188,3 +188,47 @@ def human_flops(flops_per_s: float) -> str:
         if abs(flops_per_s) >= scale:
             return f"{_three(flops_per_s / scale)} {prefix}F/s"
     return f"{_three(flops_per_s)} F/s"
+
+
+def with_unit(parameter: str, value: str) -> tuple[str, str]:
+    """A sensitivity value (as twin.predict.sensitivity writes it) as (number, unit), the unit read
+    from the parameter's name: flop/s, bytes/s, seconds (µs), links, a factor (x); an efficiency,
+    a fraction or a size has no unit (""); text (an alternative) is returned whole, without unit."""
+    try:
+        v = float(value)
+    except ValueError:
+        return value, ""
+    name = parameter.lower()
+    if name.endswith("flops"):
+        return tuple(human_flops(v).split(" "))
+    if "bandwidth" in name:
+        return tuple(human_flops(v).replace("F/s", "B/s").split(" "))
+    if name.endswith(("latency", "_s")):
+        return f"{v * 1e6:.3g}", "µs"
+    if name.endswith("links_per_pair"):
+        return f"{v:g}", "links"
+    if name.endswith("x)"):
+        return f"x{v:g}", ""
+    return f"{v:.3g}", ""
+
+
+def sensitivity_table(r) -> Table:
+    """The table of `twin sensitivity` (a twin.predict.sensitivity.SensitivityResult), within 80 columns:
+    each parameter, its value with its unit and the values it moved to (or the alternative), and how
+    the iteration time changes (%)."""
+    low, high = f"-{100 * r.step:.0f} %", f"+{100 * r.step:.0f} %"
+    t = table("parameter", "value (low / high), or alternative", low, high,
+              title=f"{r.model} on {r.gpus} GPUs of {r.system}, grid {r.grid}, batch {r.batch}: {r.base_s:.3f} s "
+                    f"per iteration, and how much it changes (%) when a parameter moves by -/+{100 * r.step:.0f} % "
+                    "or to an alternative (profile.*: kernel profile; others: system file)",
+              keep=("parameter", low, high), right=(low, high))
+    for row in r.rows:
+        name = row.parameter
+        if len(name) > 24 and "." in name:  # the prefix on a line of its own keeps the column narrow
+            head, tail = name.split(".", 1)
+            name = f"{head}.\n  {tail}"
+        (base, unit), (low, _), (high, _) = (with_unit(row.parameter, v) for v in (row.base, row.low, row.high))
+        value = f"{base} ({low} / {high}) {unit}".rstrip() if row.high else f"{base} -> {low}"
+        t.add_row(name, value, "-" if row.low_pct is None else f"{row.low_pct:+.1f} %",
+                  "-" if row.high_pct is None else f"{row.high_pct:+.1f} %")
+    return t

@@ -56,6 +56,14 @@ class OneLineErrors(typer.core.TyperGroup):
         except _cx.NoArgsIsHelpError as e:
             typer.echo(e.ctx.get_help(), err=True)
             sys.exit(2)
+        except _cx.NoSuchOption as e:
+            where = e.ctx.command_path if e.ctx is not None else self.name
+            import difflib
+            known = [o for p in (e.ctx.command.params if e.ctx is not None else []) for o in p.opts + p.secondary_opts]
+            close = difflib.get_close_matches(e.option_name, known, n=2, cutoff=0.6)
+            hint = f": did you mean {' or '.join(close)}?" if close else ""
+            typer.echo(f"error: no such option {e.option_name}{hint} (see `{where} --help`)", err=True)
+            sys.exit(2)
         except _cx.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else self.name
             typer.echo(f"error: {e.format_message()} (see `{where} --help`)", err=True)

@@ -23,6 +23,12 @@ Slices on one stream never overlap (a GPU stream runs one kernel at a time, and 
 both assume it): a span that starts before the previous span of its stream has ended (an
 asynchronous collective queued behind another) is written from that end, with the time it waited
 in `args.queued_us`.
+
+A twin trace also holds the engine's attribution of the compute stream's waits: on a thread "waits"
+(tid `WAITS_TID`), one event `exposed <axis>` (cat `twin_wait`, not a kernel: HTA and `read_trace`
+leave it out) per stretch that the engine's breakdown counts as exposed communication of that axis
+(`read_waits` reads them back). Pictures and `trace_breakdown` draw these where a trace has them,
+and only for a measured trace (which has none) fall back to `compute_gaps`' guess.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from topologies.common import write_atomic
 from twin.program.program import STREAMS, Op
 
 HOST_TID = 1
+WAITS_TID = 2  # the twin's attributed waits (module docstring)
+WAIT_CAT = "twin_wait"
 STREAM_IDS = {s: 7 + i for i, s in enumerate(STREAMS)}
 STREAM_OF_ID = {v: k for k, v in STREAM_IDS.items()}
 # Kernel names of the collective libraries (NCCL 2.19+; RCCL keeps NCCL's names).
@@ -73,6 +81,12 @@ def covered_share(span: Span, others: list[Span]) -> float:
             covered += hi - lo
             end = hi
     return min(1.0, covered / span.duration_s)  # start + duration - start may round above duration
+
+
+def wait_span(rank: int, start_s: float, end_s: float, axis: str) -> Span:
+    """A stretch of `rank`'s compute stream that the engine blames on a collective of `axis` (exposed
+    communication), as a span on the pseudo-stream "waits"."""
+    return Span(rank, f"exposed {axis}", "exposed", "waits", start_s, end_s - start_s, {"axis": axis})
 
 
 @dataclass(frozen=True)
@@ -135,9 +149,10 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
-def rank_events(rank: int, spans: list[Span], step: int = 1) -> list[dict]:
+def rank_events(rank: int, spans: list[Span], step: int = 1, waits: list[Span] = ()) -> list[dict]:
     """The events of one rank's file: names of process and threads, the ProfilerStep annotation,
-    one kernel event per span (slices on a stream made disjoint, see the module docstring)."""
+    one kernel event per span (slices on a stream made disjoint, see the module docstring), and
+    the twin's attributed `waits` (wait_span) on their own thread."""
     events = [
         {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
         {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
@@ -168,23 +183,30 @@ def rank_events(rank: int, spans: list[Span], step: int = 1) -> list[dict]:
         free[tid] = stop
         events.append({"name": kernel_name(s), "cat": "kernel", "ph": "X", "pid": rank, "tid": tid,
                        "ts": ts, "dur": round(stop - ts, 3), "args": args})
+    if waits:
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": WAITS_TID,
+                       "args": {"name": "waits (the twin's exposed communication)"}})
+    for w in waits:
+        events.append({"name": w.name, "cat": WAIT_CAT, "ph": "X", "pid": rank, "tid": WAITS_TID,
+                       "ts": _us(w.start_s), "dur": _us(w.duration_s), "args": {"axis": w.args["axis"]}})
     events.sort(key=lambda e: (e.get("ts", -1), e["tid"]))
     return events
 
 
 def rank_file_text(rank: int, spans: list[Span], world_size: int, metadata: dict | None = None,
-                   step: int = 1, backend: str = "nccl") -> str:
+                   step: int = 1, backend: str = "nccl", waits: list[Span] = ()) -> str:
     """One rank's trace file: distributedInfo on the first line, then one event per line."""
     info = json.dumps({"rank": rank, "world_size": world_size, "backend": backend}, separators=(", ", ": "))
-    lines = [json.dumps(e, separators=(",", ":")) for e in rank_events(rank, spans, step)]
+    lines = [json.dumps(e, separators=(",", ":")) for e in rank_events(rank, spans, step, waits)]
     return ('{"distributedInfo": ' + info + ',\n"schemaVersion": 1, "displayTimeUnit": "ms",\n'
             '"metadata": ' + json.dumps(metadata or {}, sort_keys=True) + ',\n'
             '"traceEvents": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
 def write_trace(folder: str | Path, spans: list[Span], metadata: dict | None = None, step: int = 1,
-                world_size: int | None = None, backend: str = "nccl") -> list[Path]:
-    """Write spans as a run folder of per-rank trace files (`rank<R>.json`, each written atomically);
+                world_size: int | None = None, backend: str = "nccl", waits: list[Span] | None = None) -> list[Path]:
+    """Write spans as a run folder of per-rank trace files (`rank<R>.json`, each written atomically),
+    with the twin's attributed `waits` (wait_span) where given;
     returns their paths. Rank files of an earlier run in the folder are removed first, so that HTA,
     which reads every file of the folder, sees this run only. `world_size` defaults to the number of
     ranks in `spans` (the twin's symmetric mode writes only its representative rank)."""
@@ -202,7 +224,8 @@ def write_trace(folder: str | Path, spans: list[Span], metadata: dict | None = N
     paths = []
     for rank in sorted(by_rank):
         path = folder / f"rank{rank}.json"
-        write_atomic(path, rank_file_text(rank, by_rank[rank], world, metadata, step, backend))
+        mine = [w for w in waits or () if w.rank == rank]
+        write_atomic(path, rank_file_text(rank, by_rank[rank], world, metadata, step, backend, mine))
         paths.append(path)
     return paths
 
@@ -242,6 +265,38 @@ def read_trace(path: str | Path) -> list[Span]:
     return out
 
 
+def read_waits(path: str | Path) -> list[Span] | None:
+    """The twin's attributed waits of a run folder (or rank file) as wait_span spans, in the order
+    (rank, start); None when the trace has none (a measured trace)."""
+    out, found = [], False
+    for file in trace_files(path):
+        for e in json.loads(Path(file).read_text())["traceEvents"]:
+            if e.get("ph") == "M" and e.get("tid") == WAITS_TID:
+                found = True
+            elif e.get("ph") == "X" and e.get("cat") == WAIT_CAT:
+                a = e["ts"] / 1e6
+                out.append(wait_span(e["pid"], a, a + e["dur"] / 1e6, e["args"]["axis"]))
+    out.sort(key=lambda s: (s.rank, s.start_s))
+    return out if found else None
+
+
+def attributed_gaps(spans: list[Span], waits: list[Span], end_s: float | None = None,
+                    begin_s: float = 0.0) -> list[tuple[float, float, str | None]]:
+    """One rank's stretches with its compute stream not running, as the engine attributed them:
+    (start, end, axis) for each of its `waits` (wait_span), and (start, end, None) for the rest of the
+    time from `begin_s` to `end_s` (default: the last span's end) that no compute op covers (idle)."""
+    end_s = max((s.start_s + s.duration_s for s in spans), default=begin_s) if end_s is None else end_s
+    out = [(w.start_s, w.start_s + w.duration_s, w.args["axis"]) for w in waits if w.duration_s > 0]
+    taken = _union([(s.start_s, s.start_s + s.duration_s) for s in spans if s.stream == "compute"]
+                   + [(a, b) for a, b, _ in out])
+    t = begin_s
+    for a, b in taken + [(end_s, end_s)]:
+        if a > t + 1e-12:
+            out.append((t, min(a, end_s), None))
+        t = max(t, b)
+    return sorted(out)
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):
@@ -256,7 +311,8 @@ def compute_gaps(spans: list[Span]) -> list[tuple[float, float, str | None]]:
     """The stretches of one rank's iteration when its compute stream runs nothing: (start, end, axis)
     in seconds, axis the communication stream it waits on (a stretch where several axes run goes to
     the one whose collective ends last, the one compute most likely waits for) or None when nothing
-    runs at all (idle)."""
+    runs at all (idle). A guess from the spans alone, for measured traces: a twin trace carries the
+    engine's own attribution (read_waits, attributed_gaps), which pictures draw instead."""
     if not spans:
         return []
     begin = min(s.start_s for s in spans)
@@ -288,15 +344,19 @@ def compute_gaps(spans: list[Span]) -> list[tuple[float, float, str | None]]:
     return out
 
 
-def trace_breakdown(spans: list[Span]) -> dict:
+def trace_breakdown(spans: list[Span], waits: list[Span] | None = None) -> dict:
     """Where one iteration's time goes, measured on a trace (seconds, mean over its ranks), in the
     simulator's terms: `compute` (the compute stream runs an op), `exposed_comm[axis]` (the compute
-    stream is idle while a collective of that axis runs, see `compute_gaps`), `idle` (nothing runs),
-    and `iteration` (first start to last end). These are HTA's temporal breakdown (compute,
-    non-compute, idle) with non-compute split by axis."""
+    stream is idle while a collective of that axis runs), `idle` (nothing runs), and `iteration`
+    (first start to last end). These are HTA's temporal breakdown (compute, non-compute, idle) with
+    non-compute split by axis. With the twin's `waits` (read_waits) the split is the engine's own
+    (attributed_gaps); without (a measured trace) it is `compute_gaps`' guess."""
     by_rank: dict[int, list[Span]] = {}
     for s in spans:
         by_rank.setdefault(s.rank, []).append(s)
+    waits_of: dict[int, list[Span]] = {}
+    for w in waits or ():
+        waits_of.setdefault(w.rank, []).append(w)
     total = {"compute": 0.0, "exposed_comm": {a: 0.0 for a in STREAMS[1:]}, "idle": 0.0, "iteration": 0.0}
     for mine in by_rank.values():
         begin = min(s.start_s for s in mine)
@@ -304,7 +364,8 @@ def trace_breakdown(spans: list[Span]) -> dict:
         total["compute"] += sum(b - a for a, b in _union([(s.start_s, s.start_s + s.duration_s)
                                                           for s in mine if s.stream == "compute"]))
         total["iteration"] += end - begin
-        for a, b, axis in compute_gaps(mine):
+        gaps = compute_gaps(mine) if waits is None else attributed_gaps(mine, waits_of.get(mine[0].rank, []), end, begin)
+        for a, b, axis in gaps:
             if axis is None:
                 total["idle"] += b - a
             else:

@@ -55,6 +55,9 @@ def _conc(mask: int, k: int) -> frozenset:
 class _Lockstep:
     """The state of one lockstep run: the program's order and layout, and each sweep's timelines."""
 
+    tick = None      # progress callback (simulate_lockstep's tick)
+    sweeps_done = 0
+
     def __init__(self, program, compute_s, collective_s, slow: np.ndarray, overlap: float):
         self.ops = ops = program.ops
         self.n = n = len(ops)
@@ -158,7 +161,10 @@ class _Lockstep:
         waits = []                          # rows (wait id, t1, t2, class) of compute waits, for blame
         pending = 0
         compute_ns = 0
-        for i in self.order:
+        tick, n = self.tick, self.n
+        for step, i in enumerate(self.order):
+            if tick is not None and step % 256 == 0:
+                tick((self.sweeps_done + step / n) / (self.sweeps_done + 2))  # sweeps to come: about 2
             k = self.ax[i]
             deps = self.cross[i]
             if k < 0:
@@ -233,13 +239,15 @@ class _Lockstep:
         return res
 
 def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: float,
-                      max_sweeps: int = MAX_SWEEPS, spans: bool = False):
+                      max_sweeps: int = MAX_SWEEPS, spans: bool = False, tick=None):
     """Simulate every rank of `program` (twin.engine.engine.simulate_program's full mode, rank by rank,
     comm_slowdown 1, no spans) in lockstep. slow[r]: rank r's compute slowdown factor. Returns
     (iteration ns, compute ns summed over ranks, exposed ns per axis summed over ranks, sweeps), or
-    None where the event engine's order of same-nanosecond events would decide (module docstring)."""
+    None where the event engine's order of same-nanosecond events would decide (module docstring).
+    tick(fraction): called now and then with the share of the work done (0-1, an estimate), for progress."""
     ls = _Lockstep(program, compute_s, collective_s, slow, overlap_slowdown)
     ls.keep_spans = spans
+    ls.tick, ls.sweeps_done = tick, 0
     if any(d >= i for i in range(ls.n) for d in ls.cross[i]):
         return None
     big = np.array([INF - 1])
@@ -250,6 +258,7 @@ def simulate_lockstep(program, compute_s, collective_s, slow, overlap_slowdown: 
         for sweep in range(1, max_sweeps + 1):
             out = None
             out = ls.sweep(mask_tl, final=sweep > 1)
+            ls.sweeps_done = sweep
             new_mask = concurrency_timeline(ls, out["gimm"])
             same = all(np.array_equal(new_mask[j][k], mask_tl[j][k]) for j in range(3) for k in ls.axes)
             mask_tl = new_mask
