@@ -37,6 +37,8 @@ class Options:
     micro_batches: int = 1    # gradient accumulation steps per iteration
     grad_clip: bool = True    # global-norm gradient clipping (three scalar all-reduces)
     goldfish_h: int = 0       # goldfish loss: tokens hashed per target to mask it (0: off)
+    schedule: str = "1f1b"    # pipeline schedule with G_pipe > 1: gpipe, 1f1b or interleaved (twin/program/pipeline.py)
+    chunks: int = 1           # model chunks (virtual stages) per pipeline stage; > 1 with the interleaved schedule
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Op:
     writes: tuple[str, ...] = ()
     add: str = ""
     accumulate: str = ""
+    peer: int = -1  # send, recv: the pipeline stage at the other end (twin/program/pipeline.py)
 
     @property
     def is_collective(self) -> bool:
@@ -121,6 +124,7 @@ class Program:
     seq_len: int   # tokens per sequence
     vocab: int     # padded vocabulary
     ops: list[Op] = field(default_factory=list)
+    stage: int = 0  # the pipeline stage whose program this is (grid.pipe > 1)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -144,7 +148,9 @@ class Program:
         out = {a: 0.0 for a in AXES}
         for op in self.ops:
             if op.is_collective:
-                out[op.axis] += op.wire_bytes(self.grid.axis_size(op.axis))
+                out[op.axis] = out.get(op.axis, 0.0) + op.wire_bytes(self.grid.axis_size(op.axis))
+            elif op.kind == "send":  # a pipeline stage's point-to-point sends (axis "pipe")
+                out[op.axis] = out.get(op.axis, 0.0) + op.bytes
         return out
 
     def summary(self) -> dict:
@@ -164,7 +170,7 @@ class Program:
             "matmul_flops": self.matmul_flops(),
             "reference_flops": self.model.reference_flops(self.batch, self.seq_len, self.vocab,
                                                           self.options.recompute),
-            "payload_bytes_per_axis": {a: payload[a] for a in AXES},
+            "payload_bytes_per_axis": {a: payload[a] for a in AXES + tuple(k for k in payload if k not in AXES)},
             "wire_bytes_per_axis": self.comm_bytes(),
         }
 
