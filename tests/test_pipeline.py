@@ -133,3 +133,21 @@ def test_a_pipelined_program_file_holds_every_stage(tmp_path):
 def test_a_four_field_grid_builds_the_program_it_always_did():
     m = load_model("gpt-small")
     assert build_program(m, Grid(2, 1, 2, 1), Options()).ops == build_program(m, Grid(2, 1, 2, 1, pipe=1), Options()).ops
+
+
+def test_grid_auto_weighs_pipelines_and_says_why():
+    r = simulate(SimulationConfig("perlmutter", "gpt-1b", 16, batch=16))
+    assert "pipelines:" in r.grid_choice and "looked at" in r.grid_choice and r.grid_choice.endswith(")")
+
+
+def test_a_pipeline_faster_than_the_best_grid_is_chosen():
+    from twin.predict.auto import BOUND_SLACK, choose_grid
+    from twin.predict.pipe_auto import consider_pipelines
+    from twin.predict.study import prepare
+    study = prepare("perlmutter", "gpt-1b", 16, batch=16)
+    best, _ = choose_grid(study, pipelines=False)
+    best.simulated_s *= 100  # as if every 4D grid were far slower than the model says
+    best.analytical_s *= 100
+    win, why = consider_pipelines(study, best, BOUND_SLACK)
+    assert win.grid.pipe > 1 and "faster than" in why and win.study.options.micro_batches >= win.grid.pipe
+    assert win.result.pipeline["schedule"] == win.study.options.schedule

@@ -203,7 +203,8 @@ def search_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
+    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best; then
+    the pipelined grids (stages, schedule, micro-batches) that could beat them."""
     from twin.predict.auto import search
     from twin.predict.study import prepare
 
@@ -232,8 +233,10 @@ def search_cmd(
     sims = [c for c in cands if c.simulated_s is not None]
     if sims:
         best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+        from twin.predict.pipe_auto import search_pipelines
+        best, why = search_pipelines(study, best)
         console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
-                      "the estimate ranks grids, the simulation (overlap, contention) decides")
+                      "the estimate ranks grids, the simulation (overlap, contention) decides" + why)
     if len(cands) > top:
         console.print(f"rows {top + 1}-{len(cands)}: beyond the {top} asked for, simulated because their lower "
                       "bound could beat the fastest simulated grid")

@@ -71,6 +71,7 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         say("ranking grids")
         best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives)
         g = best.grid
+        study = getattr(best, "study", study)  # a pipelined grid's: its schedule and micro-batches
         if best.result is not None and not (c.full or c.slowdown or c.record):
             result = best.result  # already simulated in this very setting
             result.grid_choice = how
