@@ -151,3 +151,15 @@ def test_a_pipeline_faster_than_the_best_grid_is_chosen():
     win, why = consider_pipelines(study, best, BOUND_SLACK)
     assert win.grid.pipe > 1 and "faster than" in why and win.study.options.micro_batches >= win.grid.pipe
     assert win.result.pipeline["schedule"] == win.study.options.schedule
+
+
+def test_the_timeline_and_trace_show_every_stage(tmp_path):
+    from twin.present.plots import timeline_figure
+    from twin.program.trace import check_nesting, read_trace, write_trace
+    r = simulate(SimulationConfig("frontier", "gpt-small", 4, "1x1x1x4x1", batch=8, options=Options(micro_batches=4),
+                                  record=True))
+    assert {s.rank for s in r.spans} == {0, 1, 2, 3} and any(s.kind == "send" for s in r.spans)
+    write_trace(tmp_path / "t", r.spans, metadata=r.as_dict(wall_time=False), world_size=r.gpus)
+    assert check_nesting(tmp_path / "t") == [] and len(read_trace(tmp_path / "t")) == len(r.spans)
+    rows = {y for tr in timeline_figure(r.spans).data for y in (tr.y or ())}
+    assert {"rank 3 pipe", "rank 0 waits"} <= rows
