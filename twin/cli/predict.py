@@ -233,8 +233,9 @@ def search_cmd(
     sims = [c for c in cands if c.simulated_s is not None]
     if sims:
         best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+        from twin.predict.auto import BOUND_SLACK
         from twin.predict.pipe_auto import search_pipelines
-        best, why = search_pipelines(study, best)
+        best, why = search_pipelines(study, best, BOUND_SLACK)
         console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
                       "the estimate ranks grids, the simulation (overlap, contention) decides" + why)
     if len(cands) > top:

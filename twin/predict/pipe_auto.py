@@ -114,10 +114,10 @@ def consider_pipelines(study: Study, best: Candidate, slack: float) -> tuple[Can
     return c, what + f", simulated {r.iteration_time_s:.3f} s: faster than {best.grid}'s {best.simulated_s:.3f} s"
 
 
-def search_pipelines(study: Study, best: Candidate) -> tuple[Candidate, str]:
-    """`twin search`'s look at pipelines after its table: (the fastest, a sentence on the pipelines)."""
-    from twin.predict.auto import BOUND_SLACK
-    win, why = consider_pipelines(study, best, BOUND_SLACK)
+def search_pipelines(study: Study, best: Candidate, slack: float) -> tuple[Candidate, str]:
+    """`twin search`'s look at pipelines after its table: (the fastest, a sentence on the pipelines);
+    slack: twin.predict.auto.BOUND_SLACK."""
+    win, why = consider_pipelines(study, best, slack)
     if win is not best:
         o = win.study.options
         why += (f"; run it with --schedule {o.schedule} --micro-batches {o.micro_batches}"

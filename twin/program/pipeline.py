@@ -195,9 +195,9 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
     if not model.is_llama and (first or last):
         mine, theirs = ("emb", "head") if first else ("head", "emb")
         waits = [b.last_rs.get(mine), b.ready]
-        send = b._add(f"{mine}.grad.send", "send", PIPE, waits,
+        b._add(f"{mine}.grad.send", "send", PIPE, waits,
                       {"bytes": tied_bytes, "axis": PIPE, "peer": P - 1 - stage, "weight": "head"})
-        recv = b._add(f"{theirs}.grad.recv", "recv", PIPE, [send],
+        recv = b._add(f"{theirs}.grad.recv", "recv", PIPE, [],  # posted before the send is waited for
                       {"bytes": tied_bytes, "axis": PIPE, "peer": P - 1 - stage, "weight": "head",
                        "accumulate": "head"})
         after[mine] = [recv]

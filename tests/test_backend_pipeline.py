@@ -1,0 +1,86 @@
+"""Pipelined grids on the backend (gloo, CPU processes): gradients and a few AdamW steps against the
+single-process ReferenceGPT, and the recorded op order of a step against each stage's program, send
+for send."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backend_helpers import run_on_grid  # noqa: E402
+from test_backend_grads import LR, MAX_NORM, STEPS, _batch  # noqa: E402
+
+from backend.models.gpt import GPT  # noqa: E402
+from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
+from backend.runtime.recorder import Recorder  # noqa: E402
+from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
+                                    step_gradients, train_step)
+from twin.program.grid import Grid  # noqa: E402
+from twin.program.model import load_model  # noqa: E402
+from twin.program.program import Options, build_program  # noqa: E402
+
+
+def _spec(layers: int):
+    return dataclasses.replace(load_model("gpt-tiny"), layers=layers)
+
+
+def _compare(ctx, options: Options, batch: int, layers: int = 2) -> dict:
+    spec = _spec(layers)
+    ref = ReferenceGPT(spec, seed=7)
+    model = GPT(spec, ctx, options)
+    load_from_reference(model, ref.state_dict())
+    n = options.micro_batches
+    tokens, targets = _batch(spec, batch, 0)
+    ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    opt = make_optimizer(model, lr=LR)
+    opt.zero_grad(set_to_none=True)
+    loss = step_gradients(model, micro_batches(local_batch(tokens, model), local_batch(targets, model), n))
+    full = gather_full_grads(model)
+    rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
+               for k, p in ref.named_parameters()}
+    ref_opt = make_reference_optimizer(ref, lr=LR)
+    losses, ref_losses, rec = [], [], Recorder()
+    for step in range(STEPS):
+        tokens, targets = _batch(spec, batch, 1)
+        ref_opt.zero_grad()
+        rl = ref(tokens, targets)
+        rl.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_losses.append(float(rl))
+        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
+        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=MAX_NORM))
+        model.recorder = Recorder(enabled=False)
+    return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
+            "ref_losses": ref_losses, "ops": [r.key() for r in rec.records], "stage": ctx.stage}
+
+
+CASES = [
+    ("1x1x1x2x1", Options(micro_batches=2), 4, 2),
+    ("2x1x1x2x1", Options(micro_batches=4), 8, 2),
+    ("1x2x1x2x2", Options(micro_batches=2, cache_layers=1), 8, 2),
+    ("1x1x1x4x1", Options(micro_batches=4, schedule="interleaved", chunks=2), 8, 8),
+    ("1x1x2x2x1", Options(micro_batches=3, schedule="gpipe", oag=False), 6, 4),
+]
+
+
+@pytest.mark.parametrize("grid,options,batch,layers", CASES, ids=[f"{c[0]}-{c[1].schedule}" for c in CASES])
+def test_pipelined_grid_matches_reference(grid: str, options: Options, batch: int, layers: int) -> None:
+    g = Grid.parse(grid)
+    results = run_on_grid(g, _compare, options, batch, layers, timeout_s=300)
+    spec = _spec(layers)
+    for rank, r in enumerate(results):
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-6), f"rank {rank}"
+        worst = max(r["rel_err"], key=r["rel_err"].get)
+        assert r["rel_err"][worst] < 1e-4, f"rank {rank}: gradient of {worst} off by {r['rel_err'][worst]:.2e}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-4), f"rank {rank}"
+        prog = build_program(spec, g, options, batch=batch, stage=r["stage"])
+        for stream in ("compute", "x", "y", "z", "data", "pipe"):  # each stream in the program's order
+            want = [(o.name, o.kind) for o in prog.ops if o.stream == stream and (stream != "compute" or o.kind == "gemm")]
+            got = [(o[0], o[1]) for o in r["ops"] if o[2] == stream and (stream != "compute" or o[1] == "gemm")]
+            assert got == want, f"rank {rank}: recorded {stream} ops differ from its stage's program"
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
