@@ -84,3 +84,34 @@ def test_pipelined_grid_matches_reference(grid: str, options: Options, batch: in
             got = [(o[0], o[1]) for o in r["ops"] if o[2] == stream and (stream != "compute" or o[1] == "gemm")]
             assert got == want, f"rank {rank}: recorded {stream} ops differ from its stage's program"
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+def test_killed_pipelined_run_resumes_exactly(tmp_path):
+    """A run on 2 stages x 2 data replicas killed after step 3 resumes from its step-2 checkpoint, and
+    its losses are those of an uninterrupted run (as tests/test_backend_resume.py checks for 4D grids)."""
+    from test_backend_resume import backend, losses
+    args = ["run", "--model", "gpt-tiny", "--grid", "1x1x1x2x2", "--micro-batches", "2", "--steps", "5",
+            "--warmup", "2", "--lr", "3e-3"]
+    ckpt = tmp_path / "ckpt"
+    full = backend(args + ["--out", str(tmp_path / "full")])
+    assert full.returncode == 0, full.stderr
+    crashed = backend(args + ["--out", str(tmp_path / "a"), "--ckpt-dir", str(ckpt), "--ckpt-every", "2"],
+                      env={"BACKEND_TEST_CRASH_AFTER_STEP": "3"})
+    assert crashed.returncode != 0 and (ckpt / "latest").read_text().strip() == "step_00000002"
+    resumed = backend(args + ["--out", str(tmp_path / "b"), "--ckpt-dir", str(ckpt), "--ckpt-every", "2"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed after step 2" in resumed.stdout
+    want, after = losses(tmp_path / "full" / "log.jsonl"), losses(tmp_path / "b" / "log.jsonl")
+    assert sorted(after) == [3, 4, 5]
+    for step, loss in after.items():
+        assert loss == pytest.approx(want[step], rel=1e-6, abs=1e-6), (step, loss, want[step])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--grid", "1x1x1x3x1"], "do not split evenly"),
+    (["--grid", "1x1x1x2x1", "--micro-batches", "1"], "needs at least G_pipe = 2 micro-batches"),
+])
+def test_backend_refuses_a_bad_pipeline_in_one_line(args, words):
+    from test_backend_resume import backend
+    r = backend(["run", "--model", "gpt-tiny", "--steps", "1", *args])
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
