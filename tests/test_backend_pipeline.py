@@ -115,3 +115,33 @@ def test_backend_refuses_a_bad_pipeline_in_one_line(args, words):
     from test_backend_resume import backend
     r = backend(["run", "--model", "gpt-tiny", "--steps", "1", *args])
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _compare_llama(ctx, options: Options, batch: int) -> dict:
+    from test_llama_backend import _batch as llama_batch, _spec as llama_spec
+
+    from backend.models.build import make_model
+    from backend.models.llama import ReferenceLlama, gather_hf, load_hf
+    spec = llama_spec()
+    ref = ReferenceLlama(spec, seed=7)
+    state = ref.state_dict()
+    model = make_model(spec, ctx, options=options)
+    load_hf(model, lambda name: state[name])
+    tokens, targets = llama_batch(spec, batch, 0)
+    ref_loss = ref(tokens, targets)
+    ref_loss.backward()
+    opt = make_optimizer(model, lr=LR)
+    opt.zero_grad(set_to_none=True)
+    loss = step_gradients(model, micro_batches(local_batch(tokens, model), local_batch(targets, model),
+                                               options.micro_batches))
+    full = gather_hf(model, "grad")
+    rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
+               for k, p in ref.named_parameters()}
+    return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err}
+
+
+def test_pipelined_llama_matches_reference() -> None:
+    for rank, r in enumerate(run_on_grid("2x1x1x2x1", _compare_llama, Options(micro_batches=2), 8, timeout_s=300)):
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-6), f"rank {rank}"
+        worst = max(r["rel_err"], key=r["rel_err"].get)
+        assert r["rel_err"][worst] < 1e-4, f"rank {rank}: gradient of {worst} off by {r['rel_err'][worst]:.2e}"
