@@ -3,7 +3,9 @@
 kernels' times through the pipeline engine (twin.engine.pipeline). Called by twin.predict.run.
 
 On a CPU profile (ranks sharing a node's cores) the stages run through the same engine with the
-profile's kernel times: the host model (twin.host) is not applied to pipelined grids.
+profile's kernel times plus the host's time per op and per collective or send issued (its op_s and
+issue_s); the rest of the host model (twin.host: the stretch of time-sliced ranks, the spread of
+spans, collectives slowed beside compute) is not applied to pipelined grids.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def simulate_pipelined(study: Study, grid: Grid, *, record: bool = False, collec
     km = study.kernels
     compute_s = [[0.0 if (op.is_collective or op.kind in P2P_KINDS) else km.kernel_time(op) for op in p.ops]
                  for p in progs]
+    host = study.profile.host
+    if host is not None:  # CPU ranks: the host's time per op and per collective or send issued before it
+        for p, cs in zip(progs, compute_s):
+            issued = 0
+            for op in p.ops:
+                if op.is_collective or op.kind in P2P_KINDS:
+                    issued += 1
+                else:
+                    cs[op.index] += host.op_s + issued * host.issue_s
+                    issued = 0
     cm = collectives if collectives is not None else model_for(study, grid)
     if not hasattr(cm, "p2p_time"):  # a stand-in collective model: sends cost nothing
         cm = _WithoutSends(cm)
