@@ -163,3 +163,11 @@ def test_the_timeline_and_trace_show_every_stage(tmp_path):
     assert check_nesting(tmp_path / "t") == [] and len(read_trace(tmp_path / "t")) == len(r.spans)
     rows = {y for tr in timeline_figure(r.spans).data for y in (tr.y or ())}
     assert {"rank 3 pipe", "rank 0 waits"} <= rows
+
+
+def test_the_report_of_a_pipelined_grid_names_the_bubble(tmp_path):
+    r = runner.invoke(app, ["report", "--system", "frontier", "--model", "gpt-small", "--gpus", "4", "--batch", "8",
+                            "--grid", "1x1x1x4x1", "--micro-batches", "4", "--top", "0", "--out",
+                            str(tmp_path / "r.html"), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "pipeline bubble is" in r.output and (tmp_path / "r.html").exists()
