@@ -171,3 +171,11 @@ def test_the_report_of_a_pipelined_grid_names_the_bubble(tmp_path):
                             str(tmp_path / "r.html"), "-q"])
     assert r.exit_code == 0, r.output
     assert "pipeline bubble is" in r.output and (tmp_path / "r.html").exists()
+
+
+def test_the_stages_together_compute_the_model_once():
+    m = dataclasses.replace(load_model("gpt-small"), layers=8)
+    o = Options(micro_batches=4, schedule="interleaved", chunks=2)
+    progs = stage_programs(m, Grid(2, 1, 1, 1, pipe=2), o, batch=8)
+    one = build_program(m, Grid(2, 1, 1, 1), Options(micro_batches=4), batch=8)
+    assert sum(p.matmul_flops() for p in progs) == pytest.approx(one.matmul_flops())

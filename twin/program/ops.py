@@ -131,9 +131,14 @@ class Program:
         """Tokens one rank processes per micro-batch."""
         return self.batch // (self.grid.z * self.grid.data) // self.options.micro_batches * self.seq_len
 
+    @property
+    def ranks(self) -> int:
+        """The ranks that run this program: all of them, or a pipeline stage's."""
+        return self.grid.size // self.grid.pipe
+
     def model_flops(self) -> float:
-        """Flops of one iteration over all ranks, counting replicated work once (flop)."""
-        return sum(op.flops / op.replicas for op in self.ops) * self.grid.size
+        """Flops of one iteration over the ranks that run this program, counting replicated work once (flop)."""
+        return sum(op.flops / op.replicas for op in self.ops) * self.ranks
 
     def matmul_flops(self) -> float:
         """GEMM and attention flops of one iteration over all ranks, replicated work once (flop).
@@ -141,7 +146,7 @@ class Program:
         With recomputation and no replication error this equals ModelSpec.reference_flops exactly.
         """
         return sum(op.flops / op.replicas for op in self.ops
-                   if op.kind in ("gemm", "attention")) * self.grid.size
+                   if op.kind in ("gemm", "attention")) * self.ranks
 
     def comm_bytes(self) -> dict[str, float]:
         """Bytes on the wire sent per rank, by axis, for ring collectives (bytes)."""
