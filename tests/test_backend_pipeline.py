@@ -80,7 +80,8 @@ def test_pipelined_grid_matches_reference(grid: str, options: Options, batch: in
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-4), f"rank {rank}"
         prog = build_program(spec, g, options, batch=batch, stage=r["stage"])
         for stream in ("compute", "x", "y", "z", "data", "pipe"):  # each stream in the program's order
-            want = [(o.name, o.kind) for o in prog.ops if o.stream == stream and (stream != "compute" or o.kind == "gemm")]
+            want = [(o.name, o.kind) for o in prog.ops
+                    if o.stream == stream and (stream != "compute" or o.kind == "gemm")]
             got = [(o[0], o[1]) for o in r["ops"] if o[2] == stream and (stream != "compute" or o[1] == "gemm")]
             assert got == want, f"rank {rank}: recorded {stream} ops differ from its stage's program"
     assert results[0]["losses"][-1] < results[0]["losses"][0]

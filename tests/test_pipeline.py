@@ -52,7 +52,8 @@ def test_a_send_without_its_receive_is_refused():
         check_pairs(progs)
 
 
-@pytest.mark.parametrize("kind,P,M,V,first", [("gpipe", 4, 6, 1, 6), ("1f1b", 4, 6, 1, 4), ("interleaved", 4, 8, 2, 11)])
+@pytest.mark.parametrize("kind,P,M,V,first", [("gpipe", 4, 6, 1, 6), ("1f1b", 4, 6, 1, 4),
+                                              ("interleaved", 4, 8, 2, 11)])
 def test_micro_batches_in_flight_follow_the_schedule(kind, P, M, V, first):
     units = [schedule(kind, P, M, V, s) for s in range(P)]
     assert all(len(u) == 2 * M * V for u in units)
@@ -82,7 +83,8 @@ def test_a_pipelined_simulation_names_the_bubble_and_its_sends():
     assert b["compute"] + sum(b["exposed_comm"].values()) + b["bubble"] + b["idle"] == pytest.approx(r.iteration_time_s)
     assert b["exposed_comm"]["pipe"] > 0 and 0.5 / 9 < b["bubble"] / r.iteration_time_s < 2 / 9
     assert r.pipeline["schedule"] == "1f1b" and [s["micro_batches_in_flight"] for s in r.pipeline["stages_s"]] == [2, 1]
-    fewer = simulate(SimulationConfig("frontier", "gpt-20b", 128, "4x2x2x2x4", batch=512, options=Options(micro_batches=2)))
+    fewer = simulate(SimulationConfig("frontier", "gpt-20b", 128, "4x2x2x2x4", batch=512,
+                                      options=Options(micro_batches=2)))
     assert fewer.pipeline["bubble_share"] > r.pipeline["bubble_share"]
 
 
@@ -91,7 +93,8 @@ def test_memory_counts_the_micro_batches_in_flight():
     gpipe = memory_per_gpu(m, g, Options(micro_batches=8, schedule="gpipe"), 4096)
     f1b = memory_per_gpu(m, g, Options(micro_batches=8), 4096)
     assert gpipe.activations > 3 * f1b.activations  # 8 micro-batches in flight against 2
-    assert gpipe.parameters == f1b.parameters < memory_per_gpu(m, Grid(4, 2, 2, 8), Options(micro_batches=8), 4096).parameters * 0.6
+    unpiped = memory_per_gpu(m, Grid(4, 2, 2, 8), Options(micro_batches=8), 4096)
+    assert gpipe.parameters == f1b.parameters < unpiped.parameters * 0.6
 
 
 @pytest.mark.parametrize("grid,opts,msg", [
@@ -132,7 +135,8 @@ def test_a_pipelined_program_file_holds_every_stage(tmp_path):
 
 def test_a_four_field_grid_builds_the_program_it_always_did():
     m = load_model("gpt-small")
-    assert build_program(m, Grid(2, 1, 2, 1), Options()).ops == build_program(m, Grid(2, 1, 2, 1, pipe=1), Options()).ops
+    assert build_program(m, Grid(2, 1, 2, 1), Options()).ops == \
+        build_program(m, Grid(2, 1, 2, 1, pipe=1), Options()).ops
 
 
 def test_grid_auto_weighs_pipelines_and_says_why():

@@ -213,7 +213,8 @@ def simulate_pipeline(programs: list[Program], compute_s: list[list[float]],
     stuck = [(st.k, s) for st in stages for s in STREAMS if st.pc[s] < len(st.queue[s])]
     if stuck:
         k, s = stuck[0]
-        raise RuntimeError(f"deadlock: stage {k} stream {s} stopped at op {stages[k].ops[stages[k].queue[s][stages[k].pc[s]]].name}")
+        st = stages[k]
+        raise RuntimeError(f"deadlock: stage {k} stream {s} stopped at op {st.ops[st.queue[s][st.pc[s]]].name}")
     end = max(max(st.done) for st in stages)
     rows = []
     for st in stages:

@@ -24,7 +24,8 @@ class Ends:
         h, V, s = model.hidden, b.vocab, b.seq_len
         self.wte_bytes = ACT_BYTES * math.prod(embedding_dims(grid, V, h))  # the head's bytes too (tied or not)
         self.emb_bytes = self.wte_bytes + (0 if self.llama else ACT_BYTES * math.prod(embedding_dims(grid, s, h)))
-        self.wbytes = {ln: ACT_BYTES * math.prod(linear_dims(grid, k, n, t)[:2]) for ln, k, n, t in model.linear_shapes()}
+        self.wbytes = {ln: ACT_BYTES * math.prod(linear_dims(grid, k, n, t)[:2])
+                       for ln, k, n, t in model.linear_shapes()}
 
     # -- the gather order of a pass ----------------------------------------------------------------
     def fwd_order(self, layers, first_mb: bool, emb: bool = True, head: bool = True) -> list[tuple[str, str, int]]:
@@ -33,7 +34,8 @@ class Ends:
         order = [("emb", "emb.fwd.ag_z", self.emb_bytes)] if emb else []
         for i in layers:
             if not (i < cache and not first_mb):
-                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", self.wbytes[ln]) for ln, _, _, _ in self.model.linear_shapes()]
+                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", self.wbytes[ln])
+                          for ln, _, _, _ in self.model.linear_shapes()]
         return order + ([("head", "head.fwd.ag_z", self.wte_bytes)] if head else [])
 
     def bwd_order(self, layers, head: bool = True) -> list[tuple[str, str, int]]:
@@ -121,7 +123,8 @@ class Ends:
                         norm_params: int | None = None) -> list[int | None]:
         """The data all-reduces of the gradient shards of blocks `layers` and of the tables in `tied`
         (each entry "emb" or "head": a GPT's emb waits for both, its head's gradients accumulate into
-        emb's), after the backward pass (a table's also after the ops `after[table]`); then the norms' z and data all-reduces
+        emb's), after the backward pass (a table's also after the ops `after[table]`); then the norms'
+        z and data all-reduces
         (`norm_params`: the norms' parameters of this rank, default every norm's). Returns the
         all-reduces (None where an axis has size 1)."""
         b, model, grid = self.b, self.model, self.grid

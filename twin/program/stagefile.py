@@ -46,7 +46,8 @@ def validate_stages(programs: list[Program], where: str = "program") -> None:
         here = f"{where}, stage {k}"
         for i, op in enumerate(prog.ops):
             if op.index != i:
-                raise InputError(f"{here}: op {op.name} at position {i} has index {op.index}: indices must be positions")
+                raise InputError(f"{here}: op {op.name} at position {i} has index {op.index}: "
+                                 "indices must be positions")
             if op.name in seen:
                 raise InputError(f"{here}: op {op.name} appears twice")
             seen.add(op.name)
