@@ -146,3 +146,21 @@ def test_pipelined_llama_matches_reference() -> None:
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-6), f"rank {rank}"
         worst = max(r["rel_err"], key=r["rel_err"].get)
         assert r["rel_err"][worst] < 1e-4, f"rank {rank}: gradient of {worst} off by {r['rel_err'][worst]:.2e}"
+
+
+def test_a_pipelined_program_file_runs_and_trains_as_its_4d_twin(tmp_path):
+    """`backend run --program` on a GPipe program file of 2 stages: the losses of the 4D grid with the
+    same data split (1x1x1x2: data over 2 ranks there, stages here; the same math)."""
+    from test_backend_resume import backend, losses
+
+    from twin.program.pipeline import stage_programs
+    from twin.program.programfile import save_program
+    spec, o = load_model("gpt-tiny"), Options(micro_batches=2, schedule="gpipe")
+    save_program(stage_programs(spec, Grid.parse("1x1x1x2x1"), o, batch=4), tmp_path / "pipe.json")
+    piped = backend(["run", "--program", str(tmp_path / "pipe.json"), "--steps", "3", "--out", str(tmp_path / "p")])
+    assert piped.returncode == 0, piped.stderr
+    flat = backend(["run", "--model", "gpt-tiny", "--grid", "1x1x1x1", "--batch", "4", "--micro-batches", "2",
+                    "--steps", "3", "--out", str(tmp_path / "f")])
+    assert flat.returncode == 0, flat.stderr
+    want = losses(tmp_path / "f" / "log.jsonl")
+    assert losses(tmp_path / "p" / "log.jsonl") == pytest.approx(want, rel=1e-5)

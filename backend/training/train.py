@@ -307,6 +307,7 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     program = cfg.program()
     spec, grid, options = program.model, program.grid, program.options
+    cfg.micro_batches = options.micro_batches  # a program file's: the data loader splits batches as it runs
     check_world_size(grid.size, cfg.grid)
     warn = fabric_warning(cfg.device)
     if cfg.device == "cuda" and not torch.cuda.is_available():
