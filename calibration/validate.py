@@ -111,7 +111,7 @@ def _predicted_stretch(study, grid: Grid) -> float | None:
     """The twin's stretch of this grid's compute ops (twin.host.sharing.shared_core_stretch), or None."""
     from twin.host.sharing import as_run, shared_core_stretch
     from twin.predict.study_cache import model_for, program_for
-    if study.profile.host is None:
+    if study.profile.host is None or grid.pipe > 1:  # the host model is not applied to pipelined grids
         return None
     prog = as_run(study.profile.host, program_for(study, grid))
     return shared_core_stretch(study, grid, prog, model_for(study, grid))

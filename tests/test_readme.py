@@ -74,6 +74,11 @@ TWIN = {
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "1x4x4x1"],
 }
+TWIN.update({  # docs/pipeline.md
+    "twin simulate --system frontier --model gpt-20b --gpus 128 --batch 512 --grid 4x2x2x2x4 --micro-batches 8": None,
+    "twin simulate --system frontier --model gpt-320b --gpus 32768 --grid auto":
+        ["simulate", "--system", "frontier", *SMALL, "--simulate-top", "1"],
+})
 # scripts of benchmarks/ that a page shows: example -> the arguments run instead (None: as written), from the root
 SCRIPTS = {"python benchmarks/axonn_comm_model.py": None,
            "python benchmarks/bench_measured_collectives.py --summary": None}
@@ -110,6 +115,9 @@ BACKEND = [
     # docs/llama.md
     ("backend run --model llama-tiny --grid 2x2x2x1", "backend run --model llama-tiny --grid 2x2x2x1 --steps 2 "
      "--out runs/llama-tiny"),
+    # docs/pipeline.md
+    ("backend run --model gpt-tiny --grid 1x1x1x2x2 --micro-batches 2 --steps 20 --out runs/pipe",
+     "backend run --model gpt-tiny --grid 1x1x1x2x2 --micro-batches 2 --steps 2 --out runs/pipe"),
     # docs/memorization.md (its first line, the `cat` above, makes input.txt)
     ("head -c -65536 input.txt > train.txt", None),
     ("tail -c 65536 input.txt > held_out.txt", None),

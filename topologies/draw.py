@@ -18,7 +18,7 @@ from topologies.system import SystemSpec
 
 # One colour per axis, for its rings here and its exposed communication in the twin's charts; none near
 # an op kind's colour (twin.present.plots.KIND_COLOURS) or another axis' (tests/test_palette.py)
-AXIS_COLOURS = {"x": "#e7298a", "y": "#00008b", "z": "#4d4d00", "data": "#66ff66"}
+AXIS_COLOURS = {"x": "#e7298a", "y": "#00008b", "z": "#4d4d00", "data": "#66ff66", "pipe": "#ee00ff"}
 MAX_DRAWN_PAIRS = 600  # global-link pairs drawn among the job's groups, at most
 
 

@@ -45,4 +45,5 @@ def program_grid(program_file: str | None, grid: str) -> str:
     if not program_file:
         return grid
     from twin.program.programfile import load_program
-    return str(load_program(program_file).grid)
+    loaded = load_program(program_file)
+    return str((loaded[0] if isinstance(loaded, list) else loaded).grid)  # a pipelined grid's file: its stages

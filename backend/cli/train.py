@@ -10,8 +10,8 @@ import typer
 
 from backend.cli.common import DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid
 from topologies.common import TwinError, check_output
-from twin.program.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
-                                output_folder)
+from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt,
+                                RecomputeOpt, ScheduleOpt, output_folder)
 from twin.program.grid import Grid
 
 
@@ -65,6 +65,7 @@ def run_cmd(
     grad_clip: Annotated[float, typer.Option(help="Clip the global gradient norm to this; 0: off.")] = 1.0,
     oar: OarOpt = True, ors: OrsOpt = True, oag: OagOpt = True,
     cache_layers: CacheOpt = 0, recompute: RecomputeOpt = True,
+    schedule: ScheduleOpt = "1f1b", chunks: ChunksOpt = 1,
     data: Annotated[str, typer.Option(help="'synthetic', a .bin of uint16 token ids, or any file read as bytes.")] = "synthetic",
     out: Annotated[str, typer.Option(help="Directory for log.jsonl, summary.json and trace/ (per-rank traces).")] = "runs/latest",
     ckpt_dir: Annotated[Optional[str], typer.Option(help="Checkpoint directory; a run resumes from its latest checkpoint.")] = None,
@@ -93,7 +94,7 @@ def run_cmd(
                       recompute=recompute, data=data, out=out, ckpt_dir=ckpt_dir, ckpt_every=ckpt_every,
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device,
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
-                      eval_every=eval_every, eval_batches=eval_batches,
+                      eval_every=eval_every, eval_batches=eval_batches, schedule=schedule, chunks=chunks,
                       program_file=program, grid=program_grid(program, grid), tensorboard=tensorboard)
     if init_from:
         from backend.hf.load import HFCheckpoint

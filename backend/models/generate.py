@@ -65,9 +65,13 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, ModelSpec, Grid]:
     ckpt = checkpoint_dir(path)
     meta = checkpoint.read_meta(ckpt)
     try:
-        return ckpt, meta, ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
+        spec, grid = ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
     except (TypeError, KeyError) as e:
         raise TwinError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
+    if grid.pipe > 1:
+        raise TwinError(f"checkpoint {ckpt} is of the pipelined grid {grid}: decoding and export read 4D "
+                        "checkpoints only (resume it with `backend run`, or train on a grid of four fields)")
+    return ckpt, meta, spec, grid
 
 
 def load_weights(path: str | Path, model: str | None = None) -> Weights:

@@ -18,6 +18,7 @@ from torch import nn
 
 from backend.runtime.dist import ParallelContext
 from backend.runtime.executor import Executor
+from backend.runtime.pipeline import make_executor
 from backend.runtime.recorder import NULL_RECORDER, Recorder
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
@@ -98,20 +99,22 @@ class GPT(nn.Module):
                 or program.model.hidden != self.spec.hidden or program.vocab != self.vocab:
             raise ValueError(f"program of {program.model.name} on {program.grid} does not fit this model")
         self.program, self.options = program, program.options
-        self.executor = Executor(program, self, self._recorder, self._tune)
+        self.executor = make_executor(program, self, self._recorder, self._tune)
 
     def _executor_for(self, sequences: int, seq_len: int) -> Executor:
         """The executor of the program for micro-batches of `sequences` x `seq_len` on this rank: the
         model's program when it fits, else (e.g. a held-out batch) one built for that batch."""
         batch = sequences * self.ctx.batch_shards * self.options.micro_batches
         if self.program is None:
-            self.use_program(build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len))
+            self.use_program(build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len,
+                                           stage=self.ctx.stage))
         if (self.program.batch, self.program.seq_len) == (batch, seq_len):
             return self.executor
         key = (batch, seq_len)
         if key not in self._others:
-            prog = build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len)
-            self._others = {key: Executor(prog, self, self._recorder, self._tune)}
+            prog = build_program(self.spec, self.ctx.grid, self.options, batch=batch, seq_len=seq_len,
+                                 stage=self.ctx.stage)
+            self._others = {key: make_executor(prog, self, self._recorder, self._tune)}
         return self._others[key]
 
     @property
@@ -146,7 +149,10 @@ class GPT(nn.Module):
         the layer norms on the ranks whose other coordinates of the norms' replicas are 0."""
         replica = [a for a in AXES if a not in (NORM_AXIS, "data")]
         first = all(self.ctx.coord(a) == 0 for a in replica)
-        return self.sharded_parameters() + (self.norm_parameters() if first else [])
+        mine = self.sharded_parameters()
+        if self.ctx.stage > 0:  # a pipeline's tied table: counted on the first stage (its copy on the last)
+            mine = [p for p in mine if p is not self.emb.wte]
+        return mine + (self.norm_parameters() if first else [])
 
     def norm_params(self, key: str) -> list[nn.Parameter]:
         return self.keys[key]

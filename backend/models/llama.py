@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.runtime.layers import IGNORE, rope_tables
+from backend.runtime.pipeline import owner_stage
 from backend.models.gpt import GPT, Params, add_linears
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
@@ -333,7 +334,10 @@ def iter_hf_tensors(model: Llama, what: str = "param") -> Iterator[tuple[str, to
             return torch.arange(offsets[name], offsets[name] + math.prod(shapes[name])).view(shapes[name])
 
         full = torch.zeros(total, dtype=local.dtype)
+        owner = owner_stage(model, names[0]) if g.pipe > 1 else None  # a pipeline: the copy its stage trains
         for r, part in enumerate(parts):
+            if owner is not None and g.stage(r) != owner:
+                continue
             idx = layouts[r][j][2](index).reshape(-1)
             keep = idx >= 0
             full[idx[keep]] = part.cpu().reshape(-1)[keep]

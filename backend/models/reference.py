@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.runtime.layers import IGNORE
+from backend.runtime.pipeline import owner_stage
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
 from twin.program.program import EMBEDDING_AXES, NORM_AXIS, linear_dims
@@ -149,8 +150,10 @@ def gather_full(model: GPT, what: str = "param") -> dict[str, torch.Tensor]:
         shape = shapes[name]
         index = torch.arange(math.prod(shape)).view(shape)
         full = torch.zeros(math.prod(shape), dtype=local.dtype)
+        owner = owner_stage(model, name) if g.pipe > 1 else None  # a pipeline: the copy its stage trains
         for r, part in enumerate(parts):
-            full[fn(index, g.coords(r)).reshape(-1)] = part.cpu().reshape(-1)
+            if owner is None or g.stage(r) == owner:
+                full[fn(index, g.coords(r)).reshape(-1)] = part.cpu().reshape(-1)
         out[name] = full.view(shape)
     return out
 

@@ -102,14 +102,14 @@ class ParallelContext:
             raise RuntimeError("torch.distributed is not initialized: call init_from_env() first")
         world, rank = dist.get_world_size(), dist.get_rank()
         if grid.size != world:
-            raise ValueError(f"grid {grid} has G_x*G_y*G_z*G_data = {grid.size} ranks but the world "
+            raise ValueError(f"grid {grid} has {grid.size} ranks (the product of its fields) but the world "
                              f"size is {world}: launch {grid.size} processes or choose another grid")
         backend = dist.get_backend()
         if device is None:
             on_gpu = "nccl" in str(backend)
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         groups: dict[str, dist.ProcessGroup | None] = {}
-        for axis in AXES:
+        for axis in AXES + ("pipe",):  # "pipe": the stages' all-reduce (the clipping norm)
             groups[axis] = None
             if grid.axis_size(axis) == 1:
                 continue
@@ -134,7 +134,14 @@ class ParallelContext:
         return self.grid.coords(self.rank)
 
     def coord(self, axis: str) -> int:
+        if axis == "pipe":
+            return self.stage
         return self.coords[AXES.index(axis)]
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.grid.stage(self.rank)
 
     def size(self, axis: str) -> int:
         return self.grid.axis_size(axis)

@@ -55,28 +55,51 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer,
     """
     if recorder is not None:
         model.recorder = recorder
+    optimizer.zero_grad(set_to_none=True)
+    loss = step_gradients(model, batches)
+    model._executor_for(*batches[0][0].shape).optimizer_step(optimizer, max_norm)
+    return loss
+
+
+def step_gradients(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """train_step up to the optimizer: every micro-batch's forward and backward, the gradient
+    reductions, the gradients scaled to the counted tokens; returns the loss (see train_step). The
+    gradients must be None (or zero) before."""
     n = model.options.micro_batches
     if len(batches) != n:
         raise ValueError(f"{len(batches)} micro-batches given, options.micro_batches is {n}")
     device = model.ctx.device
     exe = model._executor_for(*batches[0][0].shape)
-    optimizer.zero_grad(set_to_none=True)
     all_tokens = sum(t.numel() for t, _ in batches) * model.ctx.batch_shards
     sums = torch.zeros(2, dtype=torch.float32, device=device)  # loss sum, counted tokens
-    for j, (tokens, targets) in enumerate(batches):
-        tokens, targets = tokens.to(device), targets.to(device)
-        sums[0] += exe.forward(j, tokens, targets, 1.0 / all_tokens).detach()
-        exe.backward(j)
-        sums[1] += (targets >= 0).sum()  # a tensor add: no host sync
-    exe.reduce_gradients()
+    if model.ctx.grid.pipe > 1:  # a pipeline stage: its program runs the schedule's units in order
+        batches = [(t.to(device), y.to(device)) for t, y in batches]
+        sums[0] += exe.run_step(batches, 1.0 / all_tokens)
+        sums[1] += sum((y >= 0).sum() for _, y in batches)
+        sums[0] = sum_over_stages(sums[0:1], model.ctx)[0]  # the loss is the last stage's (outside the program)
+    else:
+        for j, (tokens, targets) in enumerate(batches):
+            tokens, targets = tokens.to(device), targets.to(device)
+            sums[0] += exe.forward(j, tokens, targets, 1.0 / all_tokens).detach()
+            exe.backward(j)
+            sums[1] += (targets >= 0).sum()  # a tensor add: no host sync
+        exe.reduce_gradients()
     sums = sum_over_batch_shards(sums, model.ctx)  # outside the program: loss and token count
     factor = all_tokens / max(float(sums[1]), 1.0)
     if factor != 1.0:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(factor)
-    exe.optimizer_step(optimizer, max_norm)
     return float(sums[0]) * factor
+
+
+
+def sum_over_stages(value: torch.Tensor, ctx) -> torch.Tensor:
+    """Sum a tensor over the pipeline stages (outside the program, not recorded)."""
+    value = value.clone()
+    if ctx.groups.get("pipe") is not None:
+        torch.distributed.all_reduce(value, group=ctx.groups["pipe"])
+    return value
 
 
 def micro_batches(tokens: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

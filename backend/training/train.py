@@ -52,6 +52,8 @@ class TrainConfig:
     oag: bool = True
     cache_layers: int = 0
     recompute: bool = True
+    schedule: str = "1f1b"            # pipeline schedule on a grid XxYxZxPxD (twin/program/pipeline.py)
+    chunks: int = 1                   # model chunks per pipeline stage (interleaved schedule)
     data: str = "synthetic"           # 'synthetic', a .bin of uint16 token ids, or any file (bytes)
     out: str = "runs/latest"          # log.jsonl, summary.json and trace/ (per-rank traces) go here
     ckpt_dir: str | None = None       # checkpoints (resumes from its latest one when present)
@@ -78,13 +80,15 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def program(self) -> Program:
+    def program(self, stage: int = 0) -> Program:
         """The run resolved once: model spec, grid, switches and batch, as the program it runs (the
-        program file's, validated, when given; raises TwinError when the grid cannot run the model)."""
+        program file's, validated, when given; raises TwinError when the grid cannot run the model).
+        stage: on a pipelined grid, the program of that stage."""
         if self.program_file:
             from twin.program.programfile import load_program
-            return load_program(self.program_file)
-        return build_program(self.model_spec(), Grid.parse(self.grid), self.options(), batch=self.batch)
+            loaded = load_program(self.program_file)
+            return loaded[stage] if isinstance(loaded, list) else loaded
+        return build_program(self.model_spec(), Grid.parse(self.grid), self.options(), batch=self.batch, stage=stage)
 
     def model_spec(self):
         """The model: `spec` when given (a Hugging Face import), else the spec named by `model`."""
@@ -94,7 +98,8 @@ class TrainConfig:
     def options(self) -> Options:
         return options_from_flags(self.oar, self.ors, self.oag, self.cache_layers, self.recompute,
                                   self.micro_batches, grad_clip=self.grad_clip > 0,
-                                  goldfish_h=self.goldfish_h if self.goldfish_k else 0)
+                                  goldfish_h=self.goldfish_h if self.goldfish_k else 0, schedule=self.schedule,
+                                  chunks=self.chunks)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -312,11 +317,14 @@ def train(cfg: TrainConfig) -> list[dict]:
 
     program = cfg.program()
     spec, grid, options = program.model, program.grid, program.options
+    cfg.micro_batches = options.micro_batches  # a program file's: the data loader splits batches as it runs
     check_world_size(grid.size, cfg.grid)
     warn = fabric_warning(cfg.device)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TwinError("--device cuda but no CUDA device is visible to PyTorch")
     ctx = ParallelContext.from_env(grid, backend="nccl" if cfg.device == "cuda" else "gloo")
+    if grid.pipe > 1:  # a pipeline stage runs its stage's program
+        program = cfg.program(ctx.stage)
     try:
         rank0 = ctx.rank == 0
         if warn and env_rank()[1] == 0:

@@ -9,11 +9,12 @@ import typer
 
 from twin.cli.common import PlacementOpt, SystemOpt, console, handles_errors
 from topologies.common import TwinError, write_atomic
-from twin.program.flags import (BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
+from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, GridOpt, ScheduleOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
                         SeqOpt, options_from_flags, output_file)
 from twin.program.grid import Grid
 from twin.predict.memory import GIB, check_fits, memory_per_gpu
 from twin.program.model import list_models, load_model
+from twin.program.pipeline import check_pipeline, stage_programs
 from twin.program.program import build_program
 from twin.program.programfile import save_program
 from twin.present.tables import human_bytes, table
@@ -49,6 +50,9 @@ def program_cmd(
     cache_layers: CacheOpt = 0,
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
+    schedule: ScheduleOpt = "1f1b",
+    chunks: ChunksOpt = 1,
+    stage: Annotated[int, typer.Option(help="The pipeline stage whose program to print (grids XxYxZxPxD).")] = 0,
     hbm_gib: Annotated[Optional[float], typer.Option(help="GPU memory (GiB) to check the fit against; off by default.")] = None,
     json_print: Annotated[bool, typer.Option("--json", help="Print the whole program (every op) as JSON instead of its summary.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json-out", help="Write the whole program (every op) as JSON to this file (`twin simulate --program`, `backend run --program`).", callback=output_file)] = None,
@@ -56,19 +60,23 @@ def program_cmd(
     """Build the schedule of one iteration for one rank and print its summary."""
     spec = load_model(model)
     g = Grid.parse(grid)
-    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks)
     g.validate(spec, gpus=gpus, batch=batch, micro_batches=micro_batches, seq_len=seq)
+    check_pipeline(spec, g, opts)
+    if not 0 <= stage < g.pipe:
+        raise TwinError(f"--stage {stage} is not a stage of grid {g} (0..{g.pipe - 1})")
     mem = memory_per_gpu(spec, g, opts, batch, seq)
     if hbm_gib is not None:
         if not 0 < hbm_gib < 1e9:  # also refuses nan and inf
             raise TwinError(f"--hbm-gib must be a positive number of GiB, got {hbm_gib}")
         check_fits(mem, hbm_gib * GIB, f"{spec.name} on grid {g} ")
-    prog = build_program(spec, g, opts, batch, seq)
+    prog = build_program(spec, g, opts, batch, seq, stage=stage)
     if json_out is not None:
-        save_program(prog, json_out)
+        # a pipelined grid's file holds every stage's program
+        save_program(stage_programs(spec, g, opts, batch, seq) if g.pipe > 1 else prog, json_out)
     if json_print:
         from twin.program.programfile import program_json
-        typer.echo(program_json(prog))
+        typer.echo(program_json(stage_programs(spec, g, opts, batch, seq) if g.pipe > 1 else prog))
         return
     s = prog.summary()
     console.print(f"{spec.name} on grid {g} ({g.size} GPUs), batch {s['global_batch']} x "

@@ -11,7 +11,7 @@ import typer
 from twin.cli.common import (AutoGridOpt, FullOpt, GpusOpt, PlacementOpt, ProfileOpt, QuietOpt, SlowdownOpt,
                              StudyModelOpt, SystemOpt, console, handles_errors)
 from topologies.common import TwinError, finite_json, write_atomic
-from twin.program.flags import (BatchOpt, CacheOpt, MicroOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
+from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, MicroOpt, ScheduleOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
                         options_from_flags, output_file, output_folder)
 from twin.program.programfile import load_program
 from twin.present.tables import human_bytes, human_flops, table
@@ -30,8 +30,8 @@ def _parse_slowdown(text: str | None) -> dict[int, float] | None:
 def _print_result(r) -> None:
     """A simulation result as tables (seconds, PF/s, GiB)."""
     it = r.iteration_time_s
-    head = table("system", "model", "GPUs", "grid XxYxZxD", "batch x seq", "mode",
-                 keep=("system", "model", "GPUs", "grid XxYxZxD"))
+    gcol = "grid XxYxZxPxD" if r.pipeline else "grid XxYxZxD"
+    head = table("system", "model", "GPUs", gcol, "batch x seq", "mode", keep=("system", "model", "GPUs", gcol))
     head.add_row(r.system, r.model, str(r.gpus), r.grid_str, f"{r.global_batch} x {r.seq_len}",
                  f"{r.mode} ({r.simulated_ranks} rank{'s' if r.simulated_ranks > 1 else ''})")
     console.print(head)
@@ -50,11 +50,27 @@ def _print_result(r) -> None:
               keep=("where the time goes", "seconds", "share"), right=("seconds", "share"))
     rows = [("compute", r.breakdown_s["compute"])]
     rows += [(f"exposed comm {a}", v) for a, v in r.breakdown_s["exposed_comm"].items()]
+    if "bubble" in r.breakdown_s:
+        rows.append(("pipeline bubble", r.breakdown_s["bubble"]))
     rows.append(("idle", r.breakdown_s["idle"]))
     for name, v in rows:
         b.add_row(name, f"{v:.4f}", f"{100 * v / it:.1f} %")
     console.print(b)
+    if r.pipeline:
+        console.print(pipeline_line(r))
     console.print(f"flops per iteration {r.flops_per_iteration:.4g}: {r.flops_convention}")
+
+
+def pipeline_line(r) -> str:
+    """One line on a pipelined result: the schedule and the bubble against its analytic share."""
+    p = r.pipeline
+    P, M, V = p["stages"], p["micro_batches"], p["chunks"]
+    ideal = (P - 1) / (V * M + P - 1)
+    inflight = max(s["micro_batches_in_flight"] for s in p["stages_s"])
+    return (f"pipeline: {P} stages, {p['schedule']} schedule" + (f" with {V} chunks per stage" if V > 1 else "")
+            + f", {M} micro-batches; bubble {100 * p['bubble_share']:.1f} % of the iteration "
+            f"(compute-only ideal (P-1)/(V M+P-1) = {100 * ideal:.1f} %); at most {inflight} "
+            f"micro-batch{'es' if inflight > 1 else ''}{' chunks' if V > 1 else ''} in flight on a stage")
 
 
 @handles_errors
@@ -72,6 +88,8 @@ def simulate_cmd(
     cache_layers: CacheOpt = 0,
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
+    schedule: ScheduleOpt = "1f1b",
+    chunks: ChunksOpt = 1,
     gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
     profile: ProfileOpt = None,
     full: FullOpt = False,
@@ -87,7 +105,7 @@ def simulate_cmd(
     from twin.present.progress import Stages, quiet_default
     from twin.predict.simulate import SimulationConfig, simulate
 
-    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks)
     if simulate_top < 1:
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
     prog = None
@@ -189,7 +207,8 @@ def search_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best."""
+    """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best; then
+    the pipelined grids (stages, schedule, micro-batches) that could beat them."""
     from twin.predict.auto import search
     from twin.predict.study import prepare
 
@@ -218,8 +237,11 @@ def search_cmd(
     sims = [c for c in cands if c.simulated_s is not None]
     if sims:
         best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
+        from twin.predict.auto import BOUND_SLACK
+        from twin.predict.pipe_auto import search_pipelines
+        best, why = search_pipelines(study, best, BOUND_SLACK)
         console.print(f"use grid {best.grid}: the fastest simulated ({best.simulated_s:.3f} s per iteration); "
-                      "the estimate ranks grids, the simulation (overlap, contention) decides")
+                      "the estimate ranks grids, the simulation (overlap, contention) decides" + why)
     if len(cands) > top:
         console.print(f"rows {top + 1}-{len(cands)}: beyond the {top} asked for, simulated because their lower "
                       "bound could beat the fastest simulated grid")

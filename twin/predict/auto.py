@@ -139,16 +139,23 @@ def _simulate(study: Study, c: Candidate, collectives) -> float:
     return r.iteration_time_s
 
 
-def choose_grid(study: Study, simulate_top: int = 2, collectives=None, tick=None) -> tuple[Candidate, str]:
+def choose_grid(study: Study, simulate_top: int = 2, collectives=None, tick=None,
+                pipelines: bool = True) -> tuple[Candidate, str]:
     """The grid `--grid auto` runs, the fastest simulated (its Candidate, with its symmetric-mode
-    result), and a line saying how it was chosen. `tick(share done)`: progress, where given."""
+    result), and a line saying how it was chosen. `tick(share done)`: progress, where given.
+    pipelines: also consider pipelined grids (twin.predict.pipe_auto; a pipelined winner's Candidate
+    carries its `study`, whose switches say the schedule and micro-batches)."""
     looked = _auto(study, simulate_top, collectives, tick)
     sims = [c for c in looked if c.simulated_s is not None]
     best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))
     bounded = [c for c in looked if c.bound_s is not None and c.simulated_s is None]
     stopped = sum(stopped_bound(study, c.grid) >= c.bound_s for c in bounded)
     how = "" if collectives is not None else " (routing-free estimate)"
+    why = ""
+    if collectives is None and pipelines:  # pipelined grids (twin.predict.pipe_auto)
+        from twin.predict.pipe_auto import consider_pipelines
+        best, why = consider_pipelines(study, best, BOUND_SLACK)
     return best, (f"auto: fastest simulated of the analytical top {len(looked)}{how} "
                   f"({', '.join(f'{c.grid} {c.simulated_s:.3f} s' for c in sims)}"
                   + (f"; {len(bounded)} more ruled out by their lower bound" if bounded else "")
-                  + (f", {stopped} of them partway through their simulation" if stopped else "") + ")")
+                  + (f", {stopped} of them partway through their simulation" if stopped else "") + why + ")")

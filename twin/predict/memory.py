@@ -75,6 +75,9 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     options = options or Options()
     batch = model.global_batch if batch is None else batch
     s = model.seq_len if seq_len is None else seq_len
+    if grid.pipe > 1:
+        return max((stage_memory(model, grid, options, batch, s, k, activation_bytes, gloo) for k in range(grid.pipe)),
+                   key=lambda mem: mem.total)
     h, gx, gy = model.hidden, grid.x, grid.y
     m = batch // (grid.z * grid.data) // options.micro_batches * s  # tokens per micro-batch
     n_local = local_params(model, grid)
@@ -189,6 +192,49 @@ def _backend_peak(model: ModelSpec, grid: Grid, options: Options, m: int, n_loca
     return Memory(parameters=weight * n_local, gradients=grads, optimizer=opt * n_local,
                   activations=activations, gathered_weights=gath, logits=logit_bytes,
                   reduction_buffers=copies)
+
+
+def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: int, stage: int,
+                 activation_bytes: int = ACT_BYTES, gloo: bool = False) -> Memory:
+    """Peak memory of one rank of pipeline stage `stage` (bytes), counted as memory_per_gpu counts the
+    bf16 peak (on CPU too: the fp32 executor's measured peak is for unpipelined grids), at the start
+    of a backward pass with the most micro-batches in flight: the stage's own parameters, gradients
+    and optimizer state (twin.program.pipeline.stage_params), and the activations that every unit
+    whose forward ran and backward did not yet keeps (its chunk's block inputs, or every block's stash
+    without recomputation) for the most units the stage's schedule holds at once
+    (twin.program.pipeline.in_flight: GPipe M; 1F1B P - s, so P on the first stage; interleaved
+    2 (P - s - 1) + (V - 1) P + 1 chunks of L / (P V) blocks, on the first stage L (1 + (P - 1) / (P V))
+    blocks' worth, the (1 + (P - 1) / (P m)) of Korthikanti et al. 2022 for Megatron-LM's schedule),
+    plus one block's stash and working set, the z-gathered weights, and the last stage's logits."""
+    from twin.program.pipeline import chunk_layers, in_flight, schedule, stage_params
+    h, gx, gy = model.hidden, grid.x, grid.y
+    m = batch // (grid.z * grid.data) // options.micro_batches * s
+    per_block = activation_bytes * m * (4 * h // gx + (3 * h + h + 2 * model.ffn) // gy) \
+        + 4 * (m // s) * (model.heads // gy) * s
+    working = activation_bytes * m * model.ffn // gy
+    if model.is_llama:
+        per_block = activation_bytes * m * (4 * h // gx + (2 * model.qkv_width + h + 3 * model.ffn) // gy) \
+            + 4 * (m // s) * (model.heads // gy) * s
+        working = activation_bytes * m * 2 * model.ffn // gy
+    block_input = activation_bytes * m * h // gx
+    chunk = len(chunk_layers(model, grid, options, stage, 0))
+    units = in_flight(schedule(options.schedule, grid.pipe, options.micro_batches, options.chunks, stage))
+    saved = block_input if options.recompute else per_block
+    activations = units * chunk * saved + per_block + working + 2 * block_input  # + a unit's received input and gradient
+    n_local = stage_params(model, grid, options, stage, model.padded_vocab(gy))
+    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    wgrad = block_weights[-1] * (2 if gloo else 1)
+    in_fl = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
+    cached = min(options.cache_layers, model.layers) * sum(block_weights)
+    gathered = activation_bytes * (in_fl + cached) if grid.z > 1 else 0
+    last = stage == grid.pipe - 1
+    logits = LOGIT_BYTES * m * model.padded_vocab(gy) // gy if last else 0
+    fp32 = activation_bytes >= 4
+    weight, grad, opt = FP32_BYTES if fp32 else (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    copies = GRAD_BYTES * n_local if gloo and grid.data > 1 else 0
+    return Memory(parameters=weight * n_local, gradients=grad * n_local, optimizer=opt * n_local,
+                  activations=activations, gathered_weights=gathered, logits=logits,
+                  reduction_buffers=max(0, copies - (activations + gathered + logits)))
 
 
 def check_fits(mem: Memory, capacity_bytes: float, what: str = "") -> None:

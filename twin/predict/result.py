@@ -19,7 +19,10 @@ class SimulationResult:
 
     breakdown_s = {"compute": s, "exposed_comm": {"x","y","z","data": s}, "idle": s} adds up to
     iteration_time_s: compute is the time the compute stream runs ops; exposed_comm[axis] the time it
-    waits for a collective of that axis; idle the rest (mean over the simulated ranks).
+    waits for a collective of that axis; idle the rest (mean over the simulated ranks). On a pipelined
+    grid (grid["pipe"] > 1) exposed_comm also has "pipe" (waits for point-to-point sends on the wire)
+    and breakdown_s a "bubble" (the pipeline bubble: waits for the previous stage's work, and the drain;
+    twin.engine.pipeline), and `pipeline` says the schedule and what each stage did.
     flops_per_iteration is the model's reference-formula flop count (see FLOPS_CONVENTION), not the
     flops the ranks execute (those include replicated work).
     """
@@ -48,6 +51,7 @@ class SimulationResult:
     wall_time_s: float = 0.0         # seconds this simulation took (not deterministic; last in JSON)
     spans: list = field(default_factory=list, repr=False)  # twin.program.trace.Span of every op, when recorded
     waits: list = field(default_factory=list, repr=False)  # the engine's exposed waits (trace.wait_span), when recorded
+    pipeline: dict = field(default_factory=dict)  # pipelined grids: schedule, chunks, micro-batches, per stage
 
     def as_dict(self, wall_time: bool = True) -> dict:
         d = {
@@ -61,6 +65,8 @@ class SimulationResult:
             "profile": self.profile, "options": dict(self.options), "grid_choice": self.grid_choice,
             "flops_convention": self.flops_convention,
         }
+        if self.pipeline:
+            d["pipeline"] = self.pipeline
         if wall_time:
             d["wall_time_s"] = self.wall_time_s
         return d
@@ -72,4 +78,6 @@ class SimulationResult:
     @property
     def grid_str(self) -> str:
         g = self.grid
+        if g.get("pipe", 1) > 1:
+            return f"{g['x']}x{g['y']}x{g['z']}x{g['pipe']}x{g['data']}"
         return f"{g['x']}x{g['y']}x{g['z']}x{g['data']}"

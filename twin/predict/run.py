@@ -117,6 +117,13 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                 raise TwinError(f"--slowdown: rank {r} is not a rank of grid {grid} (0..{grid.size - 1})")
             if not (isinstance(f, (int, float)) and 0 < f <= MAX_SLOWDOWN):
                 raise TwinError(f"--slowdown: the factor of rank {r} must be a number in (0, {MAX_SLOWDOWN:g}], got {f}")
+    if grid.pipe > 1:
+        if full or slowdown:
+            raise TwinError(f"grid {grid} is pipelined: --full and --slowdown simulate unpipelined grids only "
+                            "(a pipelined grid is simulated one representative rank per stage)")
+        from twin.predict.pipelined import simulate_pipelined
+        return simulate_pipelined(study, grid, record=record, collectives=collectives, grid_choice=grid_choice,
+                                  programs=program)
     prog = program or program_for(study, grid)
     p, km = study.profile, study.kernels
     if p.host is not None:  # ranks share their node's cores (CPU): the host model runs the program

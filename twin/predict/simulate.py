@@ -47,7 +47,7 @@ class SimulationConfig:
     slowdown: dict[int, float] | None = None
     record: bool = False
     simulate_top: int = 2
-    program: Program | None = None
+    program: Program | list[Program] | None = None
 
 
 def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> SimulationResult:
@@ -61,7 +61,7 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         raise TwinError("--slowdown needs --full: stragglers are simulated only when every rank is")
     model, gpus, grid, options, batch, seq_len = c.model, c.gpus, c.grid, c.options, c.batch, c.seq_len
     if c.program is not None:
-        p = c.program
+        p = c.program[0] if isinstance(c.program, list) else c.program  # a pipelined grid's: its stages
         model, gpus, grid, options, batch, seq_len = p.model, p.grid.size, p.grid, p.options, p.batch, p.seq_len
     study = prepare(c.system, model, gpus, batch, seq_len, options, c.placement, c.profile, c.gemm_tuning)
     result = None
@@ -73,6 +73,7 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,
                                 tick=getattr(progress, "part", None))
         g = best.grid
+        study = getattr(best, "study", study)  # a pipelined grid's: its schedule and micro-batches
         if best.result is not None and not (c.full or c.slowdown or c.record):
             result = best.result  # already simulated in this very setting
             result.grid_choice = how

@@ -71,6 +71,8 @@ def check_grid(study: Study, grid: Grid) -> None:
     """Raise TwinError unless `grid` runs the study's model on its GPUs and fits in HBM."""
     grid.validate(study.model, gpus=study.gpus, batch=study.batch,
                   micro_batches=study.options.micro_batches, seq_len=study.seq_len)
+    from twin.program.pipeline import check_pipeline
+    check_pipeline(study.model, grid, study.options)
     mem = memory_per_gpu(study.model, grid, study.options, study.batch, study.seq_len, study.profile.activation_bytes)
     check_fits(mem, study.system.gpu.hbm_bytes, f"{study.model.name} on grid {grid} of {study.system.name} ")
 
@@ -78,4 +80,7 @@ def check_grid(study: Study, grid: Grid) -> None:
 def collective_model(study: Study, grid: Grid):
     """The system's collective model for this grid on the study's rank placement."""
     from twin.costs.collectives import CollectiveModel
+    if grid.pipe > 1:  # the axes laid out on the 5D rank order, and point-to-point sends between stages
+        from twin.costs.p2p import PipelineModel
+        return PipelineModel(study.system, grid, placement=study.placement, measured=study.profile.collectives())
     return CollectiveModel(study.system, grid, placement=study.placement, measured=study.profile.collectives())

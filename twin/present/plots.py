@@ -20,18 +20,18 @@ import plotly.graph_objects as go
 
 from topologies.draw import AXIS_COLOURS  # one colour per axis on every page
 
-from twin.program.program import STREAMS
-from twin.program.trace import Span, attributed_gaps, compute_gaps
+from twin.program.trace import TRACE_STREAMS as STREAMS, Span, attributed_gaps, compute_gaps
 
 MAX_BARS = 20_000
 MAX_RANKS = 8
 KIND_COLOURS = {
     "gemm": "#1f77b4", "attention": "#9467bd", "elementwise": "#7f7f7f", "embedding": "#8c564b",
     "loss": "#bcbd22", "optimizer": "#17becf", "all_gather": "#2ca02c", "reduce_scatter": "#ff7f0e",
-    "all_reduce": "#d62728",
+    "all_reduce": "#d62728", "send": "#006d2c", "recv": "#74c476",
 }
 IDLE_COLOUR = "#bdbdbd"
-PART_COLOURS = {"compute": "#1f77b4", "idle": IDLE_COLOUR, **{f"exposed {a}": c for a, c in AXIS_COLOURS.items()}}
+PART_COLOURS = {"compute": "#1f77b4", "idle": IDLE_COLOUR, "pipeline bubble": "#fdae6b",
+                **{f"exposed {a}": c for a, c in AXIS_COLOURS.items()}}
 
 
 def _row(rank: int, stream: str) -> str:
@@ -153,6 +153,8 @@ def breakdown_parts(breakdown_s: dict) -> list[tuple[str, float]]:
     """(label, seconds) of a breakdown: compute, exposed comm per axis (those that are not zero), idle."""
     parts = [("compute", breakdown_s["compute"])]
     parts += [(f"exposed {a}", v) for a, v in breakdown_s["exposed_comm"].items() if v > 0]
+    if "bubble" in breakdown_s:  # a pipelined grid's (twin.engine.pipeline)
+        parts.append(("pipeline bubble", breakdown_s["bubble"]))
     parts.append(("idle", breakdown_s["idle"]))
     return parts
 
@@ -185,7 +187,7 @@ def ranks_figure(spans: list[Span], iteration_s: float, waits: list[Span] | None
     rows = {r: trace_breakdown(by_rank[r], None if waits is None else mine[r]) for r in ranks}
     fig = go.Figure()
     parts = [("compute", lambda b: b["compute"])]
-    parts += [(f"exposed {a}", lambda b, a=a: b["exposed_comm"][a]) for a in AXIS_COLOURS]
+    parts += [(f"exposed {a}", lambda b, a=a: b["exposed_comm"].get(a, 0.0)) for a in AXIS_COLOURS]
     parts.append(("idle", lambda b: b["idle"] + max(iteration_s - b["iteration"], 0.0)))
     for label, get in parts:
         ys = [get(rows[r]) for r in ranks]

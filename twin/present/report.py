@@ -152,7 +152,8 @@ def _summary(rep: Report, study: Study) -> list[str]:
     comp = 100 * b["compute"] / it
     exposed = sorted(b["exposed_comm"].items(), key=lambda kv: -kv[1])
     out.append(f"Compute runs {comp:.1f} % of the iteration; the compute stream waits for communication "
-               f"{100 * sum(v for _, v in exposed) / it:.1f} % and is idle {100 * b['idle'] / it:.1f} %.")
+               f"{100 * sum(v for _, v in exposed) / it:.1f} % and is idle {100 * b['idle'] / it:.1f} %"
+               + (f"; the pipeline bubble is {100 * b['bubble'] / it:.1f} %." if "bubble" in b else "."))
     if exposed and exposed[0][1] > 0:
         a, v = exposed[0]
         bw = rep.bandwidth.get(a)
@@ -228,8 +229,10 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     say("tracing the critical path")
     from twin.present.plots import pick_ranks
     shown = pick_ranks(result.spans)
-    for r in shown:
-        rep.critical |= critical_path(result.spans, program, r)
+    for r in shown:  # a pipelined grid: each stage's rank along its own stage's program
+        prog = build_program(study.model, g, study.options, study.batch, study.seq_len, stage=g.stage(r)) \
+            if g.pipe > 1 else program
+        rep.critical |= critical_path(result.spans, prog, r)
     rep.window, rep.window_label = layer_window(result.spans, program, shown[0])
     say("measuring the network under the job")
     t1 = time.perf_counter()

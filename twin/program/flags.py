@@ -20,7 +20,7 @@ from topologies.common import TwinError, check_output
 from twin.program.program import Options
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name (see `twin models`) or a model .toml file.")]
-GridOpt = Annotated[str, typer.Option("--grid", "-g", help="4D grid XxYxZxD (x fastest), e.g. 8x8x4x128; its product is the number of GPUs (ranks).")]
+GridOpt = Annotated[str, typer.Option("--grid", "-g", help="Grid XxYxZxD or, with P pipeline stages, XxYxZxPxD (x fastest), e.g. 8x8x4x128 or 8x8x4x2x64; its product is the number of GPUs (ranks).")]
 BatchOpt = Annotated[Optional[int], typer.Option(help="Global batch in sequences (default: the model's).")]
 SeqOpt = Annotated[Optional[int], typer.Option(help="Sequence length in tokens (default: the model's).")]
 OarOpt = Annotated[bool, typer.Option("--oar/--no-oar", help="Overlap the backward input-gradient all-reduce with the weight-gradient GEMM.")]
@@ -28,19 +28,27 @@ OrsOpt = Annotated[bool, typer.Option("--ors/--no-ors", help="Defer z reduce-sca
 OagOpt = Annotated[bool, typer.Option("--oag/--no-oag", help="Prefetch the next layer's z all-gather one layer ahead.")]
 CacheOpt = Annotated[int, typer.Option(help="Keep the gathered weights of the first N blocks for the whole step.")]
 RecomputeOpt = Annotated[bool, typer.Option("--recompute/--no-recompute", help="Recompute each block's forward in the backward pass.")]
-MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient accumulation).")]
+MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient accumulation; the pipeline's micro-batches).")]
+ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule on a grid XxYxZxPxD: gpipe, 1f1b (needs P micro-batches) or interleaved (--chunks >= 2).")]
+ChunksOpt = Annotated[int, typer.Option(help="Model chunks (virtual stages) per pipeline stage, for --schedule interleaved.")]
 
 
 def options_from_flags(oar: bool = True, ors: bool = True, oag: bool = True, cache_layers: int = 0,
                        recompute: bool = True, micro_batches: int = 1, grad_clip: bool = True,
-                       goldfish_h: int = 0) -> Options:
+                       goldfish_h: int = 0, schedule: str = "1f1b", chunks: int = 1) -> Options:
     """The switches of the 4D algorithm from the command line's flags (raises TwinError)."""
     if cache_layers < 0:
         raise TwinError(f"--cache-layers must be >= 0, got {cache_layers}")
     if micro_batches < 1:
         raise TwinError(f"--micro-batches must be at least 1, got {micro_batches}")
+    schedule = schedule.strip().lower()
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise TwinError(f"--schedule {schedule!r} is not one of gpipe, 1f1b, interleaved")
+    if chunks < 1:
+        raise TwinError(f"--chunks must be at least 1, got {chunks}")
     return Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
-                   micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h)
+                   micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h, schedule=schedule,
+                   chunks=chunks)
 
 
 class OneLineErrors(typer.core.TyperGroup):

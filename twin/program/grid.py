@@ -1,8 +1,10 @@
-"""The 4D grid G_x x G_y x G_z x G_data: rank <-> coordinates, groups of each axis, validation.
+"""The grid G_x x G_y x G_z x G_pipe x G_data: rank <-> coordinates, groups of each axis, validation.
 
-Rank order: x varies fastest, then y, then z, then data:
-    rank = x + G_x * (y + G_y * (z + G_z * d))
-so the members of an x-group are consecutive ranks and sit inside a node first.
+Rank order: x varies fastest, then y, then z, then the pipeline stage p, then data:
+    rank = x + G_x * (y + G_y * (z + G_z * (p + G_pipe * d)))
+so the members of an x-group are consecutive ranks and sit inside a node first. A grid is written
+XxYxZxD (G_pipe = 1, no pipeline) or XxYxZxPxD; the pipeline is not a collective axis (AXES): its
+stages exchange activations and gradients point to point (twin/program/pipeline.py).
 """
 
 from __future__ import annotations
@@ -24,29 +26,35 @@ class Grid:
     y: int
     z: int
     data: int
+    pipe: int = 1  # pipeline stages (G_pipe); written between z and data: XxYxZxPxD
 
     def __post_init__(self) -> None:
-        for a in AXES:
+        for a in AXES + ("pipe",):
             v = getattr(self, a)
             if not isinstance(v, int) or v < 1:
                 raise TwinError(f"grid: G_{a} must be a positive integer, got {v!r}")
 
     @classmethod
     def parse(cls, text: str) -> "Grid":
-        """Parse 'XxYxZxD' (four positive integers joined by 'x')."""
-        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)x(\d+)\s*", text)
+        """Parse 'XxYxZxD' or 'XxYxZxPxD' (four or five positive integers joined by 'x')."""
+        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)x(\d+)(?:x(\d+))?\s*", str(text))
         if not m:
-            raise TwinError(f"grid {text!r} is not of the form XxYxZxD (four positive integers, "
-                            "x fastest, e.g. 8x8x4x128)")
-        return cls(*(int(g) for g in m.groups()))
+            raise TwinError(f"grid {text!r} is not of the form XxYxZxD or XxYxZxPxD (four or five positive "
+                            "integers, x fastest, e.g. 8x8x4x128 or 8x8x4x2x64 with 2 pipeline stages)")
+        g = [int(v) for v in m.groups() if v is not None]
+        if len(g) == 5:
+            return cls(g[0], g[1], g[2], g[4], pipe=g[3])
+        return cls(*g)
 
     def __str__(self) -> str:
+        if self.pipe > 1:
+            return f"{self.x}x{self.y}x{self.z}x{self.pipe}x{self.data}"
         return f"{self.x}x{self.y}x{self.z}x{self.data}"
 
     @property
     def size(self) -> int:
         """Number of GPUs (ranks)."""
-        return self.x * self.y * self.z * self.data
+        return self.x * self.y * self.z * self.pipe * self.data
 
     @property
     def tensor_size(self) -> int:
@@ -58,28 +66,38 @@ class Grid:
 
     def stride(self, axis: str) -> int:
         """Rank distance between consecutive members of a group of `axis`."""
-        return {"x": 1, "y": self.x, "z": self.x * self.y, "data": self.x * self.y * self.z}[axis]
+        t = self.x * self.y * self.z
+        return {"x": 1, "y": self.x, "z": self.x * self.y, "pipe": t, "data": t * self.pipe}[axis]
 
     def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """(x, y, z, data) coordinates of a rank."""
+        """(x, y, z, data) coordinates of a rank (its pipeline stage: `stage`)."""
         if not 0 <= rank < self.size:
             raise TwinError(f"rank {rank} is outside a grid of {self.size} GPUs")
         x, r = rank % self.x, rank // self.x
         y, r = r % self.y, r // self.y
-        z, d = r % self.z, r // self.z
-        return x, y, z, d
+        z, r = r % self.z, r // self.z
+        return x, y, z, r // self.pipe
 
-    def rank(self, x: int, y: int, z: int, data: int) -> int:
-        return x + self.x * (y + self.y * (z + self.z * data))
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of a rank (0 without a pipeline)."""
+        return rank // (self.x * self.y * self.z) % self.pipe
+
+    def rank(self, x: int, y: int, z: int, data: int, pipe: int = 0) -> int:
+        return x + self.x * (y + self.y * (z + self.z * (pipe + self.pipe * data)))
+
+    def peer(self, rank: int, stage: int) -> int:
+        """The rank of `stage` with the same x, y, z and data coordinates as `rank`."""
+        return self.rank(*self.coords(rank), pipe=stage)
 
     def group(self, rank: int, axis: str) -> list[int]:
         """The ranks of `axis`'s group that contains `rank`, in axis order."""
         c = list(self.coords(rank))
         i = AXES.index(axis)
+        p = self.stage(rank)
         members = []
         for v in range(self.axis_size(axis)):
             c[i] = v
-            members.append(self.rank(*c))
+            members.append(self.rank(*c, pipe=p))
         return members
 
     def groups(self, axis: str) -> list[list[int]]:
@@ -92,8 +110,9 @@ class Grid:
                  micro_batches: int = 1, seq_len: int | None = None) -> None:
         """Raise TwinError if this grid cannot run `model` on `gpus` GPUs with `batch` sequences."""
         if gpus is not None and self.size != gpus:
+            what = "G_x*G_y*G_z*G_pipe*G_data" if self.pipe > 1 else "G_x*G_y*G_z*G_data"
             raise TwinError(f"grid {self} has {self.size} GPUs but --gpus is {gpus}: "
-                            f"make G_x*G_y*G_z*G_data equal the GPU count")
+                            f"make {what} equal the GPU count")
         for what, v in (("global batch", batch), ("sequence length", seq_len)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise TwinError(f"{what} must be a positive integer, got {v!r}")

@@ -37,6 +37,8 @@ class Options:
     micro_batches: int = 1    # gradient accumulation steps per iteration
     grad_clip: bool = True    # global-norm gradient clipping (three scalar all-reduces)
     goldfish_h: int = 0       # goldfish loss: tokens hashed per target to mask it (0: off)
+    schedule: str = "1f1b"    # pipeline schedule with G_pipe > 1: gpipe, 1f1b or interleaved (twin/program/pipeline.py)
+    chunks: int = 1           # model chunks (virtual stages) per pipeline stage; > 1 with the interleaved schedule
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Op:
     writes: tuple[str, ...] = ()
     add: str = ""
     accumulate: str = ""
+    peer: int = -1  # send, recv: the pipeline stage at the other end (twin/program/pipeline.py)
 
     @property
     def is_collective(self) -> bool:
@@ -121,15 +124,21 @@ class Program:
     seq_len: int   # tokens per sequence
     vocab: int     # padded vocabulary
     ops: list[Op] = field(default_factory=list)
+    stage: int = 0  # the pipeline stage whose program this is (grid.pipe > 1)
 
     @property
     def tokens_per_micro_batch(self) -> int:
         """Tokens one rank processes per micro-batch."""
         return self.batch // (self.grid.z * self.grid.data) // self.options.micro_batches * self.seq_len
 
+    @property
+    def ranks(self) -> int:
+        """The ranks that run this program: all of them, or a pipeline stage's."""
+        return self.grid.size // self.grid.pipe
+
     def model_flops(self) -> float:
-        """Flops of one iteration over all ranks, counting replicated work once (flop)."""
-        return sum(op.flops / op.replicas for op in self.ops) * self.grid.size
+        """Flops of one iteration over the ranks that run this program, counting replicated work once (flop)."""
+        return sum(op.flops / op.replicas for op in self.ops) * self.ranks
 
     def matmul_flops(self) -> float:
         """GEMM and attention flops of one iteration over all ranks, replicated work once (flop).
@@ -137,14 +146,16 @@ class Program:
         With recomputation and no replication error this equals ModelSpec.reference_flops exactly.
         """
         return sum(op.flops / op.replicas for op in self.ops
-                   if op.kind in ("gemm", "attention")) * self.grid.size
+                   if op.kind in ("gemm", "attention")) * self.ranks
 
     def comm_bytes(self) -> dict[str, float]:
         """Bytes on the wire sent per rank, by axis, for ring collectives (bytes)."""
         out = {a: 0.0 for a in AXES}
         for op in self.ops:
             if op.is_collective:
-                out[op.axis] += op.wire_bytes(self.grid.axis_size(op.axis))
+                out[op.axis] = out.get(op.axis, 0.0) + op.wire_bytes(self.grid.axis_size(op.axis))
+            elif op.kind == "send":  # a pipeline stage's point-to-point sends (axis "pipe")
+                out[op.axis] = out.get(op.axis, 0.0) + op.bytes
         return out
 
     def summary(self) -> dict:
@@ -164,7 +175,7 @@ class Program:
             "matmul_flops": self.matmul_flops(),
             "reference_flops": self.model.reference_flops(self.batch, self.seq_len, self.vocab,
                                                           self.options.recompute),
-            "payload_bytes_per_axis": {a: payload[a] for a in AXES},
+            "payload_bytes_per_axis": {a: payload[a] for a in AXES + tuple(k for k in payload if k not in AXES)},
             "wire_bytes_per_axis": self.comm_bytes(),
         }
 

@@ -41,9 +41,8 @@ twin/program/ops.py are importable from here too.
 
 from __future__ import annotations
 
-import math
-
 from twin.program.blocks import Blocks
+from twin.program.ends import Ends, grad_params, optimizer_sizes
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, COLLECTIVES,
@@ -58,159 +57,46 @@ __all__ = ["ACT_BYTES", "ADAMW_BYTES_PER_PARAM", "ADAMW_FLOPS_PER_PARAM", "COLLE
 
 
 def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
-                  batch: int | None = None, seq_len: int | None = None) -> Program:
-    """Build the program of one iteration for one rank (the same for every rank).
+                  batch: int | None = None, seq_len: int | None = None, stage: int = 0) -> Program:
+    """Build the program of one iteration for one rank (the same for every rank of a pipeline stage;
+    without a pipeline, for every rank).
 
-    batch: global batch in sequences (default: the model's); seq_len: tokens per sequence.
-    Raises TwinError when the grid cannot run the model.
+    batch: global batch in sequences (default: the model's); seq_len: tokens per sequence; stage:
+    the pipeline stage (0 <= stage < grid.pipe). Raises TwinError when the grid cannot run the model.
     """
     options = options or Options()
     batch = model.global_batch if batch is None else batch
     seq_len = model.seq_len if seq_len is None else seq_len
+    if grid.pipe > 1:  # a pipeline stage's program
+        from twin.program.pipeline import build_stage_program
+        return build_stage_program(model, grid, options, batch, seq_len, stage)
     grid.validate(model, batch=batch, micro_batches=options.micro_batches, seq_len=seq_len)
     check_program_size(model, options)
     b = Builder(model, grid, options, batch, seq_len)
-    h, gx, gy = model.hidden, grid.x, grid.y
-    m, V, s = b.tokens, b.vocab, seq_len
-    llama = model.is_llama
-    wte_bytes = ACT_BYTES * math.prod(embedding_dims(grid, V, h))  # the head's bytes too (tied or not)
-    emb_bytes = wte_bytes + (0 if llama else ACT_BYTES * math.prod(embedding_dims(grid, s, h)))
-    linears = model.linear_shapes()
-    W, D = weight_buffer, grad_buffer
     blk = Blocks(b)
-
-    wbytes = {ln: ACT_BYTES * math.prod(linear_dims(grid, k, n, t)[:2]) for ln, k, n, t in linears}
-
-    def cached(i: int, first_mb: bool) -> bool:
-        return i < options.cache_layers and not first_mb
-
-    def fwd_order(first_mb: bool) -> list[tuple[str, str, int]]:
-        order = [("emb", "emb.fwd.ag_z", emb_bytes)]
-        for i in range(model.layers):
-            if not cached(i, first_mb):
-                order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", wbytes[ln]) for ln, _, _, _ in linears]
-        return order + [("head", "head.fwd.ag_z", wte_bytes)]
-
-    def bwd_order() -> list[tuple[str, str, int]]:
-        order = [("head", "head.bwd.ag_z", wte_bytes)]
-        for i in reversed(range(model.layers)):
-            if i < options.cache_layers:
-                continue
-            lin = linears if options.recompute else linears[::-1]
-            order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", wbytes[ln]) for ln, _, _, _ in lin]
-        return order
-
-    x0, xl = "x:L0", f"x:L{model.layers}"
+    ends = Ends(b, blk)
+    layers = range(model.layers)
     for mb in range(options.micro_batches):
         b.prefix = f"mb{mb}." if options.micro_batches > 1 else ""
         b.ready, b.mb, b.phase = None, mb, "fwd"
         # forward
-        b.start_pass(fwd_order(mb == 0))
-        ag = b.gather("emb")
-        b.main(b.compute("emb.fwd", "embedding", deps=[ag], flops=float(m * h // gx),
-                         bytes=ACT_BYTES * 3 * m * h // gx, role="embedding", weight="emb",
-                         reads=("tokens", W("emb")), writes=("emb.out",)))
-        b.allreduce_ready("emb.fwd.ar_y", "y", ACT_BYTES * m * h // gx, "emb.out", x0)
-        for i in range(model.layers):
+        b.start_pass(ends.fwd_order(layers, mb == 0))
+        ends.emb_fwd()
+        for i in layers:
             blk.fwd(i)
-        blk.norm("lnf", xl, "lnf.out")
-        ag = b.gather("head")
-        b.main(b.gemm("head.fwd.gemm", m, V // gy, h // gx, "NT", "lnf.out", W("head"), "head.out", deps=[ag],
-                      weight="head"))
-        b.allreduce_ready("head.fwd.ar_x", "x", ACT_BYTES * m * V // gy, "head.out", "logits")
-        if options.goldfish_h:  # the goldfish mask: integer hashing of h ids per target, no flops; the
-            # data loader applies it to the targets (backend.training.goldfish), the loss still runs over every token
-            b.compute("loss.fwd.mask", "elementwise", flops=0.0, bytes=8 * 2 * m, replicas=gx * gy,
-                      role="goldfish_mask", reads=("targets",))
-        local_sums = grid.y == 1  # nothing to reduce over y: the loss's sums are this rank's own
-        b.compute("loss.fwd", "loss", flops=5.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx, role="loss",
-                  reads=("logits", "targets"), writes=("loss.max",) + (("loss.sums",) if local_sums else ()))
-        b.allreduce_ready("loss.fwd.ar_y_max", "y", STAT_BYTES * m, "loss.max", role="max")
-        ar = b.collective("loss.fwd.ar_y_sum", "all_reduce", "y", STAT_BYTES * 2 * m, deps=[b.ready],
-                          role="loss_sums", reads=("logits", "loss.max", "targets"), writes=("loss.sums",))
-        b.ready = ar if ar is not None else b.ready
+        ends.head_fwd()
         # backward
         b.phase = "bwd"
-        b.start_pass(bwd_order())
-        b.compute("loss.bwd", "loss", flops=3.0 * m * V / gy, bytes=4 * m * V // gy, replicas=gx, role="loss_bwd",
-                  reads=("logits", "targets", "loss.max", "loss.sums"), writes=(D("logits"),))
-        # the head is a normal layer whose weight is wte^T: dgrad is NN, wgrad produces wte's layout
-        kl, nl = h // gx, V // gy
-        ag = b.gather("head")
-        dgrad = b.main(b.gemm("head.bwd.dgrad", m, kl, nl, "NN", D("logits"), W("head"), D("lnf.out"), deps=[ag],
-                              weight="head"))
-        ar = b.collective("head.bwd.ar_y", "all_reduce", "y", ACT_BYTES * m * kl, deps=[dgrad],
-                          reads=(D("lnf.out"),), writes=(D("lnf.out"),))
-        wgrad = b.gemm("head.bwd.wgrad", nl, kl, m, "TN", D("logits"), "lnf.out", "g:head",
-                       deps=[] if options.oar else [ar], weight="head")
-        b.reduce_scatter("head", "head.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
-        b.ready = ar if ar is not None else dgrad
-        blk.norm_bwd("lnf", D("lnf.out"), D(xl))
-        for i in reversed(range(model.layers)):
-            if options.recompute:
-                b.phase = "rec"
-                blk.fwd(i)
-                b.phase = "bwd"
-            blk.bwd(i)
-        b.compute("emb.bwd", "embedding", flops=float(m * h // gx), bytes=ACT_BYTES * 3 * m * h // gx,
-                  role="embedding_bwd", weight="emb", reads=(D(x0), "tokens"), writes=("g:emb",))
-        b.reduce_scatter("emb", "emb.bwd.rs_z", emb_bytes, b.ready)
+        b.start_pass(ends.bwd_order(reversed(layers)))
+        ends.head_bwd()
+        ends.blocks_bwd(reversed(layers))
+        ends.emb_bwd()
 
     # end of step: after the backward pass, each gradient shard is all-reduced over data once its
     # reduce-scatter is done (in layer order), then the optimizer runs
-    b.prefix, b.mb, b.phase = "", -1, "grad"
-    grad_ar = []
-    P = grid.tensor_size
-    end_of_backward = b.ready
-    params = _grad_params(model, V, s)
-    for i in range(model.layers):
-        for ln, k, n, _ in linears:
-            key = f"L{i}.{ln}"
-            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
-                                        GRAD_AR_BYTES * params[key] // P, deps=[b.last_rs[key], end_of_backward],
-                                        role="grad", weight=key))
-    if llama:  # the untied head has its own gradient
-        for key in ("emb", "head"):
-            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * params[key] // P,
-                                        deps=[b.last_rs[key], end_of_backward], role="grad", weight=key))
-    else:
-        grad_ar.append(b.collective("emb.grad.ar_data", "all_reduce", "data",
-                                    GRAD_AR_BYTES * params["emb"] // P,
-                                    deps=[b.last_rs["emb"], b.last_rs["head"], end_of_backward], role="grad",
-                                    weight="emb"))
-    norm_params = (model.layers * model.norm_params_per_layer + model.final_norm_params) // gx
-    nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready],
-                      role="grad", weight="norms")
-    grad_ar.append(b.collective("norms.grad.ar_data", "all_reduce", "data", STAT_BYTES * norm_params,
-                                deps=[nz if nz is not None else b.ready], role="grad", weight="norms"))
-    sizes = _optimizer_sizes(local_params(model, grid))
-    b.phase = "opt"
-    clip = ()
-    if options.grad_clip:
-        b.compute("opt.norm", "elementwise", deps=grad_ar, role="grad_norm", writes=("opt.norm",),
-                  **sizes["grad_norm"])
-        for axis in ("x", "y", "z"):
-            b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES, "opt.norm")
-        grad_ar, clip = [], ("opt.norm",)
-    b.compute("opt.step", "optimizer", deps=grad_ar, role="adamw", reads=clip, **sizes["adamw"])
+    grad_ar = ends.grad_reductions(layers, ["emb", "head"] if model.is_llama else ["emb"])
+    ends.optimizer(grad_ar, local_params(model, grid))
     return Program(model, grid, options, batch, seq_len, b.vocab, b.ops)
-
-
-def _grad_params(model: ModelSpec, vocab: int, seq_len: int) -> dict[str, int]:
-    """Parameters of each weight whose gradient shards are all-reduced over data (a GPT's `emb`: its
-    token and position tables, which the head shares; a Llama's `emb` and `head` apart)."""
-    params = {f"L{i}.{ln}": k * n for i in range(model.layers) for ln, k, n, _ in model.linear_shapes()}
-    if model.is_llama:
-        params["emb"] = params["head"] = vocab * model.hidden
-    else:
-        params["emb"] = (vocab + seq_len) * model.hidden
-    return params
-
-
-def _optimizer_sizes(n_local: int) -> dict[str, dict]:
-    """Flops and bytes of the optimizer's compute ops (by role) for `n_local` parameters on a rank."""
-    return {"grad_norm": {"flops": 2.0 * n_local, "bytes": GRAD_AR_BYTES * n_local},
-            "adamw": {"flops": float(ADAMW_FLOPS_PER_PARAM * n_local), "bytes": ADAMW_BYTES_PER_PARAM * n_local}}
 
 
 def same_ops_but_shards(a: Grid, b: Grid) -> bool:
@@ -220,6 +106,8 @@ def same_ops_but_shards(a: Grid, b: Grid) -> bool:
     in both or neither, G_data > 1 in both or neither. G_z and G_data enter the program only through
     the tokens per rank (batch / (G_z G_data)), whether the z and data collectives exist, and the shard
     of each weight a rank holds (1 / (G_x G_y G_z))."""
+    if a.pipe > 1 or b.pipe > 1:  # a stage's program: built for its own grid
+        return a == b
     return (a.x, a.y, a.z * a.data, a.z > 1, a.data > 1) == (b.x, b.y, b.z * b.data, b.z > 1, b.data > 1)
 
 
@@ -235,8 +123,8 @@ def regrid(program: Program, grid: Grid) -> Program:
     grid.validate(model, batch=program.batch, micro_batches=program.options.micro_batches, seq_len=program.seq_len)
     if old == grid:
         return program
-    params, P = _grad_params(model, program.vocab, program.seq_len), grid.tensor_size
-    sizes = _optimizer_sizes(local_params(model, grid))
+    params, P = grad_params(model, program.vocab, program.seq_len), grid.tensor_size
+    sizes = optimizer_sizes(local_params(model, grid))
     ops = list(program.ops)
     for i, op in enumerate(ops):
         if op.phase == "grad" and op.axis == "data" and op.weight != "norms":

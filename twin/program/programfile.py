@@ -35,21 +35,28 @@ FORMAT = 1
 INPUTS = ("tokens", "targets")
 
 
-def program_json(program: Program) -> str:
-    """The program as JSON: a header to rebuild it, its summary, and every op."""
+def program_json(program: Program | list[Program]) -> str:
+    """The program as JSON: a header to rebuild it, its summary, and every op (a pipelined grid's: the
+    list of its stages' programs, each stage's ops; twin/program/stagefile.py)."""
+    stages = program if isinstance(program, list) else None
+    program = stages[0] if stages else program
     header = {"format": FORMAT, "model": asdict(program.model), "grid": str(program.grid),
               "options": asdict(program.options), "batch": program.batch, "seq_len": program.seq_len,
               "vocab": program.vocab}
+    if stages:
+        from twin.program.stagefile import stages_json
+        return finite_json({"program": header, "summary": program.summary(), **stages_json(stages)}, indent=1)
     return finite_json({"program": header, "summary": program.summary(),
                         "ops": [asdict(op) for op in program.ops]}, indent=1)
 
 
-def save_program(program: Program, path: str | Path) -> None:
+def save_program(program: Program | list[Program], path: str | Path) -> None:
     write_atomic(path, program_json(program))
 
 
-def load_program(path: str | Path) -> Program:
-    """Read and validate a program file (raises InputError with one line)."""
+def load_program(path: str | Path) -> Program | list[Program]:
+    """Read and validate a program file (raises InputError with one line); a pipelined grid's file
+    gives the list of its stages' programs."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -61,13 +68,27 @@ def load_program(path: str | Path) -> Program:
         options = Options(**head["options"])
         grid = Grid.parse(head["grid"])
         known = {f.name for f in fields(Op)}
-        ops = []
-        for i, d in enumerate(data["ops"]):
-            unknown = set(d) - known
-            if unknown:
-                raise InputError(f"program file {path}: op {i} has unknown fields {', '.join(sorted(unknown))}")
-            ops.append(Op(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}))
-        program = Program(model, grid, options, int(head["batch"]), int(head["seq_len"]), int(head["vocab"]), ops)
+
+        def parse_ops(items) -> list[Op]:
+            ops = []
+            for i, d in enumerate(items):
+                unknown = set(d) - known
+                if unknown:
+                    raise InputError(f"program file {path}: op {i} has unknown fields {', '.join(sorted(unknown))}")
+                ops.append(Op(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}))
+            return ops
+
+        if grid.pipe > 1 or "stages" in data:
+            from twin.program.stagefile import validate_stages
+            if "stages" not in data:
+                raise InputError(f"program file {path}: grid {grid} is pipelined but the file has no stages "
+                                 "(write it again with `twin program --json`)")
+            stages = [Program(model, grid, options, int(head["batch"]), int(head["seq_len"]), int(head["vocab"]),
+                              parse_ops(st["ops"]), stage=int(st["stage"])) for st in data["stages"]]
+            validate_stages(stages, where=f"program file {path}")
+            return stages
+        program = Program(model, grid, options, int(head["batch"]), int(head["seq_len"]), int(head["vocab"]),
+                          parse_ops(data["ops"]))
     except InputError:
         raise
     except FileNotFoundError:

@@ -45,7 +45,8 @@ from twin.program.program import STREAMS, Op
 HOST_TID = 1
 WAITS_TID = 2  # the twin's attributed waits (module docstring)
 WAIT_CAT = "twin_wait"
-STREAM_IDS = {s: 7 + i for i, s in enumerate(STREAMS)}
+TRACE_STREAMS = STREAMS + ("pipe",)  # and a pipeline stage's sends and receives (twin/program/pipeline.py)
+STREAM_IDS = {s: 7 + i for i, s in enumerate(TRACE_STREAMS)}
 STREAM_OF_ID = {v: k for k, v in STREAM_IDS.items()}
 # Kernel names of the collective libraries (NCCL 2.19+; RCCL keeps NCCL's names).
 COMM_KERNELS = {"all_gather": "ncclDevKernel_AllGather_RING_LL",
@@ -170,7 +171,7 @@ def rank_events(rank: int, spans: list[Span], step: int = 1, waits: list[Span] =
     events.append({"name": f"ProfilerStep#{step}", "cat": "user_annotation", "ph": "X", "pid": rank,
                    "tid": HOST_TID, "ts": _us(begin), "dur": _us(end - begin), "args": {}})
     free = {}  # stream -> end (us) of its last written slice
-    for corr, s in enumerate(sorted(spans, key=lambda s: (STREAMS.index(s.stream), s.start_s)), 1):
+    for corr, s in enumerate(sorted(spans, key=lambda s: (TRACE_STREAMS.index(s.stream), s.start_s)), 1):
         tid = STREAM_IDS[s.stream]
         ts, stop = _us(s.start_s), _us(s.start_s + s.duration_s)
         args = {**s.args, "device": rank, "stream": tid, "stream_name": s.stream, "correlation": corr}
@@ -369,7 +370,7 @@ def trace_breakdown(spans: list[Span], waits: list[Span] | None = None) -> dict:
             if axis is None:
                 total["idle"] += b - a
             else:
-                total["exposed_comm"][axis] += b - a
+                total["exposed_comm"][axis] = total["exposed_comm"].get(axis, 0.0) + b - a
     n = max(len(by_rank), 1)
     return {"compute": total["compute"] / n, "exposed_comm": {a: v / n for a, v in total["exposed_comm"].items()},
             "idle": total["idle"] / n, "iteration": total["iteration"] / n}
