@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -23,12 +24,41 @@ class InputError(ValueError):
 TwinError = InputError  # the name the twin and the backend use
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure."""
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure,
+    the temporary file is removed, and the OSError raised names `path` (a full disk included)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        with naming(path):
+            if isinstance(text, bytes):
+                tmp.write_bytes(text)
+            else:
+                tmp.write_text(text)
+            tmp.replace(path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def remove_quietly(path: str | Path) -> None:
+    """Remove a file if it is there (a temporary file after a failure); never raises."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@contextmanager
+def naming(path: str | Path):
+    """Inside it an OSError that names no file (a write or close on a full disk) is raised again
+    naming `path`, so that the line the user reads says which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:

@@ -46,3 +46,18 @@ def program_grid(program_file: str | None, grid: str) -> str:
         return grid
     from twin.program.programfile import load_program
     return str(load_program(program_file).grid)
+
+
+FIXED_BY_PROGRAM = ("model", "grid", "batch", "micro_batches", "oar", "ors", "oag", "cache_layers", "recompute",
+                    "seq")  # the flags a program file fixes (as `twin simulate --program` refuses them)
+
+
+def refuse_fixed(ctx, program_file: str | None) -> None:
+    """With --program, refuse the flags the program fixes when given on the command line (TwinError)."""
+    if not program_file or ctx is None:
+        return
+    given = [p for p in ctx.command.params if p.name in FIXED_BY_PROGRAM
+             and getattr(ctx.get_parameter_source(p.name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")]
+    if given:
+        flags = ", ".join(p.opts[0] for p in given)
+        raise TwinError(f"--program fixes the model, grid, batch and switches: leave out {flags}")

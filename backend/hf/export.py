@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -107,7 +108,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
 
     from backend.models.generate import read_checkpoint
     from backend.models.llama import hf_shapes
-    from topologies.common import check_output, write_atomic
+    from topologies.common import check_output, naming, remove_quietly, write_atomic
 
     if dtype not in DTYPES:
         raise HFError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -159,7 +160,14 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
         tensors = {}
         for j in group:
             tensors.update(assemble(j))
-        save_file(tensors, str(file), metadata={"format": "pt"})
+        part = file.with_name(file.name + ".tmp")
+        try:  # written whole or not at all: a failure (a full disk) leaves no partial file
+            with naming(file):
+                save_file(tensors, str(part), metadata={"format": "pt"})
+                os.replace(part, file)
+        except BaseException:
+            remove_quietly(part)
+            raise
         weight_map.update({name: file.name for name in tensors})
         del tensors
     written = list(files)

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from topologies.common import TwinError, write_atomic
+from topologies.common import TwinError, finite_json, naming, write_atomic
 from twin.program.grid import Grid
 from twin.program.flags import options_from_flags
 from twin.program.model import load_model
@@ -71,6 +71,7 @@ class TrainConfig:
     spec: dict | None = None          # the model spec itself (e.g. from init_from's config.json); overrides `model`
     hf_config: dict | None = None     # init_from's config.json, kept for `backend export`
     eval_holdout: float = 0.0         # prompt/response data without eval_data: hold out this share of the examples
+    skip_nonfinite: bool = False      # a step with a non-finite loss or gradient: skip it (else stop the run)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -240,8 +241,8 @@ class MetricsLog:
                "flops_convention": self.convention,
                "eta_s": avg * (self.cfg.steps - step), **(extra or {})}
         if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            with naming(self.path), open(self.path, "a") as f:
+                f.write(finite_json(rec) + "\n")
             # one line that fits 80 columns (flop/s per GPU by the convention the first line names)
             print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss:.4f}  "
                   f"lr {lr:.1e}  {rec['tokens_per_s']:,.0f} tok/s  {format_flops(rec['flops_per_s_per_gpu'])}/GPU  "
@@ -265,6 +266,8 @@ def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
 def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
     from backend.runtime import checkpoint
 
+    from backend.training.guard import check_finite_state
+    check_finite_state(model.state_dict(), f"step {step} (rank {ctx.rank}), not saved")
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "data": loader.state_dict(), "rng": checkpoint.rng_state()}
     meta = checkpoint.make_meta(step, ctx.grid, model.spec, {"config": asdict(cfg)})
@@ -281,6 +284,8 @@ def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
     if path is None:
         return 0
     state = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
+    from backend.training.guard import check_finite_state
+    check_finite_state(state["model"], f"checkpoint {path} cannot be resumed (rank {ctx.rank}): delete it")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     loader.load_state_dict(state["data"])
@@ -296,6 +301,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import check_world_size, env_rank, fabric_warning
     from backend.launch.rank import heartbeat
+    from backend.training.guard import NonFiniteError, StepGuard, Stopped, nonfinite_line
     from backend.models.build import make_model
     from backend.training.optim import make_optimizer, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
@@ -307,6 +313,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TwinError("--device cuda but no CUDA device is visible to PyTorch")
     ctx = ParallelContext.from_env(grid, backend="nccl" if cfg.device == "cuda" else "gloo")
+    guard = StepGuard(check_grads=not options.grad_clip)
+    guard.install()  # SIGTERM, SIGUSR1: save at the next step boundary and stop
     try:
         rank0 = ctx.rank == 0
         if warn and env_rank()[1] == 0:
@@ -331,7 +339,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                   + f"; flop/s by {metrics.convention}", flush=True)
         trace_step = cfg.trace_step or cfg.steps
         crash_after = int(os.environ.get(CRASH_ENV, "0"))
-        records, peaks = [], []
+        records, peaks, skipped = [], [], 0
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -345,34 +353,47 @@ def train(cfg: TrainConfig) -> list[dict]:
             if step == min(start + 2, cfg.steps) and step != trace_step:
                 # the second step (optimizer state exists by then): also measure the memory peak
                 from backend.runtime.memory import peak_memory
-                loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip),
-                                         model, optimizer)
+                loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip,
+                                                            guard=guard), model, optimizer)
                 peaks = [None] * grid.size
                 dist.all_gather_object(peaks, peak)
             else:
-                loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip)
+                loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip, guard=guard)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             extra = {}
+            if guard.why is not None:
+                if not cfg.skip_nonfinite:
+                    raise NonFiniteError(nonfinite_line(step, guard.why, cfg.init_from))
+                extra["skipped"] = guard.why
+                skipped += 1
+                if rank0:
+                    print(f"warning: step {step} skipped: {guard.why} (--skip-nonfinite)", file=sys.stderr, flush=True)
             if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
-            heartbeat()  # the launcher ends a run whose rank stops making progress
+            heartbeat("busy")  # the launcher ends a run whose rank stops making progress (busy: slow work follows)
             if step == trace_step:
                 model.recorder = NULL_RECORDER
                 _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,
                              {"source": "backend run", "model": spec.name, "grid": str(grid), "step": step,
                               "device": str(ctx.device), "options": asdict(options)})
-            if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            if (cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps)) or (guard.stop and cfg.ckpt_dir):
                 _save(cfg, step, model, optimizer, loader, ctx)
+            heartbeat()
+            if guard.stop and step < cfg.steps:
+                name = signal.Signals(guard.stop).name
+                saved = (f"checkpoint {Path(cfg.ckpt_dir) / ('step_%08d' % step)} saved: rerun the same command to "
+                         "resume" if cfg.ckpt_dir else "no --ckpt-dir, so nothing was saved")
+                raise Stopped(f"stopped by {name} after step {step}; {saved}", guard.stop)
             if crash_after and step == crash_after and rank0:
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die like a crashed node
         if rank0 and records:
             warm = records[1:] or records
             summary = {"model": spec.name, "grid": str(grid), "device": str(ctx.device),
                        "dtype": str(ctx.compute_dtype).removeprefix("torch."), "steps": cfg.steps,
-                       "final_loss": records[-1]["loss"],
+                       "final_loss": records[-1]["loss"], "skipped_steps": skipped,
                        "tokens_per_s": sum(r["tokens_per_s"] for r in warm) / len(warm),
                        "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
@@ -382,9 +403,10 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "cpu_bind": os.environ.get("BACKEND_CPU_BIND", "none"),
                        "threads_per_rank": torch.get_num_threads(),
                        "note": "averages over the steps of this run after its first"}
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_atomic(out / "summary.json", finite_json(summary, indent=1))
         return records
     finally:
+        guard.uninstall()
         destroy()
 
 
