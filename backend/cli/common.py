@@ -44,8 +44,8 @@ def program_grid(program_file: str | None, grid: str) -> str:
     """The grid to launch: the program file's (validated here, before any rank starts) or --grid."""
     if not program_file:
         return grid
-    from twin.program.programfile import load_program
-    return str(load_program(program_file).grid)
+    from twin.present.progress import load_program_shown
+    return str(load_program_shown(program_file).grid)
 
 
 FIXED_BY_PROGRAM = ("model", "grid", "batch", "micro_batches", "oar", "ors", "oag", "cache_layers", "recompute",
@@ -59,5 +59,6 @@ def refuse_fixed(ctx, program_file: str | None) -> None:
     given = [p for p in ctx.command.params if p.name in FIXED_BY_PROGRAM
              and getattr(ctx.get_parameter_source(p.name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")]
     if given:
-        flags = ", ".join(p.opts[0] for p in given)
+        flags = ", ".join(p.secondary_opts[0] if p.secondary_opts and ctx.params.get(p.name) is False else p.opts[0]
+                          for p in given)
         raise TwinError(f"--program fixes the model, grid, batch and switches: leave out {flags}")

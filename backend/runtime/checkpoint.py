@@ -104,7 +104,7 @@ def make_meta(step: int, grid: Grid, model: ModelSpec, extra: dict | None = None
 
 def _meta_checksum(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(finite_json(body, sort_keys=True).encode()).hexdigest()
 
 
 class _HashingWriter:

@@ -94,7 +94,8 @@ def simulate_cmd(
     if program is not None:
         if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
             raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
-        prog = load_program(program)
+        from twin.present.progress import load_program_shown
+        prog = load_program_shown(program, quiet_default(json_out, quiet))
     with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
         config = SimulationConfig(system, model, gpus, grid, batch, seq, opts, placement=placement, profile=profile,
                                   gemm_tuning=gemm_tuning, full=full, slowdown=_parse_slowdown(slowdown),

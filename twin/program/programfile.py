@@ -23,10 +23,12 @@ what is wrong and how to fix it:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
+from typing import Callable
 
 from topologies.common import InputError, finite_json, write_atomic
+from topologies.schema import MODEL, Flag, Int, Invalid, ListOf, Nullable, Number, Table, Text, ZeroOr, check
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.program import STREAMS, Op, Options, Program, build_program
@@ -48,45 +50,96 @@ def save_program(program: Program, path: str | Path) -> None:
     write_atomic(path, program_json(program))
 
 
-def load_program(path: str | Path) -> Program:
-    """Read and validate a program file (raises InputError with one line)."""
+# -- the schema of a program file: every key and its type, checked before anything is built ------------
+_INT = Int(-1, 1 << 62)  # -1: micro_batch of the end of the step
+_RULES = {"int": _INT, "float": Number(0.0, 1e30), "str": Text(), "bool": Flag(), "str | None": Nullable(Text()),
+          "tuple[int, ...]": ListOf(Int(0, 1 << 62)), "tuple[str, ...]": ListOf(Text())}
+_MODEL_ZERO = {"kv_heads", "ffn_size", "rope_scaling"}  # 0 means "none" in a spec, which model files leave out
+
+
+def _table(cls, rules: dict | None = None, extra: dict | None = None) -> Table:
+    """The rule of a dataclass written by asdict: each field with the rule of its type (`rules` first);
+    fields without a default are required."""
+    required, optional = {}, {}
+    for f in fields(cls):
+        rule = (rules or {}).get(f.name) or _RULES.get(str(f.type))
+        if rule is None:
+            raise TypeError(f"programfile: no schema rule for {cls.__name__}.{f.name}: {f.type}")
+        (required if f.default is MISSING and f.default_factory is MISSING else optional)[f.name] = rule
+    return Table(required=required, optional={**optional, **(extra or {})})
+
+
+_MODEL_RULES = {**MODEL.required, **MODEL.optional}
+OP = _table(Op, {"index": Int(0, 1 << 62), "flops": Number(0.0, 1e30)})
+PROGRAM_FILE = Table(
+    required={
+        "program": Table(required={
+            "format": Int(0, 1 << 20), "grid": Text(nonempty=True), "batch": Int(1, 1 << 30), "seq_len": Int(1, 1 << 24),
+            "vocab": Int(1, 1 << 26),
+            "model": _table(ModelSpec, {k: ZeroOr(r) if k in _MODEL_ZERO else r for k, r in _MODEL_RULES.items()}),
+            "options": _table(Options, {f.name: Int(0, 1 << 20) for f in fields(Options) if f.type == "int"})}),
+        "ops": ListOf(Table(extra=True), max_len=50_000_000),  # each op is checked against OP in load_program
+    },
+    optional={"summary": Table(extra=True)})
+
+
+def load_program(path: str | Path, progress: Callable[[float], None] | None = None) -> Program:
+    """Read and validate a program file (raises InputError with one line).
+
+    progress: called now and then with the share of the work done (0..1), for files of many ops.
+    """
     path = Path(path)
+    where = f"program file {path}"
     try:
-        data = json.loads(path.read_text())
-        head = data["program"]
-        if head.get("format") != FORMAT:
-            raise InputError(f"program file {path}: format {head.get('format')!r} is not {FORMAT} "
-                             "(write it again with `twin program --json`)")
-        model = ModelSpec(**head["model"])
-        options = Options(**head["options"])
-        grid = Grid.parse(head["grid"])
-        known = {f.name for f in fields(Op)}
-        ops = []
-        for i, d in enumerate(data["ops"]):
-            unknown = set(d) - known
-            if unknown:
-                raise InputError(f"program file {path}: op {i} has unknown fields {', '.join(sorted(unknown))}")
-            ops.append(Op(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}))
-        program = Program(model, grid, options, int(head["batch"]), int(head["seq_len"]), int(head["vocab"]), ops)
-    except InputError:
-        raise
+        text = path.read_text()
     except FileNotFoundError:
         raise InputError(f"program file {path} does not exist (write one with `twin program --json {path}`)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except IsADirectoryError:
+        raise InputError(f"program file {path} is a folder; give the file `twin program --json` wrote") from None
+    except UnicodeDecodeError as e:
         raise InputError(f"program file {path} is not valid JSON: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputError(f"program file {path} is malformed ({type(e).__name__}: {e}); "
-                         "write it again with `twin program --json`") from None
-    validate_program(program, where=f"program file {path}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"program file {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InputError(f"program file {path} is nested too deeply to be a program "
+                         "(write it again with `twin program --json`)") from None
+    head = data.get("program") if isinstance(data, dict) else None
+    if isinstance(head, dict) and "format" in head and head["format"] != FORMAT:
+        raise InputError(f"program file {path}: format {head.get('format')!r} is not {FORMAT} "
+                         "(write it again with `twin program --json`)")
+    check(data, PROGRAM_FILE, path, "program")
+    ops, raw = [], data["ops"]
+    chunk = max(1, len(raw) // 50)
+    for i, d in enumerate(raw):
+        try:
+            OP.check(d, f"ops[{i}]")
+        except Invalid as e:
+            got = repr(e.value) if e.shown and e.value is not ... else ""
+            raise InputError(f"{where}: {e.key} {e.rule}" + (f", got {got[:60]}" if got else "")) from None
+        ops.append(Op(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}))
+        if progress and i % chunk == 0:
+            progress(0.5 * i / len(raw))
+    try:
+        model = ModelSpec(**head["model"])
+        program = Program(model, Grid.parse(head["grid"]), Options(**head["options"]), head["batch"], head["seq_len"],
+                          head["vocab"], ops)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{where} is malformed ({type(e).__name__}: {e}); write it again with `twin program --json`") from None
+    validate_program(program, where=where, progress=progress)
     return program
 
 
+_KEY_FIELDS = tuple(f.name for f in fields(Op) if f.name not in ("index", "deps"))
+
+
 def _canonical_key(op: Op) -> tuple:
-    """Everything of an op but its position and dependencies."""
-    d = asdict(op)
-    d.pop("index")
-    d.pop("deps")
-    return tuple(d.values())
+    """Everything of an op but its position and dependencies (attribute reads: asdict would copy
+    every field deeply, which took most of the time on files of 10^5 ops and more)."""
+    return tuple(getattr(op, name) for name in _KEY_FIELDS)
 
 
 def _segment_rank(op: Op, micro_batches: int) -> int:
@@ -95,9 +148,12 @@ def _segment_rank(op: Op, micro_batches: int) -> int:
     return 2 * op.micro_batch + (op.phase != "fwd")
 
 
-def validate_program(program: Program, where: str = "program") -> None:
-    """Check a (possibly edited) program; see the module docstring. Raises InputError."""
+def validate_program(program: Program, where: str = "program", progress: Callable[[float], None] | None = None) -> None:
+    """Check a (possibly edited) program; see the module docstring. Raises InputError.
+    progress: called now and then with the share of the work done (0.5..1: load_program did the first half)."""
     ref = build_program(program.model, program.grid, program.options, program.batch, program.seq_len)
+    if progress:
+        progress(0.6)
     if program.vocab != ref.vocab:
         raise InputError(f"{where}: vocabulary {program.vocab} is not the padded vocabulary {ref.vocab} of the model")
     want = {op.name: _canonical_key(op) for op in ref.ops}
@@ -120,6 +176,8 @@ def validate_program(program: Program, where: str = "program") -> None:
         if bad:
             raise InputError(f"{where}: op {op.name} depends on op {bad[0]}, which does not come before it "
                              "(dependencies must point to earlier ops)")
+    if progress:
+        progress(0.8)
     missing = [name for name in want if name not in seen]
     if missing:
         raise InputError(f"{where}: op {missing[0]} is missing ({len(missing)} ops missing): the step would not "
