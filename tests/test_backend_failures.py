@@ -229,3 +229,43 @@ def test_every_json_the_project_writes_goes_through_finite_json():
                     if not any(rel == f and snippet in line for f, snippet in allowed):
                         found.append(f"{rel}: {line.strip()}")
     assert not found, found
+
+
+# -- writes that fail: the path named, no temporary file left -----------------------------------------
+class _FileSizeLimit:
+    """Writes past `limit` bytes fail in the kernel (RLIMIT_FSIZE: EFBIG, "File too large"), as on a full disk."""
+
+    def __init__(self, limit: int):
+        import resource
+        self.resource, self.limit = resource, limit
+
+    def __enter__(self):
+        self.before = self.resource.getrlimit(self.resource.RLIMIT_FSIZE)
+        self.handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        self.resource.setrlimit(self.resource.RLIMIT_FSIZE, (self.limit, self.before[1]))
+
+    def __exit__(self, *exc):
+        self.resource.setrlimit(self.resource.RLIMIT_FSIZE, self.before)
+        signal.signal(signal.SIGXFSZ, self.handler)
+
+
+def test_a_failed_atomic_write_names_the_path_and_leaves_no_tmp(tmp_path):
+    from topologies.common import write_atomic
+
+    path = tmp_path / "summary.json"
+    write_atomic(path, "old")
+    with _FileSizeLimit(4096), pytest.raises(OSError) as e:
+        write_atomic(path, "x" * 100_000)
+    assert e.value.filename == str(path) and "File too large" in os_error_line(e.value)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    with pytest.raises(UnicodeEncodeError):  # a failure that is not an OSError cleans up too
+        write_atomic(path, "bad \udc80")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_a_failed_checkpoint_write_names_the_rank_file_and_removes_it(tmp_path):
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    with _FileSizeLimit(64 * 1024), pytest.raises(OSError) as e:
+        checkpoint.save(tmp_path, 2, 0, {"payload": list(range(100_000))}, checkpoint.make_meta(2, grid, model))
+    assert e.value.filename == str(tmp_path / ".tmp.step_00000002" / "rank_00000.pt")
+    assert not list(tmp_path.rglob("*.pt")) and checkpoint.latest(tmp_path) is None

@@ -112,11 +112,16 @@ class _HashingWriter:
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None  # torch.save hides a failed write behind its own RuntimeError
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -146,7 +151,12 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
         with naming(path):
             with open(path, "wb") as f:
                 out = _HashingWriter(f)
-                torch.save(state, out)
+                try:
+                    torch.save(state, out)
+                except Exception:
+                    if out.error is not None:  # a full disk, not torch's "unexpected pos" that follows it
+                        raise out.error from None
+                    raise
                 f.flush()
                 os.fsync(f.fileno())
             write_atomic(tmp / f"{path.name}.sha256", f"{out.sha.hexdigest()} {out.size}\n")
