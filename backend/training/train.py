@@ -349,6 +349,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             if step == trace_step:
                 dist.barrier()  # align the ranks' time origins
                 recorder.reset()
+            guard.begin(ctx.device)  # agrees on a stop signal by the step's end
             t0 = time.perf_counter()
             if step == min(start + 2, cfg.steps) and step != trace_step:
                 # the second step (optimizer state exists by then): also measure the memory peak
@@ -374,6 +375,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
             heartbeat("busy")  # the launcher ends a run whose rank stops making progress (busy: slow work follows)
+            guard.stopping()
             if step == trace_step:
                 model.recorder = NULL_RECORDER
                 _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,
