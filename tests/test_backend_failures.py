@@ -140,6 +140,7 @@ def test_a_full_disk_under_out_is_named_and_leaves_no_temporary_file(tmp_path):
 
 
 def test_a_step_folder_that_is_a_file_is_named(tmp_path):
+    """Refused before any rank starts; and should one appear during the run, rank 0's save names it."""
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
     (ckpt / "step_00000002").write_text("not a checkpoint")
@@ -147,8 +148,12 @@ def test_a_step_folder_that_is_a_file_is_named(tmp_path):
                               str(ckpt), "--ckpt-every", "2"], capture_output=True, text=True, timeout=120)
     lines = _lines(r.stderr)
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0] == (f"error: rank 0: {ckpt}/step_00000002 is a file, not a checkpoint folder: move it away "
+    assert lines[0] == (f"error: {ckpt}/step_00000002 is a file, not a checkpoint folder: move it away "
                         "or choose another --ckpt-dir"), r.stderr
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000002 is a file, not a checkpoint folder"):
+        checkpoint.save(ckpt, 2, 0, {"step": 2}, checkpoint.make_meta(2, grid, model))
+    assert (ckpt / "step_00000002").read_text() == "not a checkpoint"
 
 
 def _strict(text: str):
@@ -269,3 +274,29 @@ def test_a_failed_checkpoint_write_names_the_rank_file_and_removes_it(tmp_path):
         checkpoint.save(tmp_path, 2, 0, {"payload": list(range(100_000))}, checkpoint.make_meta(2, grid, model))
     assert e.value.filename == str(tmp_path / ".tmp.step_00000002" / "rank_00000.pt")
     assert not list(tmp_path.rglob("*.pt")) and checkpoint.latest(tmp_path) is None
+
+
+def test_the_default_progress_limit_follows_the_measured_steps(tmp_path):
+    """900 s until every rank has stepped twice and while one is busy (saving); then 20 times the slowest
+    interval between two heartbeats, at least 120 s."""
+    procs = [_Done(os.getpid(), None), _Done(os.getpid(), None)]
+    watch = spawn._Progress(2, str(tmp_path), None)
+    now = time.time()
+
+    def beat(rank: int, at: float, state: str = "") -> None:
+        path = tmp_path / f"beat{rank}"
+        path.write_text(state)
+        os.utime(path, (now + at, now + at))
+
+    for at in (0.0, 1.0, 2.0):  # the start, then steps of 1 s
+        beat(0, at)
+        beat(1, at)
+        assert watch.stalled(procs) is None
+    assert watch.limit(0) == spawn.FLOOR_S
+    beat(0, 33.0)  # a step of 31 s
+    beat(1, 33.0)
+    watch.stalled(procs)
+    assert watch.slowest == pytest.approx(31.0) and watch.limit(0) == pytest.approx(20 * 31.0)
+    beat(1, 34.0, spawn.BUSY)
+    assert watch.limit(1) == spawn.STARTUP_S and watch.limit(0) == pytest.approx(20 * 31.0)
+    assert spawn._Progress(2, str(tmp_path), 5.0).limit(0) == 5.0

@@ -3,9 +3,12 @@
 `spawn` starts the ranks with torchrun's variables set and a free port (on CPU forked from this process
 after importing torch once, which saves seconds per rank on a small machine; on GPU fresh interpreters,
 `python -m backend.launch.launcher`), waits for them, and stops the others as soon as one fails (so a failing
-rank never leaves the rest hanging in a collective), printing the first cause (the earliest failure:
-the others are ranks that lost a peer). A rank that makes no progress (no heartbeat) for
-`progress_timeout` seconds ends the run with one line naming it.
+rank never leaves the rest hanging in a collective), printing the root cause (`_first_failure`: a
+rank's own error, then a rank killed by a signal, before the ranks that lost a peer). A rank that makes
+no progress (no heartbeat) for too long ends the run with one line naming it (`_Progress`: a fixed
+`progress_timeout`, or a limit from the run's measured steps). SIGTERM and SIGUSR1 are passed on to
+the ranks, which save and stop at the next step boundary; their exit code (128 + the signal) is then
+not a failure.
 """
 
 from __future__ import annotations
@@ -179,15 +182,17 @@ def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05, fork: 
 
 def _forward_stop_signals(procs: list) -> dict:
     """Pass SIGTERM and SIGUSR1 (Slurm's warning before a time limit) on to every rank, which saves
-    and stops at its next step boundary (backend.training.guard). Returns what `_restore` undoes."""
+    and stops at its next step boundary (backend.training.guard); a second signal kills the ranks.
+    Returns what `_restore` undoes."""
     state = {"signal": None, "before": {}}
 
     def forward(signum, frame):
-        state["signal"] = signum
+        again = state["signal"] is not None  # a second signal: stop the ranks now
+        state["signal"] = state["signal"] or signum
         for p in procs:
             if p.poll() is None:
                 try:
-                    os.kill(p.pid, signum)
+                    os.kill(p.pid, signal.SIGKILL if again else signum)
                 except OSError:
                     pass
     for sig in (signal.SIGTERM, signal.SIGUSR1):

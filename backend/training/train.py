@@ -174,6 +174,9 @@ def validate(cfg: TrainConfig) -> None:
     from backend.training.finetune import check_data
     check_data(cfg, spec)
     if cfg.ckpt_dir:
+        for entry in sorted(Path(cfg.ckpt_dir).glob("step_*")):
+            if not entry.is_dir():
+                raise TwinError(f"{entry} is a file, not a checkpoint folder: move it away or choose another --ckpt-dir")
         path = checkpoint.latest(cfg.ckpt_dir)
         if path is not None:
             checkpoint.check_compatible(path, grid, spec)
