@@ -93,7 +93,10 @@ def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
 def finite_json(obj, **kwargs) -> str:
     """json.dumps that writes standard JSON: a NaN or infinite float (which no valid input produces,
     but a bug might) becomes null instead of the non-standard NaN/Infinity."""
-    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+    try:  # the common case at json.dumps' speed (a trace writes millions of events through here)
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
 def _finite(obj):
