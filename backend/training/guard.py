@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
+from pathlib import Path
 
 from topologies.common import TwinError
 
@@ -112,6 +114,24 @@ class StepGuard:
         (the optimizer skipped the update then: backend.runtime.layers.adamw)."""
         if self.why is None and grad_norm is not None and not math.isfinite(grad_norm):
             self.why = f"the gradient norm is {grad_norm}"
+
+
+    def settle(self, step: int, skip: bool, init_from: str | None, say: bool) -> dict:
+        """After a step: raise NonFiniteError when its update was not applied (one line naming the step),
+        or with `skip` return {"skipped": why} for its log record (and warn in one line when `say`)."""
+        if self.why is None:
+            return {}
+        if not skip:
+            raise NonFiniteError(nonfinite_line(step, self.why, init_from))
+        if say:
+            print(f"warning: step {step} skipped: {self.why} (--skip-nonfinite)", file=sys.stderr, flush=True)
+        return {"skipped": self.why}
+
+    def stop_here(self, step: int, ckpt_dir: str | None) -> None:
+        """Raise Stopped: the run stops after `step` on the signal every rank agreed on."""
+        saved = (f"checkpoint {Path(ckpt_dir) / f'step_{step:08d}'} saved: rerun the same command to resume"
+                 if ckpt_dir else "no --ckpt-dir, so nothing was saved")
+        raise Stopped(f"stopped by {signal.Signals(self.stop).name} after step {step}; {saved}", self.stop)
 
 
 def _world() -> int:

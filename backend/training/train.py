@@ -304,7 +304,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import check_world_size, env_rank, fabric_warning
     from backend.launch.rank import heartbeat
-    from backend.training.guard import NonFiniteError, StepGuard, Stopped, nonfinite_line
+    from backend.training.guard import StepGuard
     from backend.models.build import make_model
     from backend.training.optim import make_optimizer, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
@@ -366,14 +366,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            extra = {}
-            if guard.why is not None:
-                if not cfg.skip_nonfinite:
-                    raise NonFiniteError(nonfinite_line(step, guard.why, cfg.init_from))
-                extra["skipped"] = guard.why
-                skipped += 1
-                if rank0:
-                    print(f"warning: step {step} skipped: {guard.why} (--skip-nonfinite)", file=sys.stderr, flush=True)
+            extra = guard.settle(step, cfg.skip_nonfinite, cfg.init_from, rank0)  # stops a non-finite step, or skips it
+            skipped += "skipped" in extra
             if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
@@ -388,10 +382,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                 _save(cfg, step, model, optimizer, loader, ctx)
             heartbeat()
             if guard.stop and step < cfg.steps:
-                name = signal.Signals(guard.stop).name
-                saved = (f"checkpoint {Path(cfg.ckpt_dir) / ('step_%08d' % step)} saved: rerun the same command to "
-                         "resume" if cfg.ckpt_dir else "no --ckpt-dir, so nothing was saved")
-                raise Stopped(f"stopped by {name} after step {step}; {saved}", guard.stop)
+                guard.stop_here(step, cfg.ckpt_dir)  # raises Stopped: one line, exit 128 + the signal
             if crash_after and step == crash_after and rank0:
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die like a crashed node
         if rank0 and records:
