@@ -302,3 +302,23 @@ def test_the_default_progress_limit_follows_the_measured_steps(tmp_path):
     beat(1, 34.0, spawn.BUSY)
     assert watch.limit(1) == spawn.STARTUP_S and watch.limit(0) == pytest.approx(20 * 31.0)
     assert spawn._Progress(2, str(tmp_path), 5.0).limit(0) == 5.0
+
+
+def test_a_checkpoint_with_nan_weights_is_not_resumed(tmp_path):
+    """One written before non-finite steps were caught: a resume refuses it in one line."""
+    import torch
+
+    out, ckpt = tmp_path / "out", tmp_path / "ck"
+    args = RUN + ["--grid", "1x1x1x1", "--steps", "2", "--out", str(out), "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    assert subprocess.run(args, capture_output=True, timeout=120).returncode == 0
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    path = checkpoint.latest(ckpt)
+    state = checkpoint.load(path, 0, grid, model)
+    name = next(iter(state["model"]))
+    state["model"][name].view(-1)[0] = float("nan")
+    meta = {k: v for k, v in checkpoint.read_meta(path).items() if k not in ("files", "checksum")}
+    checkpoint.save(ckpt, 2, 0, state, meta)
+    r = subprocess.run(args[:-6] + ["--steps", "4"] + args[-6:], capture_output=True, text=True, timeout=120)
+    lines = _lines(r.stderr)
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert f"checkpoint {path} cannot be resumed" in lines[0] and f"{name} holds NaN" in lines[0], lines[0]
