@@ -197,3 +197,15 @@ def test_backend_refuses_the_flags_a_program_fixes(tmp_path):
                          (["--micro-batches", "2"], "--micro-batches")):
         r = CliRunner().invoke(backend_app, ["run", "--program", str(path), *flags, "--out", str(tmp_path / "o")])
         assert r.exit_code == 2 and "--program fixes" in r.output and named in r.output, r.output
+
+
+def test_twin_refuses_the_switches_a_program_fixes(tmp_path):
+    from typer.testing import CliRunner
+
+    from twin.cli.main import app as twin_app
+
+    path = tmp_path / "p.json"
+    save_program(_prog(), path)
+    for flags in (["--no-oar"], ["--micro-batches", "2"], ["--grid", "1x2x2x1"]):
+        r = CliRunner().invoke(twin_app, ["simulate", "--system", "cpu", "--program", str(path), *flags])
+        assert r.exit_code == 2 and "--program fixes" in r.output, r.output

@@ -92,8 +92,10 @@ def simulate_cmd(
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
     prog = None
     if program is not None:
-        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
-            raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
+        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None \
+                or opts != options_from_flags():
+            raise TwinError("--program fixes the model, grid, GPUs, batch, sequence length and switches: leave those "
+                            "flags out")
         from twin.present.progress import load_program_shown
         prog = load_program_shown(program, quiet_default(json_out, quiet))
     with Stages([("ranking grids", 3.0), ("simulating", 1.0 + 4.0 * full)], quiet_default(json_out, quiet)) as stage:
