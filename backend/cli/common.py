@@ -42,10 +42,15 @@ InitFromOpt = Annotated[Optional[str], typer.Option(help="Start from the weights
 
 def program_grid(program_file: str | None, grid: str) -> str:
     """The grid to launch: the program file's (validated here, before any rank starts) or --grid."""
+    return str(load_program_file(program_file).grid) if program_file else grid
+
+
+def load_program_file(program_file: str | None):
+    """The program of --program, validated (with a bar on a terminal), or None without it."""
     if not program_file:
-        return grid
+        return None
     from twin.present.progress import load_program_shown
-    return str(load_program_shown(program_file).grid)
+    return load_program_shown(program_file)
 
 
 FIXED_BY_PROGRAM = ("model", "grid", "batch", "micro_batches", "oar", "ors", "oag", "cache_layers", "recompute",

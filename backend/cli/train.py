@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from backend.cli.common import (DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid,
-                                refuse_fixed)
+from backend.cli.common import (DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, handles_errors,
+                                load_program_file, refuse_fixed)
 from topologies.common import TwinError, check_output
 from twin.program.flags import BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt
 from twin.program.grid import Grid
@@ -92,6 +92,7 @@ def run_cmd(
     from backend.training.train import TrainConfig, validate
 
     refuse_fixed(ctx, program)
+    prog = load_program_file(program)  # checked once here (a file of 10^5 ops takes seconds)
     cfg = TrainConfig(model=model, steps=steps, batch=batch, micro_batches=micro_batches,
                       lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
@@ -99,7 +100,7 @@ def run_cmd(
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device,
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
                       eval_every=eval_every, eval_batches=eval_batches, skip_nonfinite=skip_nonfinite,
-                      program_file=program, grid=program_grid(program, grid))
+                      program_file=program, grid=str(prog.grid) if prog else grid)
     if init_from:
         from backend.hf.load import HFCheckpoint
         cfg.init_from, ckpt = init_from, HFCheckpoint(init_from)
@@ -109,7 +110,7 @@ def run_cmd(
         check(goldfish_k, goldfish_h)
     g = Grid.parse(cfg.grid)
     check_launcher_world(g)
-    validate(cfg)
+    validate(cfg, prog)
     if progress_timeout is not None and not 0 <= progress_timeout < 1e9:
         raise TwinError(f"--progress-timeout must be a number of seconds >= 0, got {progress_timeout}")
     code = launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)

@@ -149,8 +149,9 @@ def check_numbers(cfg: TrainConfig) -> None:
         check_output(cfg.ckpt_dir, "--ckpt-dir", folder=True)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Check a config before any rank starts (raises TwinError with one clear line)."""
+def validate(cfg: TrainConfig, program: Program | None = None) -> None:
+    """Check a config before any rank starts (raises TwinError with one clear line). program: the
+    run's program when the caller has it already (a program file, loaded and checked once)."""
     from backend.runtime import checkpoint
 
     check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
@@ -162,7 +163,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.goldfish_k:
         from backend.training.goldfish import check
         check(cfg.goldfish_k, cfg.goldfish_h)
-    program = cfg.program()  # grid x model x batch checks
+    program = program or cfg.program()  # grid x model x batch checks
     spec, grid = program.model, program.grid
     from backend.launch.env import check_memory
     check_memory(program, cfg.device, 2 if cfg.device == "cuda" else 4)  # bf16 compute on GPU, fp32 on CPU
