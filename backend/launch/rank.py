@@ -56,7 +56,7 @@ def run_job(kind: str, config: dict) -> int:
             return e.exit_code
         # a failure every rank sees alike (a NaN loss) is rank 0's to report; the others only echo it
         echo = getattr(e, "on_every_rank", False) and rank != 0
-        return _report(rank, getattr(e, "exit_code", EXIT_BAD_INPUT), str(e), kind=PEER if echo else CAUSE)
+        return _report(rank, getattr(e, "exit_code", EXIT_BAD_INPUT), str(e), kind=ECHO if echo else CAUSE)
     except OSError as e:
         return _report(rank, EXIT_BAD_INPUT, os_error_line(e), kind=PEER if lost_peer(e) else CAUSE)
     except KeyboardInterrupt:
@@ -67,7 +67,8 @@ def run_job(kind: str, config: dict) -> int:
     return 0
 
 
-CAUSE, PEER = "cause", "peer"  # a rank's own failure; a rank that lost a peer (the launcher ranks them)
+# a rank's own failure; a rank that lost a peer; a failure every rank sees alike, which rank 0 reports
+CAUSE, PEER, ECHO = "cause", "peer", "echo"
 # what gloo, NCCL and torch.distributed say when the other end of a connection went away
 _PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Connection refused|Broken pipe|remote worker|"
                         r"remote process|ncclRemoteError|NCCL communicator was aborted|Socket Timeout|"
@@ -115,6 +116,10 @@ def _report(rank: int, code: int, cause: str, trace: str | None = None, kind: st
             return code
         except OSError:
             pass
+    if kind == ECHO:  # under torchrun or srun every rank prints its own line: rank 0 says this one
+        return code
+    if kind == PEER and env_world() > 1:
+        line += " (this rank lost a peer: the line of the rank that failed says why)"
     print(line, file=sys.stderr, flush=True)
     return code
 

@@ -24,8 +24,8 @@ import sys
 import tempfile
 import time
 
-from backend.launch.rank import (BUSY, CAUSE, CONFIG_ENV, CPU_BIND_ENV, JOBS, PEER, RUN_DIR_ENV, SPAWNED_ENV, bind_rank,
-                                 die_with_parent, run_job)
+from backend.launch.rank import (BUSY, CAUSE, CONFIG_ENV, CPU_BIND_ENV, ECHO, JOBS, PEER, RUN_DIR_ENV, SPAWNED_ENV,
+                                 bind_rank, die_with_parent, run_job)
 from topologies.common import TwinError
 
 TIMEOUT_ENV = "BACKEND_PROGRESS_TIMEOUT"  # seconds; overrides the default progress timeout
@@ -157,6 +157,12 @@ def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05, fork: 
         _restore(stop)
     if stop["signal"] and all(p.poll() is not None and p.returncode in (0, *_stop_codes(stop)) for p in procs):
         return max(p.returncode for p in procs)  # stopped at a step boundary: rank 0 said so in one line
+    if stop["signal"] and all(p.poll() is not None and p.returncode in (0, -stop["signal"], *_stop_codes(stop))
+                              for p in procs):  # the signal came before the ranks could catch it
+        print(f"error: stopped by {signal.Signals(stop['signal']).name} before the first step ended; nothing was saved",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return _stop_codes(stop)[0]
     if not code and any(p.returncode not in (None, 0) for p in procs):
         code, message = _first_failure(procs, run_dir)
     if code:
@@ -264,7 +270,7 @@ def _first_failure(procs: list, run_dir: str) -> tuple[int, str | None]:
     """
     _settle(procs, run_dir)
     reports = _read_reports(procs, run_dir)
-    own = sorted((when, rank) for rank, (when, _, kind, _) in reports.items() if kind != PEER)
+    own = sorted((when, rank) for rank, (when, _, kind, _) in reports.items() if kind not in (PEER, ECHO))
     if own:
         _, code, _, line = reports[own[0][1]]
         return code, line
