@@ -370,6 +370,7 @@ def train(cfg: TrainConfig) -> list[dict]:
             extra = guard.settle(step, cfg.skip_nonfinite, cfg.init_from, rank0)  # stops a non-finite step, or skips it
             skipped += "skipped" in extra
             if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
+                heartbeat("busy")  # an evaluation may take longer than a step
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
             heartbeat("busy")  # the launcher ends a run whose rank stops making progress (busy: slow work follows)
