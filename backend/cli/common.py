@@ -19,8 +19,12 @@ def handles_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             code = fn(*args, **kwargs)
-        except (TwinError, OSError) as e:
+        except TwinError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except OSError as e:  # a file that cannot be read or written: named, and why
+            from backend.launch.rank import os_error_line
+            typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2) from None
         if code:
             raise typer.Exit(code if code > 0 else 1)
