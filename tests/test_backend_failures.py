@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("torch")
 
 from backend.launch import spawn  # noqa: E402
-from backend.launch.rank import CAUSE, PEER, lost_peer, os_error_line  # noqa: E402
+from backend.launch.rank import CAUSE, PEER, lost_peer  # noqa: E402
+from topologies.common import os_error_line  # noqa: E402
 from backend.runtime import checkpoint  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
@@ -306,8 +307,6 @@ def test_the_default_progress_limit_follows_the_measured_steps(tmp_path):
 
 def test_a_checkpoint_with_nan_weights_is_not_resumed(tmp_path):
     """One written before non-finite steps were caught: a resume refuses it in one line."""
-    import torch
-
     out, ckpt = tmp_path / "out", tmp_path / "ck"
     args = RUN + ["--grid", "1x1x1x1", "--steps", "2", "--out", str(out), "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
     assert subprocess.run(args, capture_output=True, timeout=120).returncode == 0

@@ -3,13 +3,16 @@
 InputError (also named TwinError) is bad user input: an unknown system or model, a grid that does not
 divide, a model that does not fit, a malformed file. Its message says what is wrong and how to fix it;
 the command lines turn it into one line on stderr and exit code 2. write_atomic writes an output so
-that a failure never leaves half a file; check_output checks (and creates the folder of) an output
-path before any work starts; finite_json writes standard JSON (never NaN or Infinity). This module imports nothing of the project: topologies, twin,
-backend and calibration all use it.
+that a failure never leaves half a file nor its temporary file, and names the path (`naming` does that
+for any write; `os_error_line` says an OSError in one line, a full disk as such); check_output checks
+(and creates the folder of) an output path before any work starts; finite_json writes standard JSON
+(never NaN or Infinity), the one way the project writes JSON. This module imports nothing of the
+project: topologies, twin, backend and calibration all use it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -107,3 +110,15 @@ def _finite(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line naming the file: `<path>: No space left on device (the disk is full)`."""
+    what = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        what += " (the disk is full: free space there or choose another folder)"
+    elif e.errno == errno.EDQUOT:
+        what += " (over the disk quota)"
+    if e.filename is None:
+        return what
+    return f"{e.filename}: {what}" + (f" (renaming to {e.filename2})" if e.filename2 else "")

@@ -23,7 +23,7 @@ def handles_errors(fn):
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         except OSError as e:  # a file that cannot be read or written: named, and why
-            from backend.launch.rank import os_error_line
+            from topologies.common import os_error_line
             typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2) from None
         if code:

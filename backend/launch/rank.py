@@ -13,7 +13,6 @@ rank to core `rank mod cores` when BACKEND_CPU_BIND=cores.
 
 from __future__ import annotations
 
-import errno
 import importlib
 import os
 import re
@@ -24,7 +23,7 @@ import time
 import traceback
 
 from backend.launch.env import env_rank, env_world
-from topologies.common import TwinError
+from topologies.common import TwinError, os_error_line
 
 JOBS = {"run": "backend.training.train:main", "replay": "backend.bench.replay:main", "bench": "backend.bench.bench:main",
         "memorization-study": "backend.studies.study:main"}
@@ -80,18 +79,6 @@ def lost_peer(e: BaseException) -> bool:
     closed by peer", NCCL's remote errors): a consequence of another rank's failure, not a cause."""
     names = {c.__name__ for c in type(e).__mro__}
     return bool(names & {"DistNetworkError", "ConnectionError"}) or bool(_PEER_LOSS.search(str(e)))
-
-
-def os_error_line(e: OSError) -> str:
-    """An OSError as one line naming the file: `<path>: No space left on device (the disk is full)`."""
-    what = e.strerror or str(e)
-    if e.errno == errno.ENOSPC:
-        what += " (the disk is full: free space there or choose another folder)"
-    elif e.errno == errno.EDQUOT:
-        what += " (over the disk quota)"
-    if e.filename is None:
-        return what
-    return f"{e.filename}: {what}" + (f" (renaming to {e.filename2})" if e.filename2 else "")
 
 
 def _report(rank: int, code: int, cause: str, trace: str | None = None, kind: str = CAUSE) -> int:
