@@ -34,6 +34,7 @@ PROGRESS_TIMEOUT_S = {"run"}  # the job kinds that call heartbeat() once per ste
 # busy (saving a checkpoint, writing a trace, evaluating); then STEPS_OF times the slowest interval
 # measured between two heartbeats of any rank, and at least FLOOR_S.
 STARTUP_S, STEPS_OF, FLOOR_S = 900.0, 20.0, 120.0
+STOP_CODES = {128 + signal.SIGTERM, 128 + signal.SIGUSR1}  # a rank that stopped on a signal at a step boundary
 
 
 def free_port() -> int:
@@ -144,7 +145,7 @@ def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05, fork: 
     code, message = 0, None
     try:
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0, *_stop_codes(stop)) for p in procs):
+            if any(p.returncode not in (None, 0, *STOP_CODES) for p in procs):
                 break
             message = watch.stalled(procs)
             if message:
@@ -155,14 +156,15 @@ def spawn(kind: str, config: dict, world_size: int, poll_s: float = 0.05, fork: 
         code, message = 130, "error: interrupted; stopping the ranks"
     finally:
         _restore(stop)
-    if stop["signal"] and all(p.poll() is not None and p.returncode in (0, *_stop_codes(stop)) for p in procs):
-        return max(p.returncode for p in procs)  # stopped at a step boundary: rank 0 said so in one line
-    if stop["signal"] and all(p.poll() is not None and p.returncode in (0, -stop["signal"], *_stop_codes(stop))
-                              for p in procs):  # the signal came before the ranks could catch it
+    codes = [p.poll() for p in procs]
+    if None not in codes and set(codes) <= {0, *STOP_CODES} and set(codes) & STOP_CODES:
+        shutil.rmtree(run_dir, ignore_errors=True)  # stopped at a step boundary: rank 0 said so in one line
+        return max(codes)
+    if stop["signal"] and None not in codes and set(codes) <= {0, -stop["signal"], *STOP_CODES}:
         print(f"error: stopped by {signal.Signals(stop['signal']).name} before the first step ended; nothing was saved",
-              file=sys.stderr, flush=True)
+              file=sys.stderr, flush=True)  # the signal came before the ranks could catch it
         shutil.rmtree(run_dir, ignore_errors=True)
-        return _stop_codes(stop)[0]
+        return 128 + stop["signal"]
     if not code and any(p.returncode not in (None, 0) for p in procs):
         code, message = _first_failure(procs, run_dir)
     if code:
@@ -207,10 +209,6 @@ def _forward_stop_signals(procs: list) -> dict:
         except ValueError:  # not the main thread: the ranks get no forwarded signals
             break
     return state
-
-
-def _stop_codes(stop: dict) -> tuple:
-    return (128 + stop["signal"],) if stop["signal"] else ()
 
 
 def _restore(stop: dict) -> None:
