@@ -4,7 +4,9 @@ A job is a function `entry(config: dict) -> None` named in JOBS; the config trav
 environment variable BACKEND_CONFIG. `run_job` runs it in this process; a failure is one line,
 `error: rank N: <cause>` (bad input, TwinError: exit code 2; anything else: exit 1, with the traceback
 saved to a file the line names), written to the run folder when backend.launch.spawn started the rank,
-else printed (see backend.launch.launcher).
+else printed (see backend.launch.launcher). Each line is marked as the rank's own failure or as a lost
+peer (`lost_peer`: gloo's "Connection reset/closed by peer", NCCL's remote errors), so that the
+launcher reports the root cause; a file error names the file (`os_error_line`).
 
 `heartbeat()`, called once per training step, tells the launcher the rank makes progress;
 `die_with_parent` has the kernel end a spawned rank when its launcher dies; `bind_rank` pins a forked
@@ -83,7 +85,8 @@ def lost_peer(e: BaseException) -> bool:
 
 def _report(rank: int, code: int, cause: str, trace: str | None = None, kind: str = CAUSE) -> int:
     """Say why this rank failed: to the launcher's run folder when spawned, else on stderr.
-    kind: CAUSE (this rank's own failure) or PEER (it lost a peer), for the launcher to rank them."""
+    kind: CAUSE (this rank's own failure), PEER (it lost a peer) or ECHO (rank 0 says the same), for the
+    launcher to rank them (backend.launch.spawn)."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     where = ""
     if trace is not None:
