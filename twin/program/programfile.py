@@ -57,7 +57,8 @@ def save_program(program: Program, path: str | Path) -> None:
 # -- the schema of a program file: every key and its type, checked before anything is built ------------
 _INT = Int(-1, 1 << 62)  # -1: micro_batch of the end of the step
 _RULES = {"int": _INT, "float": Number(0.0, 1e30), "str": Text(), "bool": Flag(), "str | None": Nullable(Text()),
-          "tuple[int, ...]": ListOf(Int(0, 1 << 62)), "tuple[str, ...]": ListOf(Text())}
+          "int | None": Nullable(_INT), "float | None": Nullable(Number(0.0, 1e30)),
+          "tuple[int, ...]": ListOf(Int(0, 1 << 62)), "tuple[str, ...]": ListOf(Text())}  # by the field's annotation
 _MODEL_ZERO = {"kv_heads", "ffn_size", "rope_scaling"}  # 0 means "none" in a spec, which model files leave out
 
 
