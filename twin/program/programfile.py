@@ -55,10 +55,10 @@ def save_program(program: Program, path: str | Path) -> None:
 
 
 # -- the schema of a program file: every key and its type, checked before anything is built ------------
-_INT = Int(-1, 1 << 62)  # -1: micro_batch of the end of the step
+_INT = Int(-1, 10 ** 15)  # -1: micro_batch of the end of the step
 _RULES = {"int": _INT, "float": Number(0.0, 1e30), "str": Text(), "bool": Flag(), "str | None": Nullable(Text()),
           "int | None": Nullable(_INT), "float | None": Nullable(Number(0.0, 1e30)),
-          "tuple[int, ...]": ListOf(Int(0, 1 << 62)), "tuple[str, ...]": ListOf(Text())}  # by the field's annotation
+          "tuple[int, ...]": ListOf(Int(0, 10 ** 15)), "tuple[str, ...]": ListOf(Text())}  # by the field's annotation
 _MODEL_ZERO = {"kv_heads", "ffn_size", "rope_scaling"}  # 0 means "none" in a spec, which model files leave out
 
 
@@ -75,14 +75,14 @@ def _table(cls, rules: dict | None = None, extra: dict | None = None) -> Table:
 
 
 _MODEL_RULES = {**MODEL.required, **MODEL.optional}
-OP = _table(Op, {"index": Int(0, 1 << 62), "flops": Number(0.0, 1e30)})
+OP = _table(Op, {"index": Int(0, 10 ** 15), "flops": Number(0.0, 1e30)})
 PROGRAM_FILE = Table(
     required={
         "program": Table(required={
-            "format": Int(0, 1 << 20), "grid": Text(nonempty=True), "batch": Int(1, 1 << 30), "seq_len": Int(1, 1 << 24),
-            "vocab": Int(1, 1 << 26),
+            "format": Int(0, 10 ** 6), "grid": Text(nonempty=True), "batch": Int(1, 10 ** 9), "seq_len": Int(1, 10 ** 7),
+            "vocab": Int(1, 10 ** 8),
             "model": _table(ModelSpec, {k: ZeroOr(r) if k in _MODEL_ZERO else r for k, r in _MODEL_RULES.items()}),
-            "options": _table(Options, {f.name: Int(0, 1 << 20) for f in fields(Options) if f.type == "int"})}),
+            "options": _table(Options, {f.name: Int(0, 10 ** 6) for f in fields(Options) if f.type == "int"})}),
         "ops": ListOf(Table(extra=True), max_len=50_000_000),  # each op is checked against OP in load_program
     },
     optional={"summary": Table(extra=True)})
