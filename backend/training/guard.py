@@ -14,8 +14,9 @@ about 5 % of a gpt-tiny step).
 A step whose loss or gradients are not finite is never applied: the weights, the optimizer state and
 every checkpoint keep only finite values. The run then stops with one line naming the step
 (`NonFiniteError`), or, with `--skip-nonfinite`, goes on to the next step with this one skipped.
-A stop signal ends the run after the step it arrived in: a checkpoint of that step is saved (with
-`--ckpt-dir`) and the run exits with 128 + the signal's number (`Stopped`).
+A stop signal ends the run after the first step that began after it arrived (the step the ranks agree
+on): a checkpoint of that step is saved (with `--ckpt-dir`) and the run exits with 128 + the signal's
+number (`Stopped`).
 """
 
 from __future__ import annotations
