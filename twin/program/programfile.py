@@ -189,7 +189,10 @@ def _segment_rank(op: Op, micro_batches: int) -> int:
 def validate_program(program: Program, where: str = "program", progress: Callable[[float], None] | None = None) -> None:
     """Check a (possibly edited) program; see the module docstring. Raises InputError.
     progress: called now and then with the share of the work done (0.5..1: load_program did the first half)."""
-    ref = build_program(program.model, program.grid, program.options, program.batch, program.seq_len)
+    try:
+        ref = build_program(program.model, program.grid, program.options, program.batch, program.seq_len)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
     if progress:
         progress(0.6)
     if program.vocab != ref.vocab:
