@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from topologies.common import write_atomic
+from topologies.common import finite_json, write_atomic
 from twin.cli.common import ProfileOpt, QuietOpt, SystemOpt, console, handles_errors
 from twin.present.tables import table
 from twin.program.flags import output_file
@@ -46,7 +46,6 @@ def validate_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Simulate what `backend run` ran and compare: iteration, per op by kind, memory, grid ranking."""
-    import json
 
     from calibration.validate import validate_runs
     from calibration.validate_page import validation_html
@@ -79,7 +78,7 @@ def validate_cmd(
         from calibration.noise import noise_line
         console.print(noise_line(rep["noise"]))
     if json_out is not None:
-        write_atomic(json_out, json.dumps(rep, indent=1))
+        write_atomic(json_out, finite_json(rep, indent=1))
         console.print(f"wrote {json_out}")
     if html is not None:
         write_atomic(html, validation_html(rep))

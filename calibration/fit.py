@@ -246,12 +246,14 @@ def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None)
         raise TwinError(f"--out {out} must be a .toml file (twin/profiles/NAME.toml)")
     fit = fit_profile(paths, out.stem, base)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from topologies.common import naming, remove_quietly
     tmp = out.with_name(out.name + ".check.toml")
-    tmp.write_text(fit.toml)
     try:
+        with naming(tmp):
+            tmp.write_text(fit.toml)
         load_profile(str(tmp))
     finally:
-        tmp.unlink()
+        remove_quietly(tmp)
     write_atomic(out, fit.toml)
     return fit
 

@@ -259,8 +259,19 @@ def small_measurement() -> dict:
     return data
 
 
+def small_program() -> dict:
+    """A program file (`twin program --json`) of gpt-tiny on one rank: a mutation lands on an op's field."""
+    from twin.program.grid import Grid
+    from twin.program.model import load_model
+    from twin.program.program import build_program
+    from twin.program.programfile import program_json
+    return json.loads(program_json(build_program(load_model("gpt-tiny"), Grid(1, 1, 1, 1))))
+
+
 SPECS = {"system": load_base("topologies/systems/perlmutter.toml"), "model": load_base("twin/models/gpt-tiny.toml"),
-         "profile": load_base("twin/profiles/a100.toml"), "measurement": small_measurement()}
+         "profile": load_base("twin/profiles/a100.toml"), "measurement": small_measurement(),
+         "program": small_program()}
+JSON_KINDS = ("measurement", "program")
 
 
 def load(kind: str, path: str):
@@ -268,6 +279,9 @@ def load(kind: str, path: str):
     if kind == "measurement":
         from calibration.measurements import load_measurement
         return load_measurement(path)
+    if kind == "program":
+        from twin.program.programfile import load_program
+        return load_program(path)
     if kind == "system":
         from topologies.system import load_system
         return load_system(path)
@@ -293,6 +307,9 @@ def use(kind: str, spec, path: str) -> None:
         place(spec, min(spec.total_gpus, 16), "scattered", 1)
         if spec.total_gpus <= 100_000:
             build_network(spec).summary()
+    elif kind == "program":
+        from twin.predict.simulate import SimulationConfig, simulate
+        simulate(SimulationConfig("cpu", program=spec))
     elif kind == "model":
         build_program(spec, Grid(1, 1, 1, 1))
         memory_per_gpu(spec, Grid(1, 1, 1, 1))
@@ -310,8 +327,8 @@ def use(kind: str, spec, path: str) -> None:
 @given(kind=st.sampled_from(sorted(SPECS)), data=st.data())
 def test_spec_files(kind, data, tmp_path_factory):
     spec = data.draw(mutated(SPECS[kind]))
-    path = tmp_path_factory.mktemp("spec") / f"fuzz-{kind}.{'json' if kind == 'measurement' else 'toml'}"
-    text = json.dumps(spec) if kind == "measurement" else toml_dump(spec)
+    path = tmp_path_factory.mktemp("spec") / f"fuzz-{kind}.{'json' if kind in JSON_KINDS else 'toml'}"
+    text = json.dumps(spec) if kind in JSON_KINDS else toml_dump(spec)
     path.write_text(text)
     with no_hang(text):
         try:

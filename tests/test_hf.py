@@ -229,3 +229,39 @@ def test_bad_checkpoints_and_grids_get_one_line(tiny, tmp_path):
     with pytest.raises(HFError, match="rope scaling 'yarn'"):
         (gone / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
         read_config(gone)
+
+
+def test_a_truncated_safetensors_file_is_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch):
+    """An interrupted download: one line naming the file, before any rank is spawned."""
+    import backend.launch.spawn as spawn
+
+    monkeypatch.setattr(spawn, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny["single"], cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    one_line(["run", "--init-from", str(cut), "--grid", "1x1x1x2", "--out", str(tmp_path / "o")],
+             f"{cut / 'model.safetensors'} is truncated", f"{len(data) // 2:,} bytes", f"describes {len(data):,}")
+    shard = tmp_path / "shard"
+    shutil.copytree(tiny["sharded"], shard)
+    last = sorted(shard.glob("model-*.safetensors"))[-1]
+    last.write_bytes(last.read_bytes()[:-100])
+    one_line(["run", "--init-from", str(shard), "--grid", "1x1x1x2", "--out", str(tmp_path / "o")],
+             f"{last} is truncated")
+    (cut / "model.safetensors").write_bytes(data[:4])
+    one_line(["run", "--init-from", str(cut), "--out", str(tmp_path / "o")], "is not a safetensors file")
+
+
+def test_weights_with_a_nan_are_refused_naming_the_tensor(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny["single"], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    r = subprocess.run([sys.executable, "-m", "backend.cli", "run", "--init-from", str(bad), "--grid", "1x1x1x2",
+                        "--steps", "2", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: rank ") and "model.layers.1.mlp.down_proj.weight holds NaN" in lines[0], lines[0]

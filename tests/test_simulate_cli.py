@@ -143,3 +143,14 @@ def test_an_impossible_full_trace_is_refused_before_the_grid_search(tmp_path, mo
     study = sim.prepare("perlmutter", "gpt-1b", 16, 16)
     assert min_ops_per_rank(study) <= min(len(program_for(study, g).ops) for g in (
         Grid(2, 2, 2, 2), Grid(1, 4, 4, 1), Grid(16, 1, 1, 1), Grid(1, 1, 1, 16)))
+
+
+def test_report_full_on_a_default_study_draws_what_fits_and_says_what_it_left_out(tmp_path):
+    """On perlmutter's default study every rank is simulated, but the timelines of all of them would be
+    more events than the twin records, so the page draws one representative rank and says so."""
+    out = tmp_path / "r.html"
+    r = runner.invoke(app, ["report", "--system", "perlmutter", "--full", "--quiet", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "one representative rank" in said and "more than the 4,000,000 the twin records" in said
+    assert "one representative rank" in out.read_text()

@@ -3,16 +3,20 @@
 InputError (also named TwinError) is bad user input: an unknown system or model, a grid that does not
 divide, a model that does not fit, a malformed file. Its message says what is wrong and how to fix it;
 the command lines turn it into one line on stderr and exit code 2. write_atomic writes an output so
-that a failure never leaves half a file; check_output checks (and creates the folder of) an output
-path before any work starts; finite_json writes standard JSON (never NaN or Infinity). This module imports nothing of the project: topologies, twin,
-backend and calibration all use it.
+that a failure never leaves half a file nor its temporary file, and names the path (`naming` does that
+for any write; `os_error_line` says an OSError in one line, a full disk as such); check_output checks
+(and creates the folder of) an output path before any work starts; finite_json writes standard JSON
+(never NaN or Infinity), the one way the project writes JSON. This module imports nothing of the
+project: topologies, twin, backend and calibration all use it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -23,12 +27,41 @@ class InputError(ValueError):
 TwinError = InputError  # the name the twin and the backend use
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure."""
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write `text` to `path` via a temporary file and a rename: the old file stays whole on failure,
+    the temporary file is removed, and the OSError raised names `path` (a full disk included)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        with naming(path):
+            if isinstance(text, bytes):
+                tmp.write_bytes(text)
+            else:
+                tmp.write_text(text)
+            tmp.replace(path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def remove_quietly(path: str | Path) -> None:
+    """Remove a file if it is there (a temporary file after a failure); never raises."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@contextmanager
+def naming(path: str | Path):
+    """Inside it an OSError that names no file (a write or close on a full disk) is raised again
+    naming `path`, so that the line the user reads says which file could not be written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
@@ -63,7 +96,10 @@ def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
 def finite_json(obj, **kwargs) -> str:
     """json.dumps that writes standard JSON: a NaN or infinite float (which no valid input produces,
     but a bug might) becomes null instead of the non-standard NaN/Infinity."""
-    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+    try:  # the common case at json.dumps' speed (a trace writes millions of events through here)
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
 def _finite(obj):
@@ -74,3 +110,15 @@ def _finite(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line naming the file: `<path>: No space left on device (the disk is full)`."""
+    what = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        what += " (the disk is full: free space there or choose another folder)"
+    elif e.errno == errno.EDQUOT:
+        what += " (over the disk quota)"
+    if e.filename is None:
+        return what
+    return f"{e.filename}: {what}" + (f" (renaming to {e.filename2})" if e.filename2 else "")

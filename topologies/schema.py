@@ -200,6 +200,16 @@ class Penalties:
         return value
 
 
+@dataclass(frozen=True)
+class Nullable:
+    """null, or a value that follows `rule`."""
+
+    rule: Any
+
+    def check(self, value: Any, key: str) -> Any:
+        return value if value is None else self.rule.check(value, key)
+
+
 def _join(key: str, sub: str) -> str:
     return f"{key}.{sub}" if key else sub
 

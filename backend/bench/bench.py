@@ -41,7 +41,6 @@ training steps in backend.bench.steps, the timing loop in backend.bench.timing.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import socket
@@ -54,7 +53,7 @@ import torch
 from backend.bench.micro import (bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap,
                                  program_attention_shapes, program_gemm_shapes)
 from backend.bench.steps import bench_steps
-from topologies.common import write_atomic
+from topologies.common import finite_json, write_atomic
 from topologies.common import TwinError
 from twin.program.grid import AXES, Grid
 
@@ -187,7 +186,7 @@ def main(config: dict) -> None:
         if rank == 0:
             out = Path(config["out"])
             out.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(out, json.dumps(result, indent=1))
+            write_atomic(out, finite_json(result, indent=1))
             print(f"wrote {out}", flush=True)
     finally:
         destroy()

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from backend.cli.common import handles_errors
-from topologies.common import TwinError, check_output
+from topologies.common import TwinError, check_output, finite_json
 
 
 @handles_errors
@@ -41,7 +41,6 @@ def generate_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON (ids and text) instead of the text.")] = False,
 ) -> int:
     """Decode from a checkpoint (gathered into full weights; KV cache): greedy or sampled."""
-    import json
 
     import torch
 
@@ -60,7 +59,7 @@ def generate_cmd(
     out = generate(weights, torch.tensor(ids), tokens, temperature, top_k, seed).tolist()
     text = decode(out, weights.spec)
     if json_out:
-        typer.echo(json.dumps({"model": weights.spec.name, "grid": weights.grid, "step": weights.step,
+        typer.echo(finite_json({"model": weights.spec.name, "grid": weights.grid, "step": weights.step,
                                "prompt_ids": ids, "ids": out, "text": text}))
     else:
         typer.echo((decode(ids, weights.spec) + text) if text is not None else " ".join(map(str, ids + out)))
@@ -78,7 +77,6 @@ def memorization_cmd(
     out: Annotated[Optional[str], typer.Option(help="Write the report (per sequence and overall) as JSON here.")] = None,
 ) -> int:
     """Exact-match rate and ROUGE-L of greedy continuations of training sequences' prefixes."""
-    import json
 
     from backend.models.generate import load_weights
     from backend.studies.memorization import check_lengths, load_sequences, measure
@@ -92,6 +90,6 @@ def memorization_cmd(
     report = measure(weights, seqs, prefix, suffix)
     typer.echo(report.table())
     if out:
-        write_atomic(out, json.dumps(report.to_dict(), indent=1))
+        write_atomic(out, finite_json(report.to_dict(), indent=1))
         typer.echo(f"wrote {out}")
     return 0

@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from backend.cli.common import DeviceOpt, DtypeOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid
+from backend.cli.common import (DeviceOpt, DtypeOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid,
+                                refuse_fixed)
 from topologies.common import TwinError, check_output
 from twin.program.flags import BatchOpt, CacheOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt
 from twin.program.grid import Grid
@@ -30,11 +31,13 @@ def replay_cmd(
     device: DeviceOpt = "cpu",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda, fp32 on cpu), fp32 or bf16.")] = "auto",
     program: ProgramOpt = None,
+    ctx: typer.Context = None,
 ) -> int:
     """Execute the twin's program op by op with random tensors (GEMMs and collectives) and trace it."""
     from backend.launch.launcher import launch
     from backend.bench.replay import ReplayConfig, validate
 
+    refuse_fixed(ctx, program)
     cfg = ReplayConfig(model=model, steps=steps, batch=batch, micro_batches=micro_batches,
                        oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
                        out=out, device=device, dtype=dtype, program_file=program,

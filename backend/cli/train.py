@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from backend.cli.common import DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, handles_errors, program_grid
+from backend.cli.common import (DeviceOpt, InitFromOpt, ProgramOpt, check_launcher_world, grid_of, handles_errors,
+                                load_program_file, refuse_fixed)
 from topologies.common import TwinError, check_output
 from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, GridOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt,
                                 RecomputeOpt, ScheduleOpt, output_folder)
@@ -47,7 +48,10 @@ def summary_line(out: str) -> str | None:
         peak = None
     from backend.training.train import format_flops
     pct = f" ({100 * s['flops_per_s'] / peak:.1f} % of peak)" if peak else ""
-    return (f"done: {s['steps']} steps, final loss {s['final_loss']:.4f}; {s['tokens_per_s']:,.0f} tokens/s, "
+    loss = "not finite" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
+    if s.get("skipped_steps"):
+        loss += f" ({s['skipped_steps']} steps skipped: not finite)"
+    return (f"done: {s['steps']} steps, final loss {loss}; {s['tokens_per_s']:,.0f} tokens/s, "
             f"{format_flops(s['flops_per_s'])}{pct}; outputs in {out}/ (log.jsonl, summary.json, trace/)")
 
 
@@ -79,15 +83,19 @@ def run_cmd(
     eval_data: Annotated[Optional[str], typer.Option(help="Held-out data (same forms as --data); its loss goes to the log.")] = None,
     eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: after the last step only).")] = 0,
     eval_batches: Annotated[int, typer.Option(help="Global batches of held-out windows per evaluation.")] = 4,
-    progress_timeout: Annotated[float, typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never.")] = 900.0,
+    progress_timeout: Annotated[Optional[float], typer.Option(help="End the run when a rank makes no progress (no step done) for this many seconds; 0: never (default: 20 times the slowest step measured, at least 120 s; 900 s to start and while saving).", show_default=False)] = None,
+    skip_nonfinite: Annotated[bool, typer.Option("--skip-nonfinite", help="Skip a step whose loss or gradients are NaN or infinite (default: stop the run naming the step).")] = False,
     program: ProgramOpt = None,
     init_from: InitFromOpt = None,
     tensorboard: Annotated[Optional[str], typer.Option(help="Also write TensorBoard scalars here: loss, learning rate, tokens/s, flop/s, memory.", callback=output_folder)] = None,
+    ctx: typer.Context = None,
 ) -> int:
     """Train a GPT or Llama with the 4D algorithm: `backend run --model gpt-tiny --grid 2x2x2x1 --steps 50`."""
     from backend.launch.launcher import launch
     from backend.training.train import TrainConfig, validate
 
+    refuse_fixed(ctx, program)
+    prog = load_program_file(program)  # checked once here (a file of 10^5 ops takes seconds)
     cfg = TrainConfig(model=model, steps=steps, batch=batch, micro_batches=micro_batches,
                       lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay,
                       grad_clip=grad_clip, oar=oar, ors=ors, oag=oag, cache_layers=cache_layers,
@@ -95,7 +103,8 @@ def run_cmd(
                       log_every=log_every, trace_step=trace_step, seed=seed, device=device,
                       goldfish_k=goldfish_k or 0, goldfish_h=goldfish_h, eval_data=eval_data,
                       eval_every=eval_every, eval_batches=eval_batches, schedule=schedule, chunks=chunks,
-                      program_file=program, grid=program_grid(program, grid), tensorboard=tensorboard)
+                      skip_nonfinite=skip_nonfinite, tensorboard=tensorboard,
+                      program_file=program, grid=grid_of(prog) if prog else grid)
     if init_from:
         from backend.hf.load import HFCheckpoint
         cfg.init_from, ckpt = init_from, HFCheckpoint(init_from)
@@ -105,8 +114,8 @@ def run_cmd(
         check(goldfish_k, goldfish_h)
     g = Grid.parse(cfg.grid)
     check_launcher_world(g)
-    validate(cfg)
-    if not 0 <= progress_timeout < 1e9:
+    validate(cfg, prog)
+    if progress_timeout is not None and not 0 <= progress_timeout < 1e9:
         raise TwinError(f"--progress-timeout must be a number of seconds >= 0, got {progress_timeout}")
     code = launch("run", asdict(cfg), g.size, progress_timeout=progress_timeout)
     from backend.launch.env import env_rank, under_launcher

@@ -9,8 +9,8 @@ vocabulary padding rows are dropped.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -107,7 +107,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
 
     from backend.models.generate import read_checkpoint
     from backend.models.llama import hf_shapes
-    from topologies.common import check_output, write_atomic
+    from topologies.common import check_output, finite_json, naming, remove_quietly, write_atomic
 
     if dtype not in DTYPES:
         raise HFError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -159,17 +159,24 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
         tensors = {}
         for j in group:
             tensors.update(assemble(j))
-        save_file(tensors, str(file), metadata={"format": "pt"})
+        part = file.with_name(file.name + ".tmp")
+        try:  # written whole or not at all: a failure (a full disk) leaves no partial file
+            with naming(file):
+                save_file(tensors, str(part), metadata={"format": "pt"})
+                os.replace(part, file)
+        except BaseException:
+            remove_quietly(part)
+            raise
         weight_map.update({name: file.name for name in tensors})
         del tensors
     written = list(files)
     if len(files) > 1:
         total = sum(math.prod(shape) for shape in shapes.values()) * element
-        write_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_atomic(out / INDEX, finite_json({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written.append(out / INDEX)
     run_cfg = meta.get("config", {})
     base = run_cfg.get("hf_config") if isinstance(run_cfg, dict) else None
-    write_atomic(out / CONFIG, json.dumps(config_from_spec(spec, base, DTYPES[dtype][0]), indent=2))
+    write_atomic(out / CONFIG, finite_json(config_from_spec(spec, base, DTYPES[dtype][0]), indent=2))
     written.append(out / CONFIG)
     source = run_cfg.get("init_from") if isinstance(run_cfg, dict) else None
     if source and Path(source).is_dir() and Path(source).resolve() != out.resolve():

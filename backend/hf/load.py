@@ -18,6 +18,7 @@ Only backend.hf.load, backend.hf.export and backend.hf.config read or write Hugg
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -76,30 +77,43 @@ class HFCheckpoint:
 
     @staticmethod
     def _header(file: Path) -> dict:
-        """The JSON header of a safetensors file (names, dtypes, shapes), without reading tensors."""
+        """The JSON header of a safetensors file (names, dtypes, shapes), without reading tensors; the
+        file's size must be the one its header describes (a truncated download is refused here)."""
         try:
             with open(file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 n = int.from_bytes(f.read(8), "little")
-                if not 0 < n < 100 * 1024 ** 2:
-                    raise ValueError("bad header size")
+                if not 0 < n < min(100 * 1024 ** 2, size):
+                    raise ValueError(f"a header of {n} bytes in a file of {size}")
                 header = json.loads(f.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("its header is not a JSON object")
         except (OSError, ValueError, UnicodeDecodeError) as e:
             raise HFError(f"{file} is not a safetensors file ({e})") from None
         header.pop("__metadata__", None)
+        end = 0
+        for name, entry in header.items():
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise HFError(f"{file}: tensor {name} has no valid data_offsets in its header (a damaged file)")
+            end = max(end, offsets[1])
+        if size != 8 + n + end:
+            what = "truncated (an interrupted download?)" if size < 8 + n + end else "longer than its header says"
+            raise HFError(f"{file} is {what}: {size:,} bytes, its header describes {8 + n + end:,}; "
+                          "download it again")
         return header
 
     def check(self, spec: ModelSpec) -> None:
         """Every tensor the model needs is present with the shape `spec` implies (raises HFError)."""
         from backend.models.llama import hf_shapes
 
-        headers: dict[Path, dict] = {}
+        headers = {file: self._header(file) for file in sorted(set(self.files.values()))}  # each file whole
         for name, shape in hf_shapes(spec).items():
             source = self.source_name(name)
             if source not in self.files:
                 raise HFError(f"{self.dir}: tensor {name} is missing from the safetensors files")
             file = self.files[source]
-            if file not in headers:
-                headers[file] = self._header(file)
             entry = headers[file].get(source)
             if entry is None:
                 raise HFError(f"{file}: tensor {source} is missing (the index names this file)")
@@ -150,6 +164,9 @@ def load_into(model, hf_dir: str | Path, wrap: Callable | None = None) -> None:
                 block = reader(get)
                 if block.numel() != param.numel():
                     raise HFError(f"{hf_dir}: {', '.join(names)} give {block.numel()} values for a shard of {param.numel()}")
+                if block.is_floating_point() and not bool(torch.isfinite(block).all()):
+                    raise HFError(f"{ckpt.files[ckpt.source_name(names[0])]}: {' or '.join(names)} holds NaN or "
+                                  "infinite values: these weights cannot be trained from")
                 param.copy_(block.reshape(param.shape).to(param.device, param.dtype))
     finally:
         ckpt.close()

@@ -14,8 +14,10 @@ environment variable BACKEND_CONFIG.
 Errors: a rank that fails says why in one line, `error: rank N: <cause>` (bad input, TwinError: exit
 code 2; anything else: exit 1, with the traceback saved to a file the line names). When this module
 spawned the ranks, they write that line to a file of the run instead of printing it; the launcher
-prints the first cause (the earliest failure: the others are ranks that lost a peer), stops the other
-ranks quietly and exits with the first rank's code. Under torchrun or srun each rank prints its line.
+prints the root cause (backend.launch.spawn: a rank's own error, then a rank killed by a signal, before
+the ranks that lost a peer, which often report first), stops the other ranks and exits with that
+rank's code. Under torchrun or srun each rank prints its line. SIGTERM and SIGUSR1 are passed on to
+spawned ranks, which save and stop at the next step boundary (backend.training.guard).
 
 Cores: on CPU the forked ranks share the machine's cores as the scheduler places them. With
 BACKEND_CPU_BIND=cores in the launcher's environment each rank is pinned to core `rank mod cores` (as
@@ -25,7 +27,8 @@ which was used.
 
 Lifetime: spawned ranks die with the launcher (PR_SET_PDEATHSIG, and a check of the parent); a rank
 that makes no progress (`heartbeat()`, called once per training step) for `progress_timeout` seconds
-ends the run with one line naming it. A run holds an exclusive lock (flock) on its output and
+ends the run with one line naming it (by default a limit that fits the run's measured steps:
+backend.launch.spawn). A run holds an exclusive lock (flock) on its output and
 checkpoint folders while it runs (`lock_dirs`); a second run on the same folders gets one line naming
 the holder.
 

@@ -4,7 +4,9 @@ A job is a function `entry(config: dict) -> None` named in JOBS; the config trav
 environment variable BACKEND_CONFIG. `run_job` runs it in this process; a failure is one line,
 `error: rank N: <cause>` (bad input, TwinError: exit code 2; anything else: exit 1, with the traceback
 saved to a file the line names), written to the run folder when backend.launch.spawn started the rank,
-else printed (see backend.launch.launcher).
+else printed (see backend.launch.launcher). Each line is marked as the rank's own failure or as a lost
+peer (`lost_peer`: gloo's "Connection reset/closed by peer", NCCL's remote errors), so that the
+launcher reports the root cause; a file error names the file (`os_error_line`).
 
 `heartbeat()`, called once per training step, tells the launcher the rank makes progress;
 `die_with_parent` has the kernel end a spawned rank when its launcher dies; `bind_rank` pins a forked
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -22,7 +25,7 @@ import time
 import traceback
 
 from backend.launch.env import env_rank, env_world
-from topologies.common import TwinError
+from topologies.common import TwinError, os_error_line
 
 JOBS = {"run": "backend.training.train:main", "replay": "backend.bench.replay:main", "bench": "backend.bench.bench:main",
         "memorization-study": "backend.studies.study:main"}
@@ -47,17 +50,43 @@ def run_job(kind: str, config: dict) -> int:
     try:
         module, fn = JOBS[kind].split(":")
         getattr(importlib.import_module(module), fn)(config)
-    except (TwinError, OSError) as e:
-        return _report(rank, EXIT_BAD_INPUT, str(e))
+    except TwinError as e:
+        if type(e).__name__ == "Stopped":  # a stop signal, honoured at a step boundary: not an error
+            if rank == 0:
+                print(f"backend run: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
+        # a failure every rank sees alike (a NaN loss) is rank 0's to report; the others only echo it
+        echo = getattr(e, "on_every_rank", False) and rank != 0
+        return _report(rank, getattr(e, "exit_code", EXIT_BAD_INPUT), str(e), kind=ECHO if echo else CAUSE)
+    except OSError as e:
+        return _report(rank, EXIT_BAD_INPUT, os_error_line(e), kind=PEER if lost_peer(e) else CAUSE)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - one line here; the traceback goes to a file
-        return _report(rank, 1, f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc())
+        return _report(rank, 1, f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(),
+                       kind=PEER if lost_peer(e) else CAUSE)
     return 0
 
 
-def _report(rank: int, code: int, cause: str, trace: str | None = None) -> int:
-    """Say why this rank failed: to the launcher's run folder when spawned, else on stderr."""
+# a rank's own failure; a rank that lost a peer; a failure every rank sees alike, which rank 0 reports
+CAUSE, PEER, ECHO = "cause", "peer", "echo"
+# what gloo, NCCL and torch.distributed say when the other end of a connection went away
+_PEER_LOSS = re.compile(r"Connection (reset|closed) by peer|Connection refused|Broken pipe|remote worker|"
+                        r"remote process|ncclRemoteError|NCCL communicator was aborted|Socket Timeout|"
+                        r"(Read|Write) error .*peer|recvBytes|sendBytes", re.I)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether an error says this rank lost a peer (gloo's "Connection reset by peer" or "Connection
+    closed by peer", NCCL's remote errors): a consequence of another rank's failure, not a cause."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"DistNetworkError", "ConnectionError"}) or bool(_PEER_LOSS.search(str(e)))
+
+
+def _report(rank: int, code: int, cause: str, trace: str | None = None, kind: str = CAUSE) -> int:
+    """Say why this rank failed: to the launcher's run folder when spawned, else on stderr.
+    kind: CAUSE (this rank's own failure), PEER (it lost a peer) or ECHO (rank 0 says the same), for the
+    launcher to rank them (backend.launch.spawn)."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     where = ""
     if trace is not None:
@@ -73,24 +102,33 @@ def _report(rank: int, code: int, cause: str, trace: str | None = None) -> int:
     if run_dir and os.environ.get(SPAWNED_ENV) == "1":
         try:
             with open(os.path.join(run_dir, f"error{rank}"), "w") as f:
-                f.write(f"{time.time()!r} {code}\n{line}\n")
+                f.write(f"{time.time()!r} {code} {kind}\n{line}\n")
             return code
         except OSError:
             pass
+    if kind == ECHO:  # under torchrun or srun every rank prints its own line: rank 0 says this one
+        return code
+    if kind == PEER and env_world() > 1:
+        line += " (this rank lost a peer: the line of the rank that failed says why)"
     print(line, file=sys.stderr, flush=True)
     return code
 
 
 _beat_path: str | None = None
 _beats = 0
+_state = ""
 FAIL_ENV = "BACKEND_TEST_FAIL_RANK"  # tests: this rank raises at its third heartbeat
+BUSY = "busy"
 
 
-def heartbeat() -> None:
-    """Tell the launcher that this rank is making progress (cheap: one utime; a no-op when not spawned)."""
-    global _beat_path, _beats
-    _beats += 1
-    if _beats == 3 and os.environ.get(FAIL_ENV) == os.environ.get("RANK"):
+def heartbeat(state: str = "") -> None:
+    """Tell the launcher that this rank is making progress (cheap: one utime; a no-op when not spawned).
+    state: BUSY before work that may take much longer than a step (a checkpoint, a trace, an evaluation),
+    for which the launcher allows its start-up limit; "" again once it is done."""
+    global _beat_path, _beats, _state
+    if not state:
+        _beats += 1
+    if _beats == 3 and not state and os.environ.get(FAIL_ENV) == os.environ.get("RANK"):
         raise RuntimeError(f"injected failure ({FAIL_ENV})")
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
@@ -98,8 +136,13 @@ def heartbeat() -> None:
     if _beat_path is None or not _beat_path.startswith(run_dir):
         _beat_path = os.path.join(run_dir, f"beat{os.environ.get('RANK', '0')}")
     try:
-        with open(_beat_path, "a"):
-            os.utime(_beat_path)
+        if state != _state:
+            with open(_beat_path, "w") as f:
+                f.write(state)
+            _state = state
+        else:
+            with open(_beat_path, "a"):
+                os.utime(_beat_path)
     except OSError:
         pass
 

@@ -40,7 +40,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from topologies.common import TwinError
+from topologies.common import TwinError, finite_json, naming, remove_quietly, write_atomic
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 
@@ -104,7 +104,7 @@ def make_meta(step: int, grid: Grid, model: ModelSpec, extra: dict | None = None
 
 def _meta_checksum(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(finite_json(body, sort_keys=True).encode()).hexdigest()
 
 
 class _HashingWriter:
@@ -112,11 +112,16 @@ class _HashingWriter:
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None  # torch.save hides a failed write behind its own RuntimeError
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -133,18 +138,31 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
     tmp, final = root / f".tmp.{name}", root / name
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        if final.exists() and not final.is_dir():
+            raise CheckpointError(f"{final} is a file, not a checkpoint folder: move it away or choose another "
+                                  "--ckpt-dir")
         for debris in root.glob(".tmp.step_*"):  # of a crash while saving (the run holds the directory's lock)
             shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir()
     _barrier()
     import torch
     path = tmp / rank_file_name(rank)
-    with open(path, "wb") as f:
-        out = _HashingWriter(f)
-        torch.save(state, out)
-        f.flush()
-        os.fsync(f.fileno())
-    (tmp / f"{path.name}.sha256").write_text(f"{out.sha.hexdigest()} {out.size}\n")
+    try:  # a failure (a full disk) names the file and leaves no partial one behind
+        with naming(path):
+            with open(path, "wb") as f:
+                out = _HashingWriter(f)
+                try:
+                    torch.save(state, out)
+                except Exception:
+                    if out.error is not None:  # a full disk, not torch's "unexpected pos" that follows it
+                        raise out.error from None
+                    raise
+                f.flush()
+                os.fsync(f.fileno())
+            write_atomic(tmp / f"{path.name}.sha256", f"{out.sha.hexdigest()} {out.size}\n")
+    except BaseException:
+        remove_quietly(path)
+        raise
     _barrier()
     if rank == 0:
         files = {}
@@ -154,7 +172,7 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
             sidecar.unlink()
         meta = {**meta, "files": files}
         meta["checksum"] = _meta_checksum(meta)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_atomic(tmp / "meta.json", finite_json(meta, indent=1))
         _fsync_path(tmp / "meta.json")
         _fsync_path(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): replace it
@@ -162,11 +180,15 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
         os.replace(tmp, final)
         _fsync_path(root)
         pointer = root / f".{LATEST}.tmp"
-        with open(pointer, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, root / LATEST)
+        try:
+            with naming(root / LATEST), open(pointer, "w") as f:
+                f.write(name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer, root / LATEST)
+        except BaseException:
+            remove_quietly(pointer)
+            raise
         _fsync_path(root)
         if keep > 0:
             old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)

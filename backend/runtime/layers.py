@@ -325,6 +325,8 @@ def adamw(run, op, sq: torch.Tensor | None = None) -> None:
     if sq is not None:
         norm = float(sq.sqrt())
         run.grad_norm = norm
+        if not math.isfinite(norm):
+            return  # a NaN or infinite gradient is never applied (every rank sees this same norm)
         coef = run.max_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in run.model.parameters():

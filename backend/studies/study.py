@@ -17,7 +17,6 @@ gathered from the shards (backend.models.generate), on rank 0.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -246,8 +245,8 @@ def run(cfg: StudyConfig) -> dict:
                   "torch_threads": torch.get_num_threads(),
                   "final": {r["loss"]: r for r in records if r["epoch"] == cfg.epochs}}
         if rank0:
-            from topologies.common import write_atomic
-            write_atomic(out / "study.json", json.dumps(result, indent=1))
+            from topologies.common import finite_json, write_atomic
+            write_atomic(out / "study.json", finite_json(result, indent=1))
             print(summary(result), flush=True)
             print(f"wrote {out / 'study.json'}", flush=True)
         return result

@@ -43,7 +43,7 @@ def reduce_gradients(model: GPT) -> None:
 
 def train_step(model: GPT, optimizer: torch.optim.Optimizer,
                batches: list[tuple[torch.Tensor, torch.Tensor]], recorder: Recorder | None = None,
-               max_norm: float = 1.0) -> float:
+               max_norm: float = 1.0, guard=None) -> float:
     """One iteration: forward and backward of each micro-batch, gradient reductions, clipping (if
     the program clips), AdamW. batches: this rank's (tokens, targets) [seqs, s] per micro-batch
     (len = options.micro_batches); targets IGNORE (-100) are left out of the loss. Returns the mean
@@ -52,12 +52,19 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer,
     Outside the program (not recorded): one all-reduce over z and data of [loss sum, counted
     tokens] after the gradient reductions; the gradients, computed with the scale 1/(all tokens),
     are then rescaled to 1/(counted tokens) (exact: the gradient is linear in the scale).
+
+    guard: a backend.training.guard.StepGuard, asked before the update (one small all-reduce): a step
+    whose loss or gradients are not finite is not applied (`guard.why` says why). Without a guard, a
+    non-finite gradient norm (with clipping) still skips the update.
     """
     if recorder is not None:
         model.recorder = recorder
     optimizer.zero_grad(set_to_none=True)
     loss = step_gradients(model, batches)
-    model._executor_for(*batches[0][0].shape).optimizer_step(optimizer, max_norm)
+    skip = guard.before_update(loss, model) if guard is not None else None
+    norm = model._executor_for(*batches[0][0].shape).optimizer_step(None if skip else optimizer, max_norm)
+    if guard is not None:
+        guard.after_update(norm)
     return loss
 
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from topologies.common import TwinError, write_atomic
+from topologies.common import TwinError, finite_json, naming, write_atomic
 from twin.program.grid import Grid
 from twin.program.flags import options_from_flags
 from twin.program.model import load_model
@@ -68,12 +68,13 @@ class TrainConfig:
     eval_data: str | None = None      # held-out data (same forms as `data`); its loss is logged
     eval_every: int = 0               # steps between held-out evaluations (0: at the last step only)
     eval_batches: int = 4             # global batches of held-out data per evaluation
-    program_file: str | None = None   # run this program file (twin program --json): it fixes model, grid, batch, switches
+    program_file: str | None = None   # run this program file (twin program --json-out): it fixes model, grid, batch, switches
     init_from: str | None = None      # a Hugging Face Llama directory: the weights a fresh run starts from
     tensorboard: str | None = None    # also write TensorBoard scalars here (backend.training.tensorboard)
     spec: dict | None = None          # the model spec itself (e.g. from init_from's config.json); overrides `model`
     hf_config: dict | None = None     # init_from's config.json, kept for `backend export`
     eval_holdout: float = 0.0         # prompt/response data without eval_data: hold out this share of the examples
+    skip_nonfinite: bool = False      # a step with a non-finite loss or gradient: skip it (else stop the run)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -154,8 +155,9 @@ def check_numbers(cfg: TrainConfig) -> None:
         check_output(cfg.ckpt_dir, "--ckpt-dir", folder=True)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Check a config before any rank starts (raises TwinError with one clear line)."""
+def validate(cfg: TrainConfig, program: Program | None = None) -> None:
+    """Check a config before any rank starts (raises TwinError with one clear line). program: the
+    run's program when the caller has it already (a program file, loaded and checked once)."""
     from backend.runtime import checkpoint
 
     check_run_flags(cfg.steps, cfg.batch, cfg.device, Grid.parse(cfg.grid).size)
@@ -167,7 +169,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.goldfish_k:
         from backend.training.goldfish import check
         check(cfg.goldfish_k, cfg.goldfish_h)
-    program = cfg.program()  # grid x model x batch checks
+    program = program or cfg.program()  # grid x model x batch checks
+    if isinstance(program, list):  # a pipelined grid's program file: every stage's program; the first holds the most
+        program = program[0]
     spec, grid = program.model, program.grid
     from backend.launch.env import check_memory
     check_memory(program, cfg.device, 2 if cfg.device == "cuda" else 4)  # bf16 compute on GPU, fp32 on CPU
@@ -179,6 +183,9 @@ def validate(cfg: TrainConfig) -> None:
     from backend.training.finetune import check_data
     check_data(cfg, spec)
     if cfg.ckpt_dir:
+        for entry in sorted(Path(cfg.ckpt_dir).glob("step_*")):
+            if not entry.is_dir():
+                raise TwinError(f"{entry} is a file, not a checkpoint folder: move it away or choose another --ckpt-dir")
         path = checkpoint.latest(cfg.ckpt_dir)
         if path is not None:
             checkpoint.check_compatible(path, grid, spec)
@@ -250,8 +257,8 @@ class MetricsLog:
                "flops_convention": self.convention,
                "eta_s": avg * (self.cfg.steps - step), **(extra or {})}
         if self.enabled and (step % self.cfg.log_every == 0 or step == self.cfg.steps or "val_loss" in rec):
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            with naming(self.path), open(self.path, "a") as f:
+                f.write(finite_json(rec) + "\n")
             if self.tb is not None:
                 from backend.training.tensorboard import memory_bytes
                 self.tb.scalars(step, {"loss": loss, "lr": lr, "tokens_per_s": rec["tokens_per_s"],
@@ -280,6 +287,8 @@ def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
 def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
     from backend.runtime import checkpoint
 
+    from backend.training.guard import check_finite_state
+    check_finite_state(model.state_dict(), f"step {step} (rank {ctx.rank}), not saved")
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "data": loader.state_dict(), "rng": checkpoint.rng_state()}
     meta = checkpoint.make_meta(step, ctx.grid, model.spec, {"config": asdict(cfg)})
@@ -296,6 +305,8 @@ def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
     if path is None:
         return 0
     state = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
+    from backend.training.guard import check_finite_state
+    check_finite_state(state["model"], f"checkpoint {path} cannot be resumed (rank {ctx.rank}): delete it")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     loader.load_state_dict(state["data"])
@@ -311,6 +322,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import check_world_size, env_rank, fabric_warning
     from backend.launch.rank import heartbeat
+    from backend.training.guard import StepGuard
     from backend.models.build import make_model
     from backend.training.optim import make_optimizer, train_step
     from backend.runtime.recorder import NULL_RECORDER, Recorder
@@ -325,6 +337,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     ctx = ParallelContext.from_env(grid, backend="nccl" if cfg.device == "cuda" else "gloo")
     if grid.pipe > 1:  # a pipeline stage runs its stage's program
         program = cfg.program(ctx.stage)
+    guard = StepGuard(check_grads=not options.grad_clip)
+    guard.install()  # SIGTERM, SIGUSR1: save at the next step boundary and stop
     try:
         rank0 = ctx.rank == 0
         if warn and env_rank()[1] == 0:
@@ -349,7 +363,7 @@ def train(cfg: TrainConfig) -> list[dict]:
                   + f"; flop/s by {metrics.convention}", flush=True)
         trace_step = cfg.trace_step or cfg.steps
         crash_after = int(os.environ.get(CRASH_ENV, "0"))
-        records, peaks = [], []
+        records, peaks, skipped = [], [], 0
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -359,38 +373,45 @@ def train(cfg: TrainConfig) -> list[dict]:
             if step == trace_step:
                 dist.barrier()  # align the ranks' time origins
                 recorder.reset()
+            guard.begin(ctx.device)  # agrees on a stop signal by the step's end
             t0 = time.perf_counter()
             if step == min(start + 2, cfg.steps) and step != trace_step:
                 # the second step (optimizer state exists by then): also measure the memory peak
                 from backend.runtime.memory import peak_memory
-                loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip),
-                                         model, optimizer)
+                loss, peak = peak_memory(lambda: train_step(model, optimizer, batches, max_norm=cfg.grad_clip,
+                                                            guard=guard), model, optimizer)
                 peaks = [None] * grid.size
                 dist.all_gather_object(peaks, peak)
             else:
-                loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip)
+                loss = train_step(model, optimizer, batches, recorder=recorder, max_norm=cfg.grad_clip, guard=guard)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            extra = {}
+            extra = guard.settle(step, cfg.skip_nonfinite, cfg.init_from, rank0)  # stops a non-finite step, or skips it
+            skipped += "skipped" in extra
             if held_out is not None and held_out.due(step, cfg.eval_every, cfg.steps):
+                heartbeat("busy")  # an evaluation may take longer than a step
                 extra["val_loss"] = held_out.loss(model)
             records.append(metrics.log(step, loss, lr, seconds, extra))
-            heartbeat()  # the launcher ends a run whose rank stops making progress
+            heartbeat("busy")  # the launcher ends a run whose rank stops making progress (busy: slow work follows)
+            guard.stopping()
             if step == trace_step:
                 model.recorder = NULL_RECORDER
                 _write_trace(out / "trace", recorder.spans(ctx.rank, program), ctx,
                              {"source": "backend run", "model": spec.name, "grid": str(grid), "step": step,
                               "device": str(ctx.device), "options": asdict(options)})
-            if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            if (cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps)) or (guard.stop and cfg.ckpt_dir):
                 _save(cfg, step, model, optimizer, loader, ctx)
+            heartbeat()
+            if guard.stop and step < cfg.steps:
+                guard.stop_here(step, cfg.ckpt_dir)  # raises Stopped: one line, exit 128 + the signal
             if crash_after and step == crash_after and rank0:
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die like a crashed node
         if rank0 and records:
             warm = records[1:] or records
             summary = {"model": spec.name, "grid": str(grid), "device": str(ctx.device),
                        "dtype": str(ctx.compute_dtype).removeprefix("torch."), "steps": cfg.steps,
-                       "final_loss": records[-1]["loss"],
+                       "final_loss": records[-1]["loss"], "skipped_steps": skipped,
                        "tokens_per_s": sum(r["tokens_per_s"] for r in warm) / len(warm),
                        "flops_per_s": sum(r["flops_per_s"] for r in warm) / len(warm),
                        "model_flops_per_s": sum(r["model_flops_per_s"] for r in warm) / len(warm),
@@ -400,9 +421,10 @@ def train(cfg: TrainConfig) -> list[dict]:
                        "cpu_bind": os.environ.get("BACKEND_CPU_BIND", "none"),
                        "threads_per_rank": torch.get_num_threads(),
                        "note": "averages over the steps of this run after its first"}
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_atomic(out / "summary.json", finite_json(summary, indent=1))
         return records
     finally:
+        guard.uninstall()
         destroy()
 
 

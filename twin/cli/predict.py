@@ -13,7 +13,6 @@ from twin.cli.common import (AutoGridOpt, FullOpt, GpusOpt, PlacementOpt, Profil
 from topologies.common import TwinError, finite_json, write_atomic
 from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, MicroOpt, ScheduleOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
                         options_from_flags, output_file, output_folder)
-from twin.program.programfile import load_program
 from twin.present.tables import human_bytes, human_flops, table
 
 
@@ -110,9 +109,12 @@ def simulate_cmd(
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
     prog = None
     if program is not None:
-        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None:
-            raise TwinError("--program fixes the model, grid, GPUs, batch and sequence length: leave those flags out")
-        prog = load_program(program)
+        if model is not None or grid != "auto" or gpus is not None or batch is not None or seq is not None \
+                or opts != options_from_flags():
+            raise TwinError("--program fixes the model, grid, GPUs, batch, sequence length and switches: leave those "
+                            "flags out")
+        from twin.present.progress import load_program_shown
+        prog = load_program_shown(program, quiet_default(json_out, quiet))
     plan = ([("ranking grids", 3.0)] if prog is None and grid.strip().lower() == "auto" else []) + [
         ("simulating", 1.0 + 4.0 * full)]  # a given grid is not ranked: the bar is the simulation's alone
     with Stages(plan, quiet_default(json_out, quiet)) as stage:

@@ -176,3 +176,13 @@ class Steps(_Bar):
 def quiet_default(json_out: bool, quiet: bool) -> bool:
     """Progress is off under --quiet, under --json, and when stderr is not a terminal."""
     return quiet or json_out or not sys.stderr.isatty()
+
+
+def load_program_shown(path, quiet: bool | None = None):
+    """twin.program.programfile.load_program with a bar while it checks the file (a file of 10^6 ops
+    takes about a minute; a small one ends before the bar would appear). quiet: None, when stderr is
+    not a terminal."""
+    from twin.program.programfile import load_program
+
+    with Steps(not sys.stderr.isatty() if quiet is None else quiet) as steps:
+        return load_program(path, progress=lambda done: steps("checking the program file", round(1000 * done), 1000))

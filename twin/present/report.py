@@ -53,6 +53,7 @@ class Report:
     summary: list = field(default_factory=list)        # sentences of the page's summary
     html: str = ""
     seconds: dict = field(default_factory=dict)        # wall time of each stage
+    left_out: list = field(default_factory=list)       # sentences: what the page could not draw, and why
 
 
 def critical_path(spans: list[Span], program: Program, rank: int) -> set[tuple[int, str]]:
@@ -221,11 +222,23 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     say(f"simulating grid {g}" + (" (every rank)" if full else ""))
     t1 = time.perf_counter()
     cm = collective_model(study, g)
-    result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how,
-                           tick=getattr(progress, "part", None))  # a --full run moves the bar as it goes
-    seconds["simulate"] = time.perf_counter() - t1
     program = build_program(study.model, g, study.options, study.batch, study.seq_len)
-    rep = Report(result=result, candidates=cands)
+    from twin.predict.run import MAX_TRACE_SPANS
+    events = len(program.ops) * g.size
+    left_out = []
+    if full and events > MAX_TRACE_SPANS:  # every rank's numbers, one representative rank's timeline
+        result = simulate_grid(study, g, full=True, slowdown=slowdown, record=False, collectives=cm, grid_choice=how,
+                               tick=getattr(progress, "part", None))  # a --full run moves the bar as it goes
+        one = simulate_grid(study, g, record=True, collectives=cm, grid_choice=how)
+        result.spans, result.waits = one.spans, one.waits
+        left_out.append(f"The timeline shows one representative rank (a symmetric run{', without the stragglers' if slowdown else ''}): "
+                        f"the timelines of all {g.size:,} ranks would hold {events:,} events, more than the "
+                        f"{MAX_TRACE_SPANS:,} the twin records. The iteration time and the breakdown are the full run's.")
+    else:
+        result = simulate_grid(study, g, full=full, slowdown=slowdown, record=True, collectives=cm, grid_choice=how,
+                               tick=getattr(progress, "part", None))
+    seconds["simulate"] = time.perf_counter() - t1
+    rep = Report(result=result, candidates=cands, left_out=left_out)
     say("tracing the critical path")
     from twin.present.plots import pick_ranks
     shown = pick_ranks(result.spans)
@@ -245,7 +258,7 @@ def build_report(system: str, model: str | None = None, gpus: int | None = None,
     if runs:
         say("validating against the runs")
         validation = validate([str(r) for r in runs], study.system.name)
-    rep.summary = _summary(rep, study)
+    rep.summary = _summary(rep, study) + rep.left_out
     say("drawing the page")
     rep.html = render(rep, study, validation, scaling)
     seconds["total"] = time.perf_counter() - t0
@@ -296,7 +309,7 @@ def render(rep: Report, study: Study, validation: dict | None = None, scaling: l
              "Click a legend entry to hide a kind.</p>")
     page.figure("timeline", timeline_figure(r.spans, f"{r.model}, grid {r.grid_str}: {it:.3f} s per iteration",
                                              critical=rep.critical, window=rep.window, waits=r.waits))
-    if r.mode == "full" and r.simulated_ranks > 1:
+    if r.mode == "full" and r.simulated_ranks > 1 and not rep.left_out:
         page.figure("ranks", ranks_figure(r.spans, it, r.waits))
     page.add("<h2>The network under the job</h2>")
     if rep.bandwidth:

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topologies.common import write_atomic
+from topologies.common import finite_json, write_atomic
 from twin.program.program import STREAMS, Op
 
 HOST_TID = 1
@@ -197,10 +197,10 @@ def rank_events(rank: int, spans: list[Span], step: int = 1, waits: list[Span] =
 def rank_file_text(rank: int, spans: list[Span], world_size: int, metadata: dict | None = None,
                    step: int = 1, backend: str = "nccl", waits: list[Span] = ()) -> str:
     """One rank's trace file: distributedInfo on the first line, then one event per line."""
-    info = json.dumps({"rank": rank, "world_size": world_size, "backend": backend}, separators=(", ", ": "))
-    lines = [json.dumps(e, separators=(",", ":")) for e in rank_events(rank, spans, step, waits)]
+    info = finite_json({"rank": rank, "world_size": world_size, "backend": backend}, separators=(", ", ": "))
+    lines = [finite_json(e, separators=(",", ":")) for e in rank_events(rank, spans, step, waits)]
     return ('{"distributedInfo": ' + info + ',\n"schemaVersion": 1, "displayTimeUnit": "ms",\n'
-            '"metadata": ' + json.dumps(metadata or {}, sort_keys=True) + ',\n'
+            '"metadata": ' + finite_json(metadata or {}, sort_keys=True) + ',\n'
             '"traceEvents": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
