@@ -54,10 +54,10 @@ def validate_cmd(
         rep = validate_runs([str(d) for d in run_dirs], system, profile, progress=steps)
     if json_print:
         if json_out is not None:
-            write_atomic(json_out, json.dumps(rep, indent=1))
+            write_atomic(json_out, finite_json(rep, indent=1))
         if html is not None:
             write_atomic(html, validation_html(rep))
-        typer.echo(json.dumps(rep, indent=1))
+        typer.echo(finite_json(rep, indent=1))
         return
     cols = ("grid", "iteration measured (s)", "predicted (s)", "error", "spread (runs)", "per-op median |err|",
             "compute |err|", "memory (MiB)", "predicted (MiB)")
