@@ -13,6 +13,14 @@ from twin.present.tables import table
 from twin.program.flags import output_file
 
 
+def _text(v: str) -> str:
+    """An axis value as printed: numbers in a short form (2.5e+10 rather than 25000000000.0)."""
+    try:
+        return v if v.isdigit() else f"{float(v):g}"
+    except ValueError:
+        return v
+
+
 def _best(rows: list[dict], top: int) -> list[dict]:
     ok = [r for r in rows if r["status"] == "ok"]
     if ok and all(r.get("train_days") for r in ok):
@@ -71,7 +79,7 @@ def sweep_cmd(
         t = table(*cols, title=f"{sweep.name}: the best {len(best)} of {len(rows) - failed} predicted points",
                   right=tuple(cols[len(varied) + 1:]))
         for r in best:
-            cells = [r[c] for c in varied] + [r["grid"], f"{float(r['iteration_s']):.3f}",
+            cells = [_text(r[c]) for c in varied] + [r["grid"], f"{float(r['iteration_s']):.3f}",
                                               f"{float(r['percent_of_peak']):.1f}"]
             if with_days:
                 cells += [f"{float(r['train_days']):.1f}", f"{float(r['gpu_hours']):,.0f}"]
@@ -84,6 +92,6 @@ def sweep_cmd(
     console.print(f"{run.total} points: {run.total - failed} predicted, {failed} failed; {now}, {run.skipped} "
                   f"already in {out}")
     for r in [r for r in rows if r["status"] != "ok"][:3]:
-        console.print(f"failed: {', '.join(f'{c}={r[c]}' for c in varied) or r['key']}: {r['error']}")
+        console.print(f"failed: {', '.join(f'{c}={_text(r[c])}' for c in varied) or r['key']}: {r['error']}")
     if html is not None:
         console.print(f"wrote {html}")

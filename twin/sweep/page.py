@@ -37,11 +37,11 @@ def _num(v: str) -> float | None:
         return None
 
 
-def _fmt(v: str) -> str:
+def _fmt(v: str, digits: int = 4) -> str:
     x = _num(v)
     if x is None or v.strip() == "" or v.isdigit():
         return v
-    return f"{x:.4g}"
+    return f"{x:.{digits}g}"
 
 
 def axis_columns(header: list[str]) -> list[str]:
@@ -68,7 +68,7 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 
 
 def _label(row: dict, axes: list[str]) -> str:
-    return ", ".join(f"{a}={row[a]}" for a in axes if row.get(a, "") != "")
+    return ", ".join(f"{a}={_fmt(row[a])}" for a in axes if row.get(a, "") != "")
 
 
 def pareto_figure(rows: list[dict], axes: list[str]):
@@ -127,7 +127,7 @@ def heatmap_figure(rows: list[dict], axes: list[str]):
                 best[cell] = v
         z = [[best.get((x, y)) for x in xs] for y in ys]
         text = [["" if v is None else f"{v:.3g}" for v in row] for row in z]
-        fig.add_trace(go.Heatmap(x=xs, y=ys, z=z, text=text, texttemplate="%{text}", visible=n == 0,
+        fig.add_trace(go.Heatmap(x=[_fmt(x, 6) for x in xs], y=[_fmt(y, 6) for y in ys], z=z, text=text, texttemplate="%{text}", visible=n == 0,
                                  colorscale="Viridis", reversescale=not larger, colorbar=dict(title=label),
                                  hovertemplate=f"{a}=%{{x}}<br>{b or ''}=%{{y}}<br>{label}: %{{z:.4g}}<extra></extra>",
                                  xgap=1, ygap=1))
@@ -163,8 +163,9 @@ def sweep_page(header: list[str], rows: list[dict], title: str) -> str:
         page.figure("heatmap", heatmap_figure(rows, axes))
     cols = [c for c in axes + list(SHOWN) if c in header]
     head = "".join(f"<th onclick='sweepSort(this)' title='sort'>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>" for r in rows)
-    page.add("<h2>Every point</h2><p class='note'>Click a column to sort; type to filter. "
+    body = "".join("<tr>" + "".join(f"<td{' class=err' if c == 'error' else ''}>{html.escape(_fmt(r.get(c, '')))}</td>"
+                                    for c in cols) + "</tr>" for r in rows)
+    page.add("<style>td.err{text-align:left;min-width:28em}</style><h2>Every point</h2><p class='note'>Click a column to sort; type to filter. "
              "<input oninput='sweepFilter(this)' placeholder='filter'></p>"
              f"<table id='points'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
              f"<script>{TABLE_JS}</script>")

@@ -80,6 +80,22 @@ def _client(workers: int | None, scheduler: str | None, slurm: bool):
     return client, [client, cluster], f"Dask, {n} local worker process{'es' if n > 1 else ''}"
 
 
+def _submit(client, todo: list) -> list:
+    """One Dask task per point. Where the workers are known, each is given a contiguous block of the
+    points (neighbours in the sweep share systems, models and GPU counts, so its memos serve them),
+    which the scheduler may still move to an idle worker (allow_other_workers: work stealing)."""
+    workers = sorted(client.scheduler_info().get("workers", {}))
+    if len(workers) < 2:
+        return client.map(run_point, todo, pure=False)
+    size = -(-len(todo) // len(workers))
+    futures = []
+    for i, addr in enumerate(workers):
+        block = todo[i * size:(i + 1) * size]
+        if block:
+            futures += client.map(run_point, block, pure=False, workers=[addr], allow_other_workers=True)
+    return futures
+
+
 def _configured(kind: str) -> bool:
     """Whether dask-jobqueue's configuration says how big a job of `kind` is."""
     import dask
@@ -127,7 +143,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, serial: bool = False, workers: i
             from distributed import as_completed
             client, closers, engine = _client(workers, scheduler, slurm)
             say(f"running {len(todo)} of {total} points on {engine}")
-            futures = client.map(run_point, todo, pure=False)
+            futures = _submit(client, todo)
             for future in as_completed(futures):
                 finished(future.result())
         else:
