@@ -161,9 +161,12 @@ def test_overrides_reach_the_system_and_the_profile(tmp_path):
     (("[25e9, 50e9]", "25e9"), "overrides.node.nic_bandwidth must be a list"),
     (("restart_min = 10", ""), "go together"),
     (("gpus = [16, 32, 1000000]", "gpus = [16, 16]"), "gpus lists a value twice"),
+    (("[25e9, 50e9]", "[25e9, 25e9]"), "overrides.node.nic_bandwidth lists a value twice"),
+    (("tokens = 1e10", "tokens = 0"), "train.tokens must be"),
     (("tokens = 1e10", "tokens = 1e10\ntokens = 2"), "malformed sweep file"),
 ])
-def test_a_bad_sweep_file_is_one_line_and_exit_2(tmp_path, change, says):
+def test_a_bad_sweep_file_is_one_line_and_exit_2(tmp_path, monkeypatch, change, says):
+    monkeypatch.chdir(tmp_path)
     path = _sweep(tmp_path, TWELVE.replace(*change))
     r = runner.invoke(app, ["sweep", str(path), "--serial", "--quiet"])
     assert r.exit_code == 2, r.output
@@ -171,7 +174,8 @@ def test_a_bad_sweep_file_is_one_line_and_exit_2(tmp_path, change, says):
     assert not (tmp_path / "s.csv").exists()
 
 
-def test_a_results_file_of_another_sweep_is_refused(tmp_path):
+def test_a_results_file_of_another_sweep_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the results go to the current folder by default
     (tmp_path / "s.csv").write_text("key,system,status\n")
     r = runner.invoke(app, ["sweep", str(_sweep(tmp_path)), "--serial"])
     assert r.exit_code == 2 and "other columns" in r.output
@@ -194,7 +198,8 @@ def test_the_pareto_front():
     assert pareto(pts) == [0, 4, 3]
 
 
-def test_the_command_prints_the_best_and_writes_the_page(tmp_path):
+def test_the_command_prints_the_best_and_writes_the_page(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     from browser import SHOTS, assert_drew, close_browser, render_page
 
     path = _sweep(tmp_path)
@@ -223,7 +228,7 @@ def test_the_progress_bar_counts_done_and_failed_points(tmp_path, monkeypatch):
     monkeypatch.setattr(twin.present.progress, "SHOW_AFTER_S", 0)
     monkeypatch.setattr(twin.present.progress, "Console",
                         lambda **kw: Console(file=shown, force_terminal=True, width=120))
-    r = runner.invoke(app, ["sweep", str(_sweep(tmp_path)), "--serial"])
+    r = runner.invoke(app, ["sweep", str(_sweep(tmp_path)), "--serial", "--out", str(tmp_path / "s.csv")])
     assert r.exit_code == 0, r.output
     text = shown.getvalue()
     assert "8 done, 4 failed" in text and "left ~" in text, text
@@ -245,6 +250,9 @@ def test_a_running_scheduler_takes_the_points(tmp_path):
     from distributed import LocalCluster
     path = _sweep(tmp_path, TWELVE.replace("gpus = [16, 32, 1000000]", "gpus = [16]"))
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
-        r = runner.invoke(app, ["sweep", str(path), "--scheduler", cluster.scheduler_address, "--quiet"])
+        r = runner.invoke(app, ["sweep", str(path), "--scheduler", cluster.scheduler_address, "--quiet",
+                                "--out", str(tmp_path / "s.csv")])
+        address = cluster.scheduler_address
     assert r.exit_code == 0, r.output
-    assert "4 points: 4 predicted, 0 failed" in r.output and "the Dask scheduler at tcp://" in " ".join(r.output.split())
+    text = " ".join(r.output.split())
+    assert "4 points: 4 predicted, 0 failed" in text and f"the Dask scheduler at {address}" in text

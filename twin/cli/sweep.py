@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from topologies.common import TwinError, write_atomic
+from topologies.common import TwinError, check_output, write_atomic
 from twin.cli.common import QuietOpt, console, handles_errors
 from twin.present.tables import table
 from twin.program.flags import output_file
@@ -31,7 +31,7 @@ def _best(rows: list[dict], top: int) -> list[dict]:
 @handles_errors
 def sweep_cmd(
     sweep_file: Annotated[Path, typer.Argument(help="The sweep file (.toml): lists of systems, models, GPU counts, overrides... (docs/sweeps.md).", show_default=False)],
-    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Results CSV, appended as points finish (default: SWEEP.csv beside the sweep file).", callback=output_file)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Results CSV, appended as points finish (default: the sweep file's name with .csv, here).", callback=output_file)] = None,
     workers: Annotated[Optional[int], typer.Option(help="Dask worker processes (default: one per core), or Slurm worker jobs with --slurm.")] = None,
     scheduler: Annotated[Optional[str], typer.Option(help="Run on this running Dask scheduler, e.g. tcp://host:8786.")] = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="Start Dask workers as Slurm jobs (dask-jobqueue and its configuration).")] = False,
@@ -52,7 +52,7 @@ def sweep_cmd(
     if workers is not None and workers < 1:
         raise TwinError(f"--workers must be at least 1, got {workers}")
     sweep = load_sweep(sweep_file)
-    out = out or str(Path(sweep_file).with_suffix(".csv"))
+    out = out or str(check_output(Path(sweep_file).with_suffix(".csv").name, "--out"))
     with Steps(quiet_default(False, quiet)) as steps:
         run = run_sweep(sweep, out, serial=serial, workers=workers, scheduler=scheduler, slurm=slurm,
                         progress=steps, say=lambda line: typer.echo(line, err=True))

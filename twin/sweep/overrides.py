@@ -18,7 +18,7 @@ from topologies.system import GIB, SystemSpec
 
 # section of a system file -> (the keys a sweep may set, where the value goes)
 SYSTEM_KEYS = {
-    "gpu": ("peak_flops", "gemm_flops", "hbm_gib", "hbm_bandwidth"),
+    "gpu": ("gemm_flops", "hbm_gib", "hbm_bandwidth"),  # not peak_flops: the profile's must agree with it
     "node": ("nic_bandwidth", "gpu_nic_bandwidth", "link_latency"),
     "network": ("global_links_per_pair", "link_bandwidth", "switch_latency", "nic_latency", "local_cable_latency",
                 "global_cable_latency"),
@@ -26,7 +26,7 @@ SYSTEM_KEYS = {
                     "inter_node_step_floor", "step_floor_per_rank", "node_ring_directions"),
     "failures": ("node_mtbf_h",),
 }
-PROFILE_KEYS = ("peak_flops", "gemm_flops", "k_half", "hbm_bandwidth", "launch_s", "attention_fwd_efficiency",
+PROFILE_KEYS = ("gemm_flops", "k_half", "hbm_bandwidth", "launch_s", "attention_fwd_efficiency",
                 "attention_bwd_efficiency", "overlap_slowdown")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from topologies.common import InputError
-from twin.sweep.point import FIGURES, run_point
+from twin.sweep.point import FIGURES, one_line, run_point
 from twin.sweep.results import Results
 from twin.sweep.spec import Sweep
 
@@ -73,9 +73,17 @@ def _client(workers: int | None, scheduler: str | None, slurm: bool):
         cluster.scale(jobs=workers or 1)
         client = Client(cluster)
         return client, [client, cluster], f"Slurm through dask-jobqueue ({workers or 1} worker jobs)"
+    import dask
+
     n = workers or os.cpu_count() or 1
-    cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
+    # Dask starts its workers with MALLOC_TRIM_THRESHOLD_=65536 (to hand memory back sooner); that also
+    # fixes glibc's mmap threshold, so every numpy array the twin makes is mapped and unmapped afresh:
+    # measured, 26% more CPU on a 24-point sweep (7.0 s to 8.8 s). The workers start without it.
+    env = {k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
+           if k != "MALLOC_TRIM_THRESHOLD_"}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
     client = Client(cluster)
     return client, [client, cluster], f"Dask, {n} local worker process{'es' if n > 1 else ''}"
 
@@ -144,8 +152,14 @@ def run_sweep(sweep: Sweep, out: str | Path, *, serial: bool = False, workers: i
             client, closers, engine = _client(workers, scheduler, slurm)
             say(f"running {len(todo)} of {total} points on {engine}")
             futures = _submit(client, todo)
+            point_of = dict(zip(futures, todo))
             for future in as_completed(futures):
-                finished(future.result())
+                try:
+                    row = future.result()
+                except Exception as e:  # noqa: BLE001 - a worker lost (killed, out of memory): the point's error
+                    p = point_of[future]
+                    row = {"key": p.key, **p.columns(), "status": "error", "error": one_line(e)}
+                finished(row)
         else:
             if todo:
                 say(f"running {len(todo)} of {total} points in this process")
@@ -159,7 +173,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, serial: bool = False, workers: i
                 c.close()
             except Exception:  # noqa: BLE001 - closing a cluster that is going down anyway
                 pass
-        if not interrupted and len(results.done) >= total:
+        if not interrupted and all(p.key in results.done for p in points):
             results.rewrite_in_order([p.key for p in points])
         else:
             results.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from topologies.common import InputError
@@ -150,7 +150,6 @@ def _keyed(p: Point) -> Point:
     """The point with its key: a digest of its values and of the settings its row depends on."""
     text = json.dumps([p.system, p.model, p.gpus, p.batch, p.seq_len, p.grid, p.overrides, p.switches,
                        p.simulate_top, None if p.train is None else vars(p.train)], default=str)
-    from dataclasses import replace
     return replace(p, key=hashlib.sha1(text.encode()).hexdigest()[:16])
 
 
@@ -173,7 +172,9 @@ def load_sweep(path: str | Path) -> Sweep:
     axes = {"systems": data["systems"], "models": data["models"], "gpus": data["gpus"],
             "batches": data.get("batches", [None]), "seq_lens": data.get("seq_lens", [None]),
             "grids": data.get("grids", ["auto"])}
-    for name, values in axes.items():
+    lists = {**axes, **{f"overrides.{k}": v for k, v in overrides.items()},
+             **{f"switches.{k}": v for k, v in data.get("switches", {}).items()}}
+    for name, values in lists.items():
         if len(set(map(str, values))) != len(values):
             raise InputError(f"sweep file {path}: {name} lists a value twice")
     t = data.get("train")
