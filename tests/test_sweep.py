@@ -256,3 +256,10 @@ def test_a_running_scheduler_takes_the_points(tmp_path):
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "4 points: 4 predicted, 0 failed" in text and f"the Dask scheduler at {address}" in text
+
+
+def test_slurm_needs_sbatch(tmp_path, monkeypatch):
+    pytest.importorskip("dask_jobqueue")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    r = runner.invoke(app, ["sweep", str(_sweep(tmp_path)), "--slurm", "--quiet", "--out", str(tmp_path / "s.csv")])
+    assert r.exit_code == 2 and "no sbatch here" in r.output, r.output

@@ -51,6 +51,24 @@ def columns(sweep: Sweep) -> list[str]:
     return ["key", *sweep.axis_columns(), *FIGURES]
 
 
+# Dask's defaults, made for long data-parallel tasks, cost a sweep's short CPU-bound points dearly:
+# - workers start with MALLOC_TRIM_THRESHOLD_=65536 (to hand memory back sooner), which also fixes
+#   glibc's mmap threshold, so every numpy array the twin makes is mapped and unmapped afresh: 26% more
+#   CPU on a 24-point sweep serially (7.0 s to 8.8 s, measured);
+# - the statistical profiler samples every worker's task thread every 10 ms, the event loops tick every
+#   20 ms, the system and memory monitors poll every 0.5 and 0.1 s: an idle LocalCluster of 2 workers
+#   used 0.127 CPU seconds per second (measured); with the profiler off and the rest slowed, 0.015.
+# Local clusters start with these settings instead.
+LEAN = {"distributed.worker.profile.enabled": False, "distributed.admin.tick.interval": "1s",
+        "distributed.admin.system-monitor.interval": "5s", "distributed.worker.memory.monitor-interval": "1s"}
+
+
+def _lean_environ() -> dict:
+    import dask
+    env = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    return {k: v for k, v in env.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+
+
 def _client(workers: int | None, scheduler: str | None, slurm: bool):
     """(a distributed.Client, what to close after, a description of the engine)."""
     import logging
@@ -69,6 +87,9 @@ def _client(workers: int | None, scheduler: str | None, slurm: bool):
             from dask_jobqueue import SLURMCluster
         except ImportError:
             raise InputError("--slurm needs dask-jobqueue (pip install \".[sweep]\")") from None
+        import shutil
+        if shutil.which("sbatch") is None:
+            raise InputError("--slurm: no sbatch here (run twin sweep --slurm on a Slurm login node)")
         cluster = SLURMCluster(**({} if _configured("slurm") else {"cores": 1, "processes": 1, "memory": "4GB"}))
         cluster.scale(jobs=workers or 1)
         client = Client(cluster)
@@ -76,12 +97,7 @@ def _client(workers: int | None, scheduler: str | None, slurm: bool):
     import dask
 
     n = workers or os.cpu_count() or 1
-    # Dask starts its workers with MALLOC_TRIM_THRESHOLD_=65536 (to hand memory back sooner); that also
-    # fixes glibc's mmap threshold, so every numpy array the twin makes is mapped and unmapped afresh:
-    # measured, 26% more CPU on a 24-point sweep (7.0 s to 8.8 s). The workers start without it.
-    env = {k: v for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()
-           if k != "MALLOC_TRIM_THRESHOLD_"}
-    with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
+    with dask.config.set({**LEAN, "distributed.nanny.pre-spawn-environ": _lean_environ()}):
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
                                silence_logs=logging.ERROR)
     client = Client(cluster)
