@@ -6,7 +6,7 @@ batch 1,024 sequences, time to train 1e12 tokens with checkpoints every 2 hours.
 cold process (its workers too) and writes its own results file; the rows of the runs are checked
 equal. The machine may be shared with other work: repeat and read the spread.
 
-    python benchmarks/bench_sweep.py [--workers 2]
+    python benchmarks/bench_sweep.py [--workers 2] [--repeat N]
 """
 
 from __future__ import annotations
@@ -54,28 +54,34 @@ def run(folder: Path, args: list[str]) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="Alternate the two runs this many times each.")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from twin.sweep.results import read_rows
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "bench.toml").write_text(SWEEP)
-        serial_s, serial_cpu = run(folder, ["--serial", "--out", str(folder / "serial.csv")])
-        dask_s, dask_cpu = run(folder, ["--workers", str(a.workers), "--out", str(folder / "dask.csv")])
-        rows = {}
-        for name in ("serial", "dask"):
-            rows[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in read_rows(folder / f"{name}.csv")[1]]
+        times = {"serial": [], "dask": []}
+        for i in range(a.repeat):
+            for name, args in (("serial", ["--serial"]), ("dask", ["--workers", str(a.workers)])):
+                out = folder / f"{name}{i}.csv"
+                wall, cpu = run(folder, [*args, "--out", str(out)])
+                times[name].append((wall, cpu, os.getloadavg()[0], out))
+        rows = {name: [{k: v for k, v in r.items() if k != "seconds"} for r in read_rows(t[0][3])[1]]
+                for name, t in times.items()}
         n = len(rows["serial"])
         failed = sum(r["status"] != "ok" for r in rows["serial"])
-        point_s = {name: sum(float(r["seconds"]) for r in read_rows(folder / f"{name}.csv")[1])
-                   for name in ("serial", "dask")}
-    print(f"{n} points ({failed} failed), the same rows serially and on Dask: {rows['serial'] == rows['dask']}")
-    print(f"serial (one process):        {serial_s:7.1f} s  {n / serial_s:5.2f} points/s  "
-          f"(the points' own times add up to {point_s['serial']:.1f} s; CPU {serial_cpu:.1f} s)")
-    print(f"Dask, {a.workers} local workers:     {dask_s:7.1f} s  {n / dask_s:5.2f} points/s  "
-          f"speed-up {serial_s / dask_s:.2f}x (the points' own times add up to {point_s['dask']:.1f} s; "
-          f"CPU of the command and its workers {dask_cpu:.1f} s)")
-    print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()} on {os.cpu_count()} cores")
+        same = all([{k: v for k, v in r.items() if k != "seconds"} for r in read_rows(t[3])[1]] == rows["serial"]
+                   for ts in times.values() for t in ts)
+        print(f"{n} points ({failed} failed); every run gave the same rows: {same}")
+        for name, ts in times.items():
+            label = "serial (one process)" if name == "serial" else f"Dask, {a.workers} local workers"
+            for wall, cpu, load, out in ts:
+                own = sum(float(r["seconds"]) for r in read_rows(out)[1])
+                print(f"{label:26s} {wall:6.1f} s  {n / wall:5.2f} points/s  CPU {cpu:5.1f} s  points' own times "
+                      f"{own:6.1f} s  load average after: {load:.1f} on {os.cpu_count()} cores")
+        best = {name: min(t[0] for t in ts) for name, ts in times.items()}
+        print(f"best of each: speed-up {best['serial'] / best['dask']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def sweep_page(header: list[str], rows: list[dict], title: str) -> str:
     failed = [r for r in rows if r["status"] != "ok"]
     page.add(f"<h1>Sweep {html.escape(title)}</h1><p class='lead'>{len(rows)} points, {len(rows) - len(failed)} "
              f"predicted, {len(failed)} failed (their one-line errors are in the table). Each point runs the best "
-             "grid grid auto finds (or the grid asked for).</p>")
+             "grid that grid auto finds (or the grid asked for).</p>")
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         fig, front = pareto_figure(rows, axes)
