@@ -73,6 +73,10 @@ TWIN = {
     "twin sensitivity --system perlmutter --model gpt-80b --gpus 1024 --grid 1x4x64x4":
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "1x4x4x1"],
+    # README and docs/sweeps.md: a 4-point sweep in place of the 15 points of gpt-20b
+    "twin sweep docs/sweep-nic.toml --html sweep-nic.html":
+        ["sweep", str(ROOT / "tests/fixtures/sweep-small.toml"), "--serial", "--out", "sweep.csv", "--html",
+         "sweep-nic.html"],
 }
 TWIN.update({  # docs/pipeline.md
     "twin simulate --system frontier --model gpt-20b --gpus 128 --batch 512 --grid 4x2x2x2x4 --micro-batches 8": None,
@@ -156,6 +160,8 @@ ELSEWHERE = {
                                             "tests/test_fidelity.py checks the parts it uses",
     "python benchmarks/bench_published.py --figures frontier:axonn-table --figures perlmutter:axonn-table":
         "the same benchmark with other collective figures (tests/test_measured_collectives.py loads them)",
+    "python benchmarks/bench_sweep.py": "a benchmark run on demand (200 points, minutes); tests/test_sweep.py "
+                                        "checks a sweep on Dask against the serial run",
     "torchrun --nproc-per-node 8 -m backend.cli run --model gpt-5b --grid 2x2x2x1 --device cuda": "needs 8 GPUs",
     "srun -N 2 --ntasks-per-node 4 --gpus-per-task 1 backend run --model gpt-5b --grid 2x2x2x1 --device cuda":
         "needs Slurm and 8 GPUs",

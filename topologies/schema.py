@@ -267,6 +267,8 @@ SYSTEM = Table(
                                    "global_links_per_pair": Int(0, 4096), "link_bandwidth": RATE,
                                    "switch_latency": LATENCY, "nic_latency": LATENCY,
                                    "local_cable_latency": LATENCY, "global_cable_latency": LATENCY}),
+        # node failures (twin sweep's goodput): a node's mean time between failures that stop a job, hours
+        "failures": Table(required={"node_mtbf_h": Number(1e-3, 1e9), "source": Text(nonempty=True)}),
     })
 
 MODEL = Table(

@@ -87,6 +87,7 @@ class SystemSpec:
     default_batch: int = 0      # global batch of the default study, sequences (0: the model's)
     sources: tuple[str, ...] = field(default=())
     collective_sets: tuple[CollectiveSpec, ...] = field(default=())  # every named set of the file, the default first
+    node_mtbf_h: float = 0.0    # a node's mean time between job-stopping failures, hours (0: not given)
     path: str = ""
 
     @property
@@ -218,7 +219,8 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         gpu_nic_bandwidth=_get(n, "gpu_nic_bandwidth", f"{path} [node]"),
         link_latency=_get(n, "link_latency", f"{path} [node]"), node_links=mat, gpu_nic=tuple(gpu_nic),
         dragonfly=dragonfly, collectives=coll, collective_sets=sets, default_model=_get(d, "model", w, str),
-        default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path))
+        default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path),
+        node_mtbf_h=float(data.get("failures", {}).get("node_mtbf_h", 0.0)))
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:

@@ -18,6 +18,7 @@ import typer.main
 
 from twin.cli.inspect import models_cmd, program_cmd, systems_cmd, topology_cmd
 from twin.cli.predict import report_cmd, scaling_cmd, search_cmd, sensitivity_cmd, simulate_cmd
+from twin.cli.sweep import sweep_cmd
 from twin.program.flags import OneLineErrors
 
 PLUG_INS_AFTER = "topology"  # `twin --help` lists the plugged-in commands after this one
@@ -139,7 +140,7 @@ def leave(code) -> None:
 
 COMMANDS = (("models", models_cmd), ("program", program_cmd), ("simulate", simulate_cmd), ("report", report_cmd),
             ("search", search_cmd), ("systems", systems_cmd), ("topology", topology_cmd), ("scaling", scaling_cmd),
-            ("sensitivity", sensitivity_cmd))
+            ("sensitivity", sensitivity_cmd), ("sweep", sweep_cmd))
 app = _Twin(cls=_Commands, no_args_is_help=True, add_completion=False,
             help="A digital twin of 4D-parallel LLM training: simulate, search, inspect.")
 
