@@ -60,7 +60,7 @@ def main() -> None:
             p.wait_for_selector(".js-plotly-plot .scatterlayer")
             p.locator(".js-plotly-plot").screenshot(path=str(out / "sweep-nic.png"))
             browser.close()
-    (out / "sweep-nic.json").write_text(json.dumps({"sweep": "docs/sweep-nic.toml", "made_by": "benchmarks/sweep_chart.py",
+    (out / "sweep-nic.json").write_text(json.dumps({"sweep": "docs/sweep-nic.toml", "made_by": "python docs/make_images.py sweep-nic",
                                                     "points": shown}, indent=1) + "\n")
     print(f"wrote {out / 'sweep-nic.png'} and {out / 'sweep-nic.json'}")
 

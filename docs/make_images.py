@@ -7,6 +7,8 @@ image is out of date, saying to run this script.
 
 - `frontier-report.png` (README): the top of `twin report --system frontier`, the system's default
   study; sidecar `frontier-report.json` (study, grid, iteration, flop/s, breakdown).
+- `sweep-nic.png` (README): days to train gpt-20b on Frontier against GCDs and NIC rate, made by
+  benchmarks/sweep_chart.py from `twin sweep docs/sweep-nic.toml`; sidecar `sweep-nic.json`.
 - `memorization.png` (docs/memorization.md): the chart of `backend memorization-study`, drawn from
   its record `memorization.json` (the sidecar: config and every measurement). Drawing takes seconds;
   `--train` runs the study again first (2-3 minutes, needs torch).
@@ -84,8 +86,16 @@ def memorization(train: bool = False) -> list[Path]:
     return [DOCS / "memorization.png", record]
 
 
-IMAGES = {"frontier-report": frontier_report, "memorization": memorization}
-SIDECARS = {"frontier-report.png": "frontier-report.json", "memorization.png": "memorization.json"}
+def sweep_nic() -> list[Path]:
+    """The README's sweep chart (benchmarks/sweep_chart.py runs docs/sweep-nic.toml and draws it)."""
+    import subprocess
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_chart.py"), "--out-dir", str(DOCS)], check=True)
+    return [DOCS / "sweep-nic.png", DOCS / "sweep-nic.json"]
+
+
+IMAGES = {"frontier-report": frontier_report, "memorization": memorization, "sweep-nic": sweep_nic}
+SIDECARS = {"frontier-report.png": "frontier-report.json", "memorization.png": "memorization.json",
+            "sweep-nic.png": "sweep-nic.json"}
 
 
 def main(argv: list[str]) -> int:

@@ -73,3 +73,13 @@ def test_the_memorization_image_shows_the_studys_defaults_and_the_pages_table():
         assert float(gold_rouge) == pytest.approx(gold["rouge_l"], abs=6e-4)
         assert float(loss) == pytest.approx(std["held_out_loss"], abs=6e-4)
         assert float(gold_loss) == pytest.approx(gold["held_out_loss"], abs=6e-4)
+
+
+def test_the_sweep_chart_shows_todays_predictions():
+    """One point of the README's sweep (gpt-20b on 1,024 GCDs at today's NIC rate), predicted again."""
+    from twin.predict.simulate import SimulationConfig, simulate
+    side = json.loads((DOCS / "sweep-nic.json").read_text())
+    point = next(p for p in side["points"] if p["gpus"] == 1024 and p["nic_bandwidth"] == 25e9)
+    r = simulate(SimulationConfig("frontier", "gpt-20b", 1024, "auto", batch=4096, simulate_top=1))
+    assert (r.grid_str, round(r.percent_of_peak, 2)) == (point["grid"], point["percent_of_peak"]), \
+        REMAKE.format(name="sweep-nic")
