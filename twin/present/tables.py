@@ -203,7 +203,7 @@ def with_unit(parameter: str, value: str) -> tuple[str, str]:
         return tuple(human_flops(v).split(" "))
     if "bandwidth" in name:
         return tuple(human_flops(v).replace("F/s", "B/s").split(" "))
-    if name.endswith(("latency", "_s")):
+    if name.endswith(("latency", "_s", "_floor")):
         return f"{v * 1e6:.3g}", "µs"
     if name.endswith("links_per_pair"):
         return f"{v:g}", "links"
