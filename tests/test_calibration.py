@@ -340,6 +340,8 @@ def _written_fit(tmp_path, data, name):
     (lambda d: d.update(ranks_per_node="2"), "ranks_per_node must be an integer"),
     (lambda d: d["collectives"][0].update(kind="broadcast"), "collectives\\[0\\].kind must be one of"),
     (lambda d: d.update(overlap={}), "overlap must be a list"),
+    (lambda d: d["machine"].update(cores=[2]), "machine.cores must be an integer"),
+    (lambda d: d["machine"].update(cores=float("inf")), "machine.cores must be an integer"),
 ])
 def test_bad_measurement_files_get_one_line(tmp_path, edit, message):
     data = copy.deepcopy(MEASUREMENT)

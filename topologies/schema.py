@@ -334,7 +334,7 @@ MEASUREMENT = Table(
     required={
         "format": Text((MEASUREMENT_FORMAT,)),
         "machine": Table(required={k: Text(nonempty=True) for k in ("host", "date", "torch", "commit", "device")},
-                         extra=True),
+                         optional={"cores": Nullable(Int(1, 1 << 16))}, extra=True),
         "grid": Text(nonempty=True), "ranks": Int(1, 1 << 24), "ranks_per_node": Int(1, 1 << 16),
         "dtype_bytes": Int(1, 8),
         "gemm": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "layout": Text(("NN", "NT", "TN")),
