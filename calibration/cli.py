@@ -77,6 +77,8 @@ def validate_cmd(
     if rep["noise"] is not None:
         from calibration.noise import noise_line
         console.print(noise_line(rep["noise"]))
+    for line in rep.get("notes", []):
+        console.print(f"note: {line}")
     if json_out is not None:
         write_atomic(json_out, finite_json(rep, indent=1))
         console.print(f"wrote {json_out}")

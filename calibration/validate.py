@@ -186,6 +186,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     return {
         "run": run["dir"], "model": spec.name, "grid": str(grid), "ranks": grid.size, "batch": batch,
         "options": meta["options"], "profile": study.profile.name, "system": study.system.name,
+        "notes": list(study.notes),  # what the prediction extrapolates (twin.predict.study.prepare)
         "iteration": {"measured_s": measured_it, "predicted_s": res.iteration_time_s,
                       "error": res.iteration_time_s / measured_it - 1, "steps_used": len(warm),
                       # time of the traced step outside every recorded op (host work between ops),
@@ -235,7 +236,8 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
     runs = [pool_repeats(rs) for rs in groups.values()]
     pred = [r["iteration"]["predicted_s"] for r in runs]
     meas = [r["iteration"]["measured_s"] for r in runs]
-    return {"runs": runs, "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
+    return {"runs": runs, "notes": sorted({n for r in runs for n in r.get("notes", [])}),
+            "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
             "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs),
             "repeats": sum(r["repeats"] for r in runs),
             "noise": noise_floor([r["iteration"]["measured_each_s"] for r in runs], targets_for({"runs": runs}).iteration)}

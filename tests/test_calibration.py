@@ -428,3 +428,23 @@ def test_the_loop_end_to_end(tmp_path):
     assert all(v > 0 for v in host["busy_by_kind_s"].values())
     assert host["step_s"] >= sum(r["seconds"] for r in compute)  # a whole step holds its compute ops
     assert load_profile(str(out / "cpu.toml")).collective_table
+
+
+def test_a_profile_says_when_a_study_lies_outside_its_rank_counts(tmp_path):
+    """No silent extrapolation: a profile fitted on 2 ranks, asked about 1 rank per node, says so in one
+    line (and names the rule it falls back on); asked about 2, it says nothing."""
+    from typer.testing import CliRunner
+    from twin.cli.main import app
+    from twin.predict.study import prepare
+
+    path = _written_fit(tmp_path, MEASUREMENT, "two-ranks")
+    assert load_profile(str(path)).measured_ranks() == [2]
+    one = prepare("cpu", "gpt-tiny", 1, batch=8, profile=str(path))
+    assert len(one.notes) == 1 and "measured with 2 rank(s) per node, not 1" in one.notes[0]
+    assert "nearest measured count" in one.notes[0]
+    assert prepare("cpu", "gpt-tiny", 2, batch=8, profile=str(path)).notes == ()
+    out = CliRunner().invoke(app, ["simulate", "--system", "cpu", "--profile", str(path), "--model", "gpt-tiny",
+                                   "--gpus", "1", "--batch", "8", "--grid", "1x1x1x1", "--quiet"])
+    assert out.exit_code == 0, out.output
+    notes = [line for line in out.output.splitlines() if line.startswith("note: kernel profile")]
+    assert len(notes) == 1 and "not 1" in notes[0], out.output

@@ -36,6 +36,8 @@ def _print_result(r) -> None:
     console.print(head)
     if r.grid_choice != "given":
         console.print(f"grid {r.grid_str} chosen by {r.grid_choice}")
+    for line in r.notes:
+        console.print(f"note: {line}")
     t = table("", "value", title="one iteration", keep=("", "value"))
     t.add_row("iteration time", f"{it:.4f} s")
     t.add_row("flop/s (all GPUs)", human_flops(r.flops_per_s))
@@ -236,6 +238,8 @@ def search_cmd(
                   "/".join(f"{c.comm_s[a]:.2f}" for a in ("x", "y", "z", "data")),
                   "-" if c.simulated_s is None else f"{c.simulated_s:.3f}", human_bytes(c.memory_bytes))
     console.print(t)
+    for line in study.notes:
+        console.print(f"note: {line}")
     sims = [c for c in cands if c.simulated_s is not None]
     if sims:
         best = min(sims, key=lambda c: (c.simulated_s, str(c.grid)))

@@ -193,13 +193,29 @@ class Profile:
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
+    def measured_ranks(self) -> list[int]:
+        """The counts of ranks sharing a node that the profile's measurements were taken with (none for
+        a profile of sourced figures alone)."""
+        return sorted({s.ranks for s in self.node_share} | {g.ranks for g in self.gemm_table if g.ranks}
+                      | {c.ranks for c in self.collective_table} | {c.ranks for c in self.op_cost}
+                      | {c.ranks for c in self.collective_training})
+
+    def coverage(self, ranks: int) -> str | None:
+        """One line when `ranks` ranks sharing a node lie outside what the profile measured (it then
+        extrapolates by for_ranks' rule, which the line names), else None."""
+        counts = self.measured_ranks()
+        if not counts or ranks in counts:
+            return None
+        r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))
+        return (f"kernel profile {self.name} was measured with {', '.join(map(str, counts))} rank(s) per node, not "
+                f"{ranks}: it uses the figures of {r} rank(s), the nearest measured count (extrapolated; measure "
+                f"{ranks} with `backend bench` and `twin calibrate` to cover it)")
+
     def for_ranks(self, ranks: int) -> "Profile":
         """This profile as one rank sees it while `ranks` ranks share its node: the measured node-share
         figures and GEMM points of the nearest measured rank count (on a log scale) replace the
         defaults. Unchanged when the profile has no per-rank-count measurements."""
-        counts = sorted({s.ranks for s in self.node_share} | {g.ranks for g in self.gemm_table if g.ranks}
-                        | {c.ranks for c in self.collective_table} | {c.ranks for c in self.op_cost}
-                        | {c.ranks for c in self.collective_training})
+        counts = self.measured_ranks()
         if not counts:
             return self
         r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))

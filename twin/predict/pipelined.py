@@ -77,7 +77,8 @@ def simulate_pipelined(study: Study, grid: Grid, *, record: bool = False, collec
         percent_of_peak=100.0 * fps / (grid.size * study.system.gpu.peak_flops), breakdown_s=breakdown,
         memory_per_gpu_bytes=mem.total, simulated_ops=res.simulated_ops, mode="symmetric",
         simulated_ranks=P, placement=study.placement, profile=study.profile.name,
-        options={**asdict(o), "gemm_tuning": km.tuning}, grid_choice=grid_choice, pipeline=pipeline)
+        options={**asdict(o), "gemm_tuning": km.tuning}, grid_choice=grid_choice, pipeline=pipeline,
+        notes=list(study.notes))
     if study.model.is_llama:
         result.flops_convention = LLAMA_FLOPS_CONVENTION
     if record:

@@ -47,6 +47,7 @@ class SimulationResult:
     profile: str = ""                # kernel profile used
     options: dict = field(default_factory=dict)
     grid_choice: str = "given"       # how the grid was chosen ("given", or what --grid auto did)
+    notes: list = field(default_factory=list)  # what the prediction extrapolates, one line each
     flops_convention: str = FLOPS_CONVENTION
     wall_time_s: float = 0.0         # seconds this simulation took (not deterministic; last in JSON)
     spans: list = field(default_factory=list, repr=False)  # twin.program.trace.Span of every op, when recorded

@@ -155,7 +155,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         memory_per_gpu_bytes=mem.total, simulated_ops=res.simulated_ops,
         mode="full" if full else "symmetric", simulated_ranks=res.ranks, placement=study.placement,
         profile=study.profile.name, options={**asdict(study.options), "gemm_tuning": km.tuning},
-        grid_choice=grid_choice)
+        grid_choice=grid_choice, notes=list(study.notes))
     if study.model.is_llama:
         result.flops_convention = LLAMA_FLOPS_CONVENTION
     if record:

@@ -32,6 +32,7 @@ class Study:
     placement: str      # contiguous | scattered
     profile: Profile
     kernels: KernelModel
+    notes: tuple[str, ...] = ()  # what the prediction extrapolates, one line each (e.g. the profile's rank counts)
 
 
 def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus: int | None = None,
@@ -56,7 +57,9 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
     if abs(prof.peak_flops - spec.gpu.peak_flops) > 1e-6 * spec.gpu.peak_flops:
         raise TwinError(f"kernel profile {prof.name} says a GPU peaks at {prof.peak_flops:.4g} flop/s but system "
                         f"{spec.name} says {spec.gpu.peak_flops:.4g}: one machine has one peak, make them agree")
-    prof = prof.for_ranks(min(gpus, spec.gpus_per_node))  # ranks sharing a node (measured profiles)
+    per_node = min(gpus, spec.gpus_per_node)
+    notes = tuple(n for n in (prof.coverage(per_node),) if n)
+    prof = prof.for_ranks(per_node)  # ranks sharing a node (measured profiles)
     batch = m.global_batch if batch is None else batch
     seq_len = m.seq_len if seq_len is None else seq_len
     if batch < 1 or seq_len < 1:
@@ -64,7 +67,7 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
     if options is not None and options.micro_batches < 1:
         raise TwinError(f"--micro-batches must be at least 1, got {options.micro_batches}")
     return Study(spec, m, gpus, batch, seq_len, options or Options(), placement, prof,
-                 KernelModel(prof, tuning=gemm_tuning))
+                 KernelModel(prof, tuning=gemm_tuning), notes)
 
 
 def check_grid(study: Study, grid: Grid) -> None:
