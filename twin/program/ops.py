@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 
-from topologies.common import TwinError
+from topologies.common import InputError, TwinError
 from twin.program.grid import AXES, Grid
 from twin.program.model import ModelSpec
 
@@ -358,3 +358,35 @@ def local_params(model: ModelSpec, grid: Grid) -> int:
     sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + tables * model.hidden
     norms = model.layers * model.norm_params_per_layer + model.final_norm_params
     return sharded // grid.tensor_size + norms // grid.x
+
+
+INPUTS = ("tokens", "targets")  # buffers a program reads without an op writing them (the data loader's)
+
+
+def check_dataflow(program: "Program", where: str, by_micro_batch: bool = False) -> None:
+    """Walk the ops as the executor does (complete[stream]: the last op of the stream known done) and
+    check that every buffer is read after an op wrote it, and a buffer written on another stream than
+    compute (a collective, a receive) only after waiting for that op; raises InputError (one line).
+    by_micro_batch: buffers are each micro-batch's own (a pipeline stage's program), so a read finds the
+    write of its micro-batch, or of the end of the step (micro-batch -1), not of another."""
+    ops = program.ops
+    writer: dict[tuple[int, str], int] = {}
+    complete: dict[str, int] = {}
+    local_weights = program.grid.z == 1
+    for op in ops:
+        mb = op.micro_batch if by_micro_batch else -1
+        for d in op.deps:
+            complete[ops[d].stream] = max(complete.get(ops[d].stream, -1), d)
+        for name in op.reads + ((op.add,) if op.add else ()):
+            w = writer.get((mb, name), writer.get((-1, name)))
+            if w is None:
+                if name in INPUTS or (local_weights and name.startswith("w:")):
+                    continue
+                raise InputError(f"{where}: op {op.name} reads {name!r} before any op writes it")
+            if ops[w].stream != "compute" and complete.get(ops[w].stream, -1) < w:
+                raise InputError(f"{where}: op {op.name} reads {name!r} without waiting for {ops[w].name}, "
+                                 f"which writes it: add {w} to its deps")
+        for name in op.writes:
+            writer[(mb, name)] = op.index
+        if op.stream == "compute":
+            complete["compute"] = op.index

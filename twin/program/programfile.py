@@ -35,10 +35,10 @@ from topologies.common import InputError, finite_json, write_atomic
 from topologies.schema import MODEL, Flag, Int, Invalid, ListOf, Nullable, Number, Table, Text, ZeroOr, check
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
+from twin.program.ops import check_dataflow
 from twin.program.program import STREAMS, Op, Options, Program, build_program
 
 FORMAT = 1
-INPUTS = ("tokens", "targets")
 
 
 def program_json(program: Program | list[Program]) -> str:
@@ -262,7 +262,7 @@ def validate_program(program: Program, where: str = "program", progress: Callabl
         raise InputError(f"{where}: op {missing[0]} is missing ({len(missing)} ops missing): the step would not "
                          "compute every gradient")
     _check_order(program, where)
-    _check_dataflow(program, where)
+    check_dataflow(program, where)
 
 
 def _check_order(program: Program, where: str) -> None:
@@ -273,27 +273,3 @@ def _check_order(program: Program, where: str) -> None:
             raise InputError(f"{where}: op {op.name} ({op.phase} of micro-batch {op.micro_batch}) comes after a later "
                              "pass: keep each pass's ops together, in pass order")
         last = rank
-
-
-def _check_dataflow(program: Program, where: str) -> None:
-    """Walk the ops as the executor does: complete[stream] is the last op of the stream known done."""
-    ops = program.ops
-    writer: dict[str, int] = {}
-    complete: dict[str, int] = {}
-    local_weights = program.grid.z == 1
-    for op in ops:
-        for d in op.deps:
-            complete[ops[d].stream] = max(complete.get(ops[d].stream, -1), d)
-        for name in op.reads + ((op.add,) if op.add else ()):
-            w = writer.get(name)
-            if w is None:
-                if name in INPUTS or (local_weights and name.startswith("w:")):
-                    continue
-                raise InputError(f"{where}: op {op.name} reads {name!r} before any op writes it")
-            if ops[w].is_collective and complete.get(ops[w].stream, -1) < w:
-                raise InputError(f"{where}: op {op.name} reads {name!r} without waiting for {ops[w].name}, "
-                                 f"which writes it: add {w} to its deps")
-        for name in op.writes:
-            writer[name] = op.index
-        if not op.is_collective:
-            complete["compute"] = op.index

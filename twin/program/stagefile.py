@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from topologies.common import InputError
-from twin.program.ops import Op, Program, STREAMS
+from twin.program.ops import Op, Program, STREAMS, check_dataflow
 from twin.program.pipeline import PIPE, build_stage_program
 
-INPUTS = ("tokens", "targets")
 
 
 def stages_json(programs: list[Program]) -> dict:
@@ -65,7 +64,7 @@ def validate_stages(programs: list[Program], where: str = "program") -> None:
         missing = [name for name in want if name not in seen]
         if missing:
             raise InputError(f"{here}: op {missing[0]} is missing ({len(missing)} ops missing)")
-        _check_dataflow(prog, here)
+        check_dataflow(prog, here, by_micro_batch=True)
     check_pairs(programs, where)
 
 
@@ -88,28 +87,3 @@ def check_pairs(programs: list[Program], where: str = "program") -> None:
             s = sends[op.peer].get(base) if 0 <= op.peer < len(programs) else None
             if s is None or s.peer != k:
                 raise InputError(f"{where}: receive {op.name} of stage {k} has no send {base}.send on stage {op.peer}")
-
-
-def _check_dataflow(program: Program, where: str) -> None:
-    """Every buffer is read after an op of the same micro-batch (or of the end of the step, or the
-    weights) wrote it, and a buffer written by a collective or a receive only after waiting for it."""
-    ops = program.ops
-    writer: dict[tuple[int, str], int] = {}
-    complete: dict[str, int] = {}
-    local_weights = program.grid.z == 1
-    for op in ops:
-        for d in op.deps:
-            complete[ops[d].stream] = max(complete.get(ops[d].stream, -1), d)
-        for name in op.reads + ((op.add,) if op.add else ()):
-            w = writer.get((op.micro_batch, name), writer.get((-1, name)))
-            if w is None:
-                if name in INPUTS or (local_weights and name.startswith("w:")):
-                    continue
-                raise InputError(f"{where}: op {op.name} reads {name!r} before any op writes it")
-            if ops[w].stream != "compute" and complete.get(ops[w].stream, -1) < w and w != op.index:
-                raise InputError(f"{where}: op {op.name} reads {name!r} without waiting for {ops[w].name}, "
-                                 f"which writes it: add {w} to its deps")
-        for name in op.writes:
-            writer[(op.micro_batch, name)] = op.index
-        if op.stream == "compute":
-            complete["compute"] = op.index
