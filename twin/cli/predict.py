@@ -11,7 +11,7 @@ import typer
 from twin.cli.common import (AutoGridOpt, FullOpt, GpusOpt, PlacementOpt, ProfileOpt, QuietOpt, SlowdownOpt,
                              StudyModelOpt, SystemOpt, console, handles_errors)
 from topologies.common import TwinError, finite_json, write_atomic
-from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, MicroOpt, ScheduleOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
+from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, FrameworkOpt, MicroOpt, ScheduleOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt, SeqOpt,
                         options_from_flags, output_file, output_folder)
 from twin.present.tables import human_bytes, human_flops, table
 
@@ -91,6 +91,7 @@ def simulate_cmd(
     micro_batches: MicroOpt = 1,
     schedule: ScheduleOpt = "1f1b",
     chunks: ChunksOpt = 1,
+    framework: FrameworkOpt = "axonn",
     gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
     profile: ProfileOpt = None,
     full: FullOpt = False,
@@ -106,7 +107,8 @@ def simulate_cmd(
     from twin.present.progress import Stages, quiet_default
     from twin.predict.simulate import SimulationConfig, simulate
 
-    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks)
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks,
+                              framework=framework)
     if simulate_top < 1:
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
     prog = None
@@ -163,6 +165,9 @@ def report_cmd(
     cache_layers: CacheOpt = 0,
     recompute: RecomputeOpt = True,
     micro_batches: MicroOpt = 1,
+    schedule: ScheduleOpt = "1f1b",
+    chunks: ChunksOpt = 1,
+    framework: FrameworkOpt = "axonn",
     profile: ProfileOpt = None,
     full: FullOpt = False,
     slowdown: SlowdownOpt = None,
@@ -178,7 +183,8 @@ def report_cmd(
     the grid search, scaling and validation when given)."""
     from twin.present.report import build_report, read_scaling_points, write_report
 
-    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches)
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks,
+                              framework=framework)
     if top < 0 or simulate_top < 0:
         raise TwinError("--top and --simulate-top must be at least 0")
     points = None if scaling is None else read_scaling_points(scaling)

@@ -74,7 +74,9 @@ def check_grid(study: Study, grid: Grid) -> None:
     """Raise TwinError unless `grid` runs the study's model on its GPUs and fits in HBM."""
     grid.validate(study.model, gpus=study.gpus, batch=study.batch,
                   micro_batches=study.options.micro_batches, seq_len=study.seq_len)
+    from twin.program.megatron import check_framework
     from twin.program.pipeline import check_pipeline
+    check_framework(grid, study.options)
     check_pipeline(study.model, grid, study.options)
     mem = memory_per_gpu(study.model, grid, study.options, study.batch, study.seq_len, study.profile.activation_bytes)
     check_fits(mem, study.system.gpu.hbm_bytes, f"{study.model.name} on grid {grid} of {study.system.name} ")

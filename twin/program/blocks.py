@@ -8,6 +8,7 @@ RMSNorm, mlp_up (gate and up fused), SwiGLU, mlp_down. Names, buffers and shardi
 
 from __future__ import annotations
 
+from twin.program import megatron
 from twin.program.ops import ACT_BYTES, STAT_BYTES, Builder, grad_buffer as D, linear_dims, weight_buffer as W
 
 
@@ -18,6 +19,7 @@ class Blocks:
         model, grid = b.model, b.grid
         self.b, self.model, self.grid, self.options = b, model, grid, b.opt
         self.llama = model.is_llama
+        self.megatron = megatron.is_megatron(b.opt)
         self.m, self.h, self.gx, self.gy, self.s = b.tokens, model.hidden, grid.x, grid.y, b.seq_len
         # each linear's shard (k_local, n_local, in_axis, out_axis), the same in every block
         self.lin = {ln: linear_dims(grid, k, n, t) for ln, k, n, t in model.linear_shapes()}
@@ -93,10 +95,10 @@ class Blocks:
         if self.llama:  # rotary embeddings of q and k: 2 multiplies and an add per element
             b.elementwise(f"{L}.rope.{b.phase}", m * self.rope_width, 3, 2, replicas=gx, role="rope", n=s,
                           k=model.head_dim, reads=(f"{L}.qkv.out",), writes=(io["attn_in"],))
-        b.compute(f"{L}.attn.{b.phase}", "attention", flops=4.0 * b.seqs * s * s * self.h / gy,
-                  bytes=ACT_BYTES * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
-                  k=model.head_dim, replicas=gx, role="attention", reads=(io["attn_in"],),
-                  writes=(io["attn_out"], f"{L}.attn.ctx"))
+        if self.megatron:  # unfused attention (twin/program/megatron.py)
+            megatron.attention_fwd(self, L, io["attn_in"], io["attn_out"])
+        else:
+            self.attention_fwd(L, io)
         self.linear_fwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
         self.norm(f"{L}.ln2", io["mid"], io["mlp_up"])
         self.linear_fwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
@@ -107,6 +109,14 @@ class Blocks:
             b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
                           reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
         self.linear_fwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
+
+    def attention_fwd(self, L: str, io: dict[str, str]) -> None:
+        """Block L's (flash-style) attention forward on y-split heads."""
+        b, model, m, s, gx, gy = self.b, self.model, self.m, self.s, self.gx, self.gy
+        b.compute(f"{L}.attn.{b.phase}", "attention", flops=4.0 * b.seqs * s * s * self.h / gy,
+                  bytes=ACT_BYTES * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
+                  k=model.head_dim, replicas=gx, role="attention", reads=(io["attn_in"],),
+                  writes=(io["attn_out"], f"{L}.attn.ctx"))
 
     def bwd(self, i: int) -> None:
         """Block i's backward ops (after its recomputed forward, with recomputation)."""
@@ -123,10 +133,13 @@ class Blocks:
         self.linear_bwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
         self.norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
         self.linear_bwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
-        b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * self.h / gy,
-                  bytes=ACT_BYTES * 2 * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
-                  k=model.head_dim, replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
-                  writes=(D(io["attn_in"]),))
+        if self.megatron:
+            megatron.attention_bwd(self, L, io["attn_in"], io["attn_out"])
+        else:
+            b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * self.h / gy,
+                      bytes=ACT_BYTES * 2 * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,
+                      k=model.head_dim, replicas=gx, role="attention_bwd", reads=(D(io["attn_out"]), f"{L}.attn.ctx"),
+                      writes=(D(io["attn_in"]),))
         if self.llama:  # the inverse rotation
             b.elementwise(f"{L}.rope.bwd", m * self.rope_width, 3, 2, replicas=gx, role="rope_bwd", n=s,
                           k=model.head_dim, reads=(D(io["attn_in"]),), writes=(D(f"{L}.qkv.out"),))

@@ -11,7 +11,7 @@ import math
 
 from twin.program.blocks import Blocks
 from twin.program.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, GRAD_AR_BYTES, STAT_BYTES,
-                              Builder, embedding_dims, grad_buffer as D, linear_dims, weight_buffer as W)
+                              Builder, embedding_dims, grad_ar_bytes, grad_buffer as D, linear_dims, weight_buffer as W)
 
 
 class Ends:
@@ -137,11 +137,11 @@ class Ends:
             for ln, _, _, _ in model.linear_shapes():
                 key = f"L{i}.{ln}"
                 grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
-                                            GRAD_AR_BYTES * params[key] // P, deps=[b.last_rs[key], end],
+                                            grad_ar_bytes(self.options) * params[key] // P, deps=[b.last_rs[key], end],
                                             role="grad", weight=key))
         for key in tied:
             waits = [b.last_rs.get(k) for k in (("emb", "head") if key == "emb" and not self.llama else (key,))]
-            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * params[key] // P,
+            grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", grad_ar_bytes(self.options) * params[key] // P,
                                         deps=[*waits, end, *(after or {}).get(key, ())], role="grad", weight=key))
         if norm_params is None:
             norm_params = (model.layers * model.norm_params_per_layer + model.final_norm_params) // grid.x

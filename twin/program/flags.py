@@ -31,11 +31,13 @@ RecomputeOpt = Annotated[bool, typer.Option("--recompute/--no-recompute", help="
 MicroOpt = Annotated[int, typer.Option(help="Micro-batches per step (gradient accumulation; the pipeline's micro-batches).")]
 ScheduleOpt = Annotated[str, typer.Option(help="Pipeline schedule on a grid XxYxZxPxD: gpipe, 1f1b (needs P micro-batches) or interleaved (--chunks >= 2).")]
 ChunksOpt = Annotated[int, typer.Option(help="Model chunks (virtual stages) per pipeline stage, for --schedule interleaved.")]
+FrameworkOpt = Annotated[str, typer.Option(help="Whose schedule: axonn (the 4D algorithm) or megatron (Megatron-LM's: 1D tensor parallelism on y, grids 1xTx1xPxD, docs/megatron.md).")]
 
 
 def options_from_flags(oar: bool = True, ors: bool = True, oag: bool = True, cache_layers: int = 0,
                        recompute: bool = True, micro_batches: int = 1, grad_clip: bool = True,
-                       goldfish_h: int = 0, schedule: str = "1f1b", chunks: int = 1) -> Options:
+                       goldfish_h: int = 0, schedule: str = "1f1b", chunks: int = 1,
+                       framework: str = "axonn") -> Options:
     """The switches of the 4D algorithm from the command line's flags (raises TwinError)."""
     if cache_layers < 0:
         raise TwinError(f"--cache-layers must be >= 0, got {cache_layers}")
@@ -46,9 +48,10 @@ def options_from_flags(oar: bool = True, ors: bool = True, oag: bool = True, cac
         raise TwinError(f"--schedule {schedule!r} is not one of gpipe, 1f1b, interleaved")
     if chunks < 1:
         raise TwinError(f"--chunks must be at least 1, got {chunks}")
-    return Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
-                   micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h, schedule=schedule,
-                   chunks=chunks)
+    from twin.program.megatron import framework_options
+    return framework_options(Options(oar=oar, ors=ors, oag=oag, cache_layers=cache_layers, recompute=recompute,
+                                     micro_batches=micro_batches, grad_clip=grad_clip, goldfish_h=goldfish_h,
+                                     schedule=schedule, chunks=chunks), framework)
 
 
 class OneLineErrors(typer.core.TyperGroup):

@@ -30,12 +30,15 @@ the other's to its own (as Megatron-LM's embedding group does), so that both app
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from topologies.common import TwinError
 from twin.program.blocks import Blocks
 from twin.program.ends import Ends, grad_params
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
-from twin.program.ops import (ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, Builder, Options, Program, check_program_size,
+from twin.program import megatron
+from twin.program.ops import (ACT_BYTES, STAT_BYTES, Builder, Options, Program, check_program_size, grad_ar_bytes,
                               grad_buffer as D)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -135,20 +138,32 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
     if not (isinstance(stage, int) and 0 <= stage < P):
         raise TwinError(f"stage {stage!r} is not a stage of grid {grid} (0..{P - 1})")
     grid.validate(model, batch=batch, micro_batches=M, seq_len=seq_len)
+    megatron.check_framework(grid, options)
     check_pipeline(model, grid, options)
-    check_program_size(model, options)
+    check_program_size(replace(model, layers=model.layers // P), options)  # a stage's blocks
     b = Builder(model, grid, options, batch, seq_len)
     blk = Blocks(b)
     ends = Ends(b, blk)
     nv = P * V
     m, h, gx = b.tokens, model.hidden, grid.x
     act_bytes = ACT_BYTES * m * h // gx  # x:L<i> and its gradient on one rank (features over x)
+    scatter = megatron.is_megatron(options) and grid.y > 1  # Megatron-LM's scatter/gather sends
+    if scatter:
+        act_bytes //= grid.y
     ready_after_fwd: dict[tuple[int, int], int | None] = {}
 
     def p2p(name: str, kind: str, peer_v: int, buf: str, deps) -> int:
         return b._add(name, kind, PIPE, deps, {"bytes": act_bytes, "axis": PIPE, "peer": peer_v % P,
                                               "reads": (buf,) if kind == "send" else (),
                                               "writes": (buf,) if kind == "recv" else ()})
+
+    def receive(name: str, peer_v: int, buf: str) -> int:
+        """A receive; with the scatter/gather sends, then the all-gather of the pieces over y."""
+        r = p2p(name + ".recv", "recv", peer_v, buf, ())
+        if not scatter:
+            return r
+        return b.collective(name + ".ag_y", "all_gather", "y", act_bytes * grid.y, deps=[r], reads=(buf,),
+                            writes=(buf,))
 
     for kind, j, c in schedule(options.schedule, P, M, V, stage):
         v = c * P + stage
@@ -163,7 +178,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
             if first:
                 ends.emb_fwd()
             else:
-                b.ready = p2p(f"L{a}.fwd.recv", "recv", v - 1, f"x:L{a}", ())
+                b.ready = receive(f"L{a}.fwd", v - 1, f"x:L{a}")
             for i in layers:
                 blk.fwd(i)
             if last:
@@ -178,7 +193,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
                 b.ready = ready_after_fwd[(j, c)]
                 ends.head_bwd()
             else:
-                b.ready = p2p(f"L{e}.bwd.recv", "recv", v + 1, D(f"x:L{e}"), ())
+                b.ready = receive(f"L{e}.bwd", v + 1, D(f"x:L{e}"))
             ends.blocks_bwd(reversed(layers))
             if first:
                 ends.emb_bwd()
@@ -191,7 +206,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
     first, last = stage == 0, stage == P - 1
     tied: list[str] = []
     after: dict[str, list[int]] = {}
-    tied_bytes = GRAD_AR_BYTES * model.padded_vocab(grid.y) * h // grid.tensor_size
+    tied_bytes = grad_ar_bytes(options) * model.padded_vocab(grid.y) * h // grid.tensor_size
     if not model.is_llama and (first or last):
         mine, theirs = ("emb", "head") if first else ("head", "emb")
         waits = [b.last_rs.get(mine), b.ready]

@@ -47,7 +47,7 @@ from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.ops import (ACT_BYTES, ADAMW_BYTES_PER_PARAM, ADAMW_FLOPS_PER_PARAM, COLLECTIVES,
                       COMPUTE_KINDS, EMBEDDING_AXES, GRAD_AR_BYTES, MAX_PROGRAM_OPS, NORM_AXIS, STAT_BYTES,
-                      STREAMS, Builder, Op, Options, Program, local_params, changed, check_program_size, embedding_dims,
+                      STREAMS, Builder, Op, Options, Program, local_params, changed, grad_ar_bytes, check_program_size, embedding_dims,
                       grad_buffer, linear_dims, weight_buffer)
 
 __all__ = ["ACT_BYTES", "ADAMW_BYTES_PER_PARAM", "ADAMW_FLOPS_PER_PARAM", "COLLECTIVES", "COMPUTE_KINDS",
@@ -71,6 +71,8 @@ def build_program(model: ModelSpec, grid: Grid, options: Options | None = None,
         from twin.program.pipeline import build_stage_program
         return build_stage_program(model, grid, options, batch, seq_len, stage)
     grid.validate(model, batch=batch, micro_batches=options.micro_batches, seq_len=seq_len)
+    from twin.program.megatron import check_framework
+    check_framework(grid, options)
     check_program_size(model, options)
     b = Builder(model, grid, options, batch, seq_len)
     blk = Blocks(b)
@@ -128,7 +130,7 @@ def regrid(program: Program, grid: Grid) -> Program:
     ops = list(program.ops)
     for i, op in enumerate(ops):
         if op.phase == "grad" and op.axis == "data" and op.weight != "norms":
-            ops[i] = changed(op, bytes=GRAD_AR_BYTES * params[op.weight] // P)
+            ops[i] = changed(op, bytes=grad_ar_bytes(program.options) * params[op.weight] // P)
         elif op.phase == "opt" and op.role in sizes:
             ops[i] = changed(op, **sizes[op.role])
     return Program(model, grid, program.options, program.batch, program.seq_len, program.vocab, ops)

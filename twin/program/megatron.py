@@ -1,0 +1,112 @@
+"""Megatron-LM's schedule as the twin's program (`Options.framework = "megatron"`), as Narayanan et al.
+(SC'21) and Korthikanti et al. (2022) ran it on Selene; docs/megatron.md says where and why it differs
+from the 4D (AxoNN) program.
+
+- Tensor parallelism is 1D: column-parallel qkv and mlp_up, row-parallel attn_out and mlp_down. In the
+  twin's axes that is the **y axis** of a grid 1 x T x 1 x P x D: a normal layer splits its outputs
+  over y (column-parallel, no forward all-reduce), a transposed one its inputs (row-parallel, the
+  forward all-reduce of its output over y), heads split over y, the vocabulary of the embedding and
+  the head over y (Megatron-LM's vocab-parallel embedding and cross-entropy all-reduces). A grid with
+  G_x > 1 or G_z > 1 is refused (`check_framework`).
+- The tensor-parallel all-reduces are on the critical path: the forward ones (attn_out, mlp_down) and
+  the backward ones (qkv, mlp_up input gradients) are waited for before the next GEMM (no OAR: the
+  weight-gradient GEMM waits for the all-reduce, as Megatron-LM's ColumnParallelLinear of 2021 did).
+- Attention is not fused (no flash attention in 2021): a batched QK^T GEMM, the fused scale, causal
+  mask and softmax kernel, dropout of the probabilities, a batched probabilities x V GEMM; the backward
+  the four batched GEMMs and the two elementwise kernels (`attention_fwd`, `attention_bwd`).
+- Data-parallel gradients: Megatron-LM's local DDP kept them in one fp16 buffer (fp16 training without
+  `--accumulate-allreduce-grads-in-fp32`) and all-reduced them after the pipeline flush, not overlapped
+  with the backward (ops.grad_ar_bytes: 2 bytes per parameter).
+- Mixed-precision Adam with fp32 master weights, not sharded over data (the program's optimizer).
+- The word embedding on the first stage, the tied head on the last, their gradients exchanged at the
+  end of the step (twin/program/pipeline.py: Megatron-LM's embedding group).
+- Pipeline sends use the scatter/gather optimization (SC'21, section 4.1): each of the T ranks of a
+  stage sends 1/T of the activation to its peer and the receivers all-gather it over y (NVLink).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from topologies.common import TwinError
+from twin.program.grid import Grid
+from twin.program.ops import ACT_BYTES, Options, grad_buffer as D
+
+FRAMEWORKS = ("axonn", "megatron")
+MASK_BYTES = 1  # a dropout mask element (uint8)
+
+
+def is_megatron(options: Options) -> bool:
+    return options.framework == "megatron"
+
+
+def framework_options(options: Options, framework: str) -> Options:
+    """`options` for `framework`: Megatron-LM's schedule overlaps none of the 4D switches (OAR, ORS,
+    OAG, weight caching: there is no z axis and the backward all-reduce is synchronous)."""
+    framework = framework.strip().lower()
+    if framework not in FRAMEWORKS:
+        raise TwinError(f"--framework {framework!r} is not one of {', '.join(FRAMEWORKS)}")
+    if framework == "axonn":
+        return dataclasses.replace(options, framework="axonn")
+    return dataclasses.replace(options, framework="megatron", oar=False, ors=False, oag=False, cache_layers=0)
+
+
+def check_framework(grid: Grid, options: Options) -> None:
+    """Raise TwinError (one line) when `grid` is not a grid of the framework's."""
+    if not is_megatron(options):
+        if options.framework != "axonn":
+            raise TwinError(f"framework {options.framework!r} is not one of {', '.join(FRAMEWORKS)}")
+        return
+    if grid.x != 1 or grid.z != 1:
+        t = grid.x * grid.y * grid.z
+        raise TwinError(f"grid {grid}: Megatron-LM's 1D tensor parallelism is the grid's y axis (heads and "
+                        f"column-parallel outputs split over y): use 1x{t}x1x{grid.pipe}x{grid.data} "
+                        "(1xTx1xPxD, or 1xTx1xD without a pipeline)")
+
+
+def _gemm(b, name: str, m: int, n: int, k: int, layout: str, flops: float, nbytes: int, reads, writes) -> int:
+    return b._compute(name, "gemm", (), {"flops": flops, "bytes": int(nbytes), "m": m, "n": n, "k": k,
+                                         "layout": layout, "reads": tuple(reads), "writes": tuple(writes)})
+
+
+def attention_fwd(blk, L: str, attn_in: str, attn_out: str) -> None:
+    """Block L's unfused attention forward (the current phase: fwd or rec) on y-split heads."""
+    b, model = blk.b, blk.model
+    seqs, s, d = b.seqs, blk.s, model.head_dim
+    heads = model.heads // blk.gy
+    bh = seqs * heads              # (sequence, head) pairs of this rank
+    e = bh * s * s                 # score elements
+    qk = bh * s * d                # elements of q (or k, v, the context)
+    f = 2.0 * e * d                # flops of one batched GEMM (per head: s x s x d)
+    ph = b.phase
+    _gemm(b, f"{L}.attn.{ph}.scores", bh * s, s, d, "NT", f, ACT_BYTES * (2 * qk + e), (attn_in,),
+          (f"{L}.attn.scores",))
+    b.compute(f"{L}.attn.{ph}.softmax", "elementwise", flops=5.0 * e, bytes=2 * ACT_BYTES * e, role="softmax",
+              reads=(f"{L}.attn.scores",), writes=(f"{L}.attn.probs",))
+    b.compute(f"{L}.attn.{ph}.dropout", "elementwise", flops=2.0 * e, bytes=(2 * ACT_BYTES + MASK_BYTES) * e,
+              role="dropout", reads=(f"{L}.attn.probs",), writes=(f"{L}.attn.dropped",))
+    _gemm(b, f"{L}.attn.{ph}.context", bh * s, d, s, "NN", f, ACT_BYTES * (e + 2 * qk),
+          (f"{L}.attn.dropped", attn_in), (attn_out, f"{L}.attn.ctx"))
+
+
+def attention_bwd(blk, L: str, attn_in: str, attn_out: str) -> None:
+    """Block L's unfused attention backward: the gradients of the context GEMM, dropout, softmax and
+    the scores GEMM, into d:attn_in (q, k and v)."""
+    b, model = blk.b, blk.model
+    seqs, s, d = b.seqs, blk.s, model.head_dim
+    bh = seqs * (model.heads // blk.gy)
+    e, qk = bh * s * s, bh * s * d
+    f = 2.0 * e * d
+    dout = D(attn_out)
+    _gemm(b, f"{L}.attn.bwd.dprobs", bh * s, s, d, "NT", f, ACT_BYTES * (2 * qk + e), (dout, f"{L}.attn.ctx"),
+          (D(f"{L}.attn.dropped"),))
+    _gemm(b, f"{L}.attn.bwd.dv", bh * s, d, s, "TN", f, ACT_BYTES * (e + 2 * qk), (f"{L}.attn.dropped", dout),
+          (D(f"{L}.attn.v"),))
+    b.compute(f"{L}.attn.bwd.dropout", "elementwise", flops=2.0 * e, bytes=(2 * ACT_BYTES + MASK_BYTES) * e,
+              role="dropout_bwd", reads=(D(f"{L}.attn.dropped"),), writes=(D(f"{L}.attn.probs"),))
+    b.compute(f"{L}.attn.bwd.softmax", "elementwise", flops=4.0 * e, bytes=3 * ACT_BYTES * e, role="softmax_bwd",
+              reads=(D(f"{L}.attn.probs"), f"{L}.attn.probs"), writes=(D(f"{L}.attn.scores"),))
+    _gemm(b, f"{L}.attn.bwd.dq", bh * s, d, s, "NN", f, ACT_BYTES * (e + 2 * qk), (D(f"{L}.attn.scores"), attn_in),
+          (D(f"{L}.attn.q"),))
+    _gemm(b, f"{L}.attn.bwd.dk", bh * s, d, s, "TN", f, ACT_BYTES * (e + 2 * qk), (D(f"{L}.attn.scores"), attn_in),
+          (D(attn_in),))
