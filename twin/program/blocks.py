@@ -100,6 +100,8 @@ class Blocks:
         else:
             self.attention_fwd(L, io)
         self.linear_fwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
+        if self.megatron:
+            megatron.dropout_add(self, f"{L}.attn_out", io["mid"])
         self.norm(f"{L}.ln2", io["mid"], io["mlp_up"])
         self.linear_fwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
         if self.llama:  # silu(gate) * up: reads gate and up, writes the product
@@ -109,6 +111,8 @@ class Blocks:
             b.elementwise(f"{L}.gelu.{b.phase}", m * model.ffn // gy, 8, 2, replicas=gx, role="gelu",
                           reads=(f"{L}.mlp_up.out",), writes=(io["mlp_down"], f"{L}.gelu.ctx"))
         self.linear_fwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], io["out"], add=io["mid"])
+        if self.megatron:
+            megatron.dropout_add(self, f"{L}.mlp_down", io["out"])
 
     def attention_fwd(self, L: str, io: dict[str, str]) -> None:
         """Block L's (flash-style) attention forward on y-split heads."""
@@ -123,6 +127,8 @@ class Blocks:
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         gathered = self.options.recompute  # with recomputation the backward reuses the recompute's gather
+        if self.megatron:
+            megatron.dropout_add_bwd(self, f"{L}.mlp_down", D(io["out"]))
         self.linear_bwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
         if self.llama:
             b.elementwise(f"{L}.swiglu.bwd", m * self.f_local, 10, 5, replicas=gx, role="swiglu_bwd",
@@ -132,6 +138,8 @@ class Blocks:
                           reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
         self.linear_bwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
         self.norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
+        if self.megatron:
+            megatron.dropout_add_bwd(self, f"{L}.attn_out", D(io["mid"]))
         self.linear_bwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
         if self.megatron:
             megatron.attention_bwd(self, L, io["attn_in"], io["attn_out"])

@@ -110,3 +110,21 @@ def attention_bwd(blk, L: str, attn_in: str, attn_out: str) -> None:
           (D(f"{L}.attn.q"),))
     _gemm(b, f"{L}.attn.bwd.dk", bh * s, d, s, "TN", f, ACT_BYTES * (e + 2 * qk), (D(f"{L}.attn.scores"), attn_in),
           (D(attn_in),))
+
+
+def dropout_add(blk, name: str, buf: str) -> None:
+    """Megatron-LM's fused bias, dropout and residual add after a row-parallel linear (on the whole
+    hidden state, the same on every tensor-parallel rank): reads the output and the residual, writes
+    the sum and the dropout mask."""
+    b = blk.b
+    e = blk.m * blk.h
+    b.compute(f"{name}.{b.phase}.dropout_add", "elementwise", flops=3.0 * e, bytes=(3 * ACT_BYTES + MASK_BYTES) * e,
+              replicas=blk.gy, role="bias_dropout_add", reads=(buf,), writes=(buf,))
+
+
+def dropout_add_bwd(blk, name: str, dbuf: str) -> None:
+    """The backward of `dropout_add`: the gradient through the dropout mask (the residual's passes as is)."""
+    b = blk.b
+    e = blk.m * blk.h
+    b.compute(f"{name}.bwd.dropout_add", "elementwise", flops=1.0 * e, bytes=(2 * ACT_BYTES + MASK_BYTES) * e,
+              replicas=blk.gy, role="bias_dropout_add_bwd", reads=(dbuf,), writes=(dbuf,))

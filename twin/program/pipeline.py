@@ -157,6 +157,12 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
                                               "reads": (buf,) if kind == "send" else (),
                                               "writes": (buf,) if kind == "recv" else ()})
 
+    def send(name: str, peer_v: int, buf: str) -> None:
+        """A send of the current activation; Megatron-LM's are synchronous (its compute waits for them)."""
+        i = p2p(name, "send", peer_v, buf, [b.ready])
+        if megatron.is_megatron(options):
+            b.blocking.append(i)
+
     def receive(name: str, peer_v: int, buf: str) -> int:
         """A receive; with the scatter/gather sends, then the all-gather of the pieces over y."""
         r = p2p(name + ".recv", "recv", peer_v, buf, ())
@@ -184,7 +190,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
             if last:
                 ends.head_fwd()
             else:
-                p2p(f"L{e}.fwd.send", "send", v + 1, f"x:L{e}", [b.ready])
+                send(f"L{e}.fwd.send", v + 1, f"x:L{e}")
             ready_after_fwd[(j, c)] = b.ready
         else:
             b.phase = "bwd"
@@ -198,7 +204,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
             if first:
                 ends.emb_bwd()
             else:
-                p2p(f"L{a}.bwd.send", "send", v - 1, D(f"x:L{a}"), [b.ready])
+                send(f"L{a}.bwd.send", v - 1, D(f"x:L{a}"))
 
     # end of step: a GPT's tied table exchanged between the first and the last stage, the data
     # all-reduces of this stage's gradient shards, the clipping norm over the stages, the optimizer
