@@ -26,9 +26,16 @@ takes is the file's `ecmp`:
   engines fill each switch's table by destination this way): flows to different NICs of one leaf
   leave a source leaf on different up-links, so shifts and rings do not collide;
 - "hash": a deterministic hash of (source endpoint, destination endpoint), as Ethernet ECMP hashes
-  a flow's addresses: flows collide on an up-link as chance has it.
-A flow takes one path (no packet spraying); contention is the flow model's max-min fairness on the
-links, as on the dragonfly. The routing modes of topologies.routing (minimal, non-minimal, adaptive)
+  a flow's addresses: flows collide on an up-link as chance has it;
+- "spread": every flow split evenly over all its equal-cost paths, as adaptive routing or packet
+  spraying spreads a flow's packets (InfiniBand switches' adaptive routing, which NCCL's
+  NCCL_IB_AR_THRESHOLD is there to use). Split evenly, the flows leaving a block of level l load
+  each of its up-links alike, so the block's up-links act as one "trunk" link of their summed rate
+  (and likewise its down-links): a spread flow's path is the trunks of the blocks it climbs out of
+  and down into. The trunks are extra links of the network (kinds "up-trunk", "down-trunk"),
+  routed on instead of the cables; a fluid model, exact for an even split.
+With "destination" and "hash" a flow takes one path; contention is the flow model's max-min
+fairness on the links, as on the dragonfly. The routing modes of topologies.routing (minimal, non-minimal, adaptive)
 are the dragonfly's: a fat tree routes every mode by its ECMP rule.
 """
 
@@ -41,7 +48,7 @@ import numpy as np
 
 from topologies.common import InputError
 
-ECMP_RULES = ("destination", "hash")
+ECMP_RULES = ("destination", "hash", "spread")
 MAX_LEVELS = 4
 
 
@@ -144,6 +151,11 @@ class FatTreeShape:
         self.cable_base = np.concatenate([[0], 2 * np.cumsum(cables)]).astype(np.int64).tolist()
         self.n_switches = int(sum(self.switches))
         self.n_cables = int(sum(cables))
+        # "spread": one up and one down trunk per block below the top (module docstring), after the cables
+        self.spread = spec.ecmp == "spread"
+        trunks = [self.blocks[l] if l < h - 1 and self.spread else 0 for l in range(h)]
+        self.trunk_first = np.concatenate([[0], np.cumsum(trunks)]).astype(np.int64).tolist()
+        self.n_trunks = int(sum(trunks))
 
     def endpoint(self, nic):
         """Leaf port index (0..endpoints-1) of NIC indices (node * nics + k); vectorized."""
@@ -185,9 +197,12 @@ class FatTreeShape:
     def paths(self, ea, eb, replica=None) -> np.ndarray:
         """(flows, 2 (h-1)) switch-to-switch links (relative to the up/down block; -1 = no hop) from
         the leaf of endpoint ea to that of eb: the climb level 0, 1, ..., then the way down. The
-        replica reached at the top of the climb is the ECMP rule's unless `replica` is given."""
+        replica reached at the top of the climb is the ECMP rule's unless `replica` is given; with
+        the "spread" rule (and no `replica`) the links are the blocks' trunks."""
         ea, eb = np.asarray(ea, dtype=np.int64), np.asarray(eb, dtype=np.int64)
         lvl = self.nca_level(ea, eb)
+        if self.spread and replica is None:
+            return self.trunk_paths(ea, eb, lvl)
         r = self.top_replica(ea, eb, lvl) if replica is None else np.broadcast_to(np.asarray(replica), ea.shape)
         h = self.h
         out = np.full((len(ea), max(2 * (h - 1), 0)), -1, dtype=np.int64)
@@ -200,6 +215,18 @@ class FatTreeShape:
             base = self.cable_base[l]
             out[on, l] = base + 2 * self.cable(l, ea[on] // self.span[l], above)
             out[on, 2 * (h - 1) - 1 - l] = base + 2 * self.cable(l, eb[on] // self.span[l], above) + 1
+        return out
+
+    def trunk_paths(self, ea, eb, lvl) -> np.ndarray:
+        """`paths` of the "spread" rule: up trunk 2 t and down trunk 2 t + 1 of block t (numbered by
+        level, then block), after the cables' 2 n_cables links."""
+        h = self.h
+        out = np.full((len(ea), max(2 * (h - 1), 0)), -1, dtype=np.int64)
+        base = 2 * self.n_cables
+        for l in range(h - 1):
+            on = l < lvl
+            out[on, l] = base + 2 * (self.trunk_first[l] + ea[on] // self.span[l])
+            out[on, 2 * (h - 1) - 1 - l] = base + 2 * (self.trunk_first[l] + eb[on] // self.span[l]) + 1
         return out
 
     def path_count(self, ea, eb) -> np.ndarray:

@@ -52,8 +52,9 @@ def same_block(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return a // k == b // k
 
 
-GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL, UP, DOWN = range(9)
-LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global", "up", "down")
+GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL, UP, DOWN, UP_TRUNK, DOWN_TRUNK = range(11)
+LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global", "up", "down",
+              "up-trunk", "down-trunk")
 
 
 class Network:
@@ -91,7 +92,7 @@ class Network:
         self.b_glob = self.b_loc + groups * self.S * (self.S - 1)
         self.n_pairs = groups * (groups - 1) // 2
         self.b_up = self.b_glob + 2 * self.n_pairs * self.L   # a fat tree's up and down links
-        self.n_links = self.b_up + (2 * self.fattree.n_cables if self.fattree else 0)
+        self.n_links = self.b_up + (2 * (self.fattree.n_cables + self.fattree.n_trunks) if self.fattree else 0)
         self._build_arrays(ends=False)
         # the arrays follow from the system and the group count: read-only, and keyed by those for
         # the process' memos (topologies.memo.array_key), so that nothing hashes megabytes of links
@@ -300,6 +301,18 @@ class Network:
             put(self.b_up + ft.cable_base[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
                 lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP, DOWN], n), lv[l + 1].link_bandwidth,
                 np.tile([lv[l].switch_latency + spec.cable_latency, lv[l + 1].switch_latency + spec.cable_latency], n))
+        for l in range(ft.h - 1):  # "spread": a trunk up and down per block, the rate of the block's cables
+            n = ft.trunk_first[l + 1] - ft.trunk_first[l]
+            if not n:
+                continue
+            if ends:  # from the block's first switch to its parent block's first
+                b = np.arange(n, dtype=np.int64)
+                lo = self.sw0 + ft.first[l] + b * ft.W[l]
+                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0) * ft.W[l + 1]
+            put(self.b_up + 2 * ft.n_cables + 2 * ft.trunk_first[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
+                lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP_TRUNK, DOWN_TRUNK], n),
+                ft.W[l + 1] * lv[l + 1].link_bandwidth,
+                np.tile([lv[l].switch_latency + spec.cable_latency, lv[l + 1].switch_latency + spec.cable_latency], n))
 
     # -- lookup and views -------------------------------------------------------------------------
     @cached_property
@@ -347,8 +360,9 @@ class Network:
         G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
         G.add_nodes_from(range(self.sw0, self.n_vertices), kind="switch")
         cap, lat = self.capacity.tolist(), self.latency.tolist()
-        G.add_edges_from(zip(self.src.tolist(), self.dst.tolist(),
-                             ({"link": i, "capacity": cap[i], "latency": lat[i]} for i in range(self.n_links))))
+        real = np.flatnonzero(self.kind < UP_TRUNK)   # a fat tree's trunks are a routing device, not cables
+        G.add_edges_from(zip(self.src[real].tolist(), self.dst[real].tolist(),
+                             ({"link": i, "capacity": cap[i], "latency": lat[i]} for i in real.tolist())))
         return G
 
     def switch_graph(self) -> nx.Graph:

@@ -274,7 +274,7 @@ SYSTEM = Table(
                                                           optional={"oversubscription": Number(1, 64)}),
                                                     min_len=1, max_len=4),
                                    "nic_latency": LATENCY, "cable_latency": LATENCY},
-                         optional={"rail_optimized": Flag(), "ecmp": Text(("destination", "hash"))}),
+                         optional={"rail_optimized": Flag(), "ecmp": Text(("destination", "hash", "spread"))}),
         # node failures (twin sweep's goodput): a node's mean time between failures that stop a job, hours
         "failures": Table(required={"node_mtbf_h": Number(1e-3, 1e9), "source": Text(nonempty=True)}),
     })
