@@ -13,6 +13,7 @@ Between switches:
   minimal path from where it lands: at most 5 hops. Inside one group, via a random third switch.
 - adaptive: each flow picks the cheapest of its minimal paths and a few Valiant paths, given the
   flows already placed (topologies.adaptive).
+A fat tree routes every mode by its ECMP rule (topologies.fattree): one shortest path per flow.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def network_key(net: Network) -> bytes:
     key = _NET_KEYS.get(net)
     if key is None:
         key = _NET_KEYS[net] = digest(net.groups, net.nodes, net.gpn, net.nics_per_node, net.S, net.E, net.L,
-                                      net.system.nodes_per_group, net.gpu_nic, array_key(net.capacity))
+                                      net.system.nodes_per_group, net.gpu_nic, array_key(net.capacity),
+                                      net.system.fattree)
     return key
 
 
@@ -237,7 +239,8 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     first = has_intra or bool(off_a.any())    # a column for the first GPU-GPU link
     last = bool(off_b.any())                  # one for the last
     sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
-    hops = 0 if not (sa != sb).any() else 3 if mode == "minimal" else HOPS
+    ft = net.fattree
+    hops = 0 if not (sa != sb).any() else 2 * (ft.h - 1) if ft else 3 if mode == "minimal" else HOPS
     c = int(first)                            # column of GPU -> NIC
     # link indices in 32 bits where they fit (half the bytes to write and compact), int64 in the result
     m = np.full((n, c + 4 + hops + int(last)), -1, dtype=np.int32 if net.n_links < 2**31 else np.int64)
@@ -251,7 +254,11 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     m[rows, c + 1] = net.nic_to_switch_link(nic_a)
     if hops:
         sw = slice(c + 2, c + 2 + hops)
-        if mode == "minimal":
+        if ft:  # every mode by the fat tree's ECMP rule (topologies.fattree)
+            e = net.endpoint_of_gpus
+            p = ft.paths(e[a], e[b])
+            m[rows, sw] = np.where(p >= 0, p + net.b_up, -1)
+        elif mode == "minimal":
             m[rows, sw] = minimal(net, sa, sb)
         elif mode == "nonminimal":
             m[rows, sw] = valiant(net, sa, sb, seed)

@@ -41,7 +41,8 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   Perlmutter GPUs, where rings cross 8 groups: 8.3 GB/s per channel with 1 path, 12.5 with 2, 16.7
   with 4, against a 20 GB/s channel cap; 4 costs about 2x the time of 2). Adaptive and non-minimal
   routing may use every group of the machine, so the whole machine's network is built (the rest
-  of the machine is taken to be idle).
+  of the machine is taken to be idle). On a fat tree every flow takes the one path its ECMP rule
+  gives (topologies.fattree), whatever the routing mode: one sub-flow each.
 - `algorithm="hierarchical"` instead runs a ring inside each node, then m rings across nodes (one per
   local position, each over its own NIC, 1/m of the data). The phases are pipelined chunk by chunk,
   as NCCL's tree and RCCL's hierarchical algorithms stream their intra- and inter-node stages: the
@@ -192,7 +193,8 @@ class CollectiveModel:
         self.seed = seed
         self.measured = measured
         self.contention = contention
-        self.spread = 1 if routing == "minimal" else spread
+        # a fat tree routes a flow on one ECMP path whatever the mode (topologies.fattree): no sub-flows
+        self.spread = 1 if routing == "minimal" or system.fattree else spread
         self._flows: dict[tuple, tuple] = {}
         self._flat: dict[str, bool] = {}  # per axis: is a hierarchical ring the flat ring?
         self._rates: dict[tuple, dict[str, list[float]]] = {}
