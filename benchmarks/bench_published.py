@@ -3,7 +3,9 @@
     python benchmarks/bench_published.py [--simulate-top 4] [--defaults] [--json out.json]
         [--figures frontier:axonn-table ...] [--set frontier.collectives.inter_node_channel_efficiency=0.8 ...]
 
-Every published row of issue 11 (docs/reference/published.md), each with the twin's prediction,
+Every published row of issue 11 (docs/reference/published.md) and Megatron-LM's seven Selene rows
+(docs/reference/published-pipeline.md, simulated with `--framework megatron` on their published
+configurations; `--rows megatron` for those alone), each with the twin's prediction,
 its error and its known cause (docs/fidelity.md has the evidence): flop/s rows as a relative error, efficiency and share-of-peak rows in points, and the
 target (10% or 10 points) met or not. The same predictions as `twin simulate` / `twin scaling`
 (grid auto: the analytical ranking, the best `--simulate-top` simulated). Flop/s use the reference
@@ -44,6 +46,21 @@ FRONTIER_WEAK = {"efficiency": {8192: 88.3, 16384: 79.02}, "share_of_peak": {819
 # iteration by about 53%. GPU count and grid not in our reference: 1,024 Perlmutter GPUs and the grid
 # auto picks with every overlap on are assumed, and the same grid is rerun without them.
 OVERLAP = ("perlmutter", "gpt-20b", 1024, 53.0)
+# Megatron-LM's published Selene runs (docs/reference/published-pipeline.md), each with its published
+# configuration: (model, t, p, GPUs, global batch, micro-batch, chunks per stage, published, unit, source).
+# t is the tensor-parallel size (the grid's y axis in the twin: 1xTx1xPxD), p the pipeline stages; unit
+# "TF" is achieved TF/s per GPU (flops with the recomputed forward), "s" the iteration time.
+# The chunks of the 310B and 1T rows are not published: the reference says the runs used the
+# interleaved schedule, so the smallest interleaving (2 chunks) is assumed (docs/fidelity.md gives 1F1B).
+MEGATRON = [
+    ("megatron-1.7b", 1, 1, 32, 512, 16, 1, 137.0, "TF", "Narayanan et al., SC'21, Table 1"),
+    ("megatron-18b", 8, 1, 256, 1024, 8, 1, 135.0, "TF", "Narayanan et al., SC'21, Table 1"),
+    ("megatron-76b", 8, 4, 1024, 1792, 2, 3, 140.0, "TF", "Narayanan et al., SC'21, Table 1 (5 layers per chunk)"),
+    ("megatron-310b", 8, 16, 1920, 2160, 1, 2, 155.0, "TF", "Narayanan et al., SC'21, Table 1 (2 chunks assumed)"),
+    ("megatron-1t", 8, 64, 3072, 3072, 1, 2, 163.0, "TF", "Narayanan et al., SC'21, Table 1 (2 chunks assumed)"),
+    ("megatron-22b", 8, 1, 8, 4, 4, 1, 1.42, "s", "Korthikanti et al. 2022, Table 5, full recomputation"),
+    ("megatron-530b", 8, 35, 280, 280, 1, 3, 49.05, "s", "Korthikanti et al. 2022, Table 5, full recomputation"),
+]
 # The known causes of each row's remaining error, in one line (docs/fidelity.md has the evidence),
 # keyed by the start of the row's name.
 CAUSES = {
@@ -131,6 +148,37 @@ def rows(simulate_top: int, specs: dict | None = None) -> list[dict]:
     return out
 
 
+def megatron_config(row, system="selene") -> SimulationConfig:
+    """The published configuration of a MEGATRON row as a SimulationConfig (Megatron-LM's program)."""
+    from twin.program.flags import options_from_flags
+    model, t, p, gpus, batch, mb, chunks = row[:7]
+    d = gpus // (t * p)
+    opts = options_from_flags(micro_batches=batch // (d * mb), schedule="interleaved" if chunks > 1 else "1f1b",
+                              chunks=chunks, framework="megatron")
+    grid = f"1x{t}x1x{p}x{d}" if p > 1 else f"1x{t}x1x{d}"
+    return SimulationConfig(system, model, gpus, grid, batch, options=opts)
+
+
+def megatron_rows(specs: dict | None = None, only: list[str] | None = None) -> list[dict]:
+    """The MEGATRON rows: published, predicted, error (%, of TF/s per GPU or of the iteration time)."""
+    out = []
+    for row in MEGATRON:
+        if only and row[0] not in only:
+            continue
+        c = megatron_config(row, (specs or {}).get("selene", "selene"))
+        r = simulate(c)
+        published, unit = row[7], row[8]
+        pred = r.flops_per_s_per_gpu / 1e12 if unit == "TF" else r.iteration_time_s
+        err = 100 * (pred - published) / published
+        o = c.options
+        sched = f"{o.schedule}" + (f" x{o.chunks}" if o.chunks > 1 else "") + f", {o.micro_batches} micro-batches"
+        what = "TF/s per GPU" if unit == "TF" else "iteration s"
+        out.append(dict(run=f"selene {row[0]}, {row[3]:,} GPUs, {what}", published=published, predicted=pred,
+                        error=err, unit="%", met=abs(err) <= 10, grid=f"{r.grid_str} ({sched})",
+                        iteration_s=r.iteration_time_s, breakdown=r.breakdown_s, source=row[9]))
+    return out
+
+
 def defaults(simulate_top: int) -> None:
     print(f"\n{'system':>10} {'model':>9} {'GPUs':>6} {'batch':>6} {'grid':>12} {'iter (s)':>9} {'PF/s':>8} {'% peak':>7}")
     for name in list_systems():
@@ -149,12 +197,16 @@ def main() -> None:
                     help="what-if: replace a system parameter for this run (repeatable)")
     ap.add_argument("--figures", action="append", default=[], metavar="SYSTEM:VARIANT",
                     help="use one of a system's other sets of collective figures, e.g. frontier:axonn-table (repeatable)")
+    ap.add_argument("--rows", choices=("all", "axonn", "megatron"), default="all",
+                    help="which published rows: AxoNN's (Frontier, Perlmutter), Megatron-LM's (Selene), or both")
+    ap.add_argument("--model", action="append", default=[], help="with --rows megatron: only this model's row (repeatable)")
     a = ap.parse_args()
     t0 = time.perf_counter()
     specs = what_if(a.set, a.figures)
     if specs:
         print("WHAT-IF, not the twin's defaults: " + ", ".join(a.figures + a.set))
-    out = rows(a.simulate_top, specs)
+    out = rows(a.simulate_top, specs) if a.rows in ("all", "axonn") else []
+    out += megatron_rows(specs, a.model) if a.rows in ("all", "megatron") else []
     print(f"{'published run':<66} {'published':>10} {'twin':>8} {'error':>14} {'target':>7}  grid")
     for r in out:
         err = f"{r['error']:+.1f} {'%' if r['unit'] == '%' else 'pts'}"
@@ -162,7 +214,8 @@ def main() -> None:
         print(f"{r['run']:<66} {r['published']:10.1f} {r['predicted']:8.1f} {err:>14} {met:>7}  {r['grid']}")
         b = r["breakdown"]
         print(f"{'':<4}{r['iteration_s']:.3f} s: compute {b['compute']:.3f}, exposed "
-              + ", ".join(f"{k} {v:.3f}" for k, v in b["exposed_comm"].items()) + f"; {r['source']}")
+              + ", ".join(f"{k} {v:.3f}" for k, v in b["exposed_comm"].items())
+              + (f", bubble {b['bubble']:.3f}" if "bubble" in b else "") + f"; {r['source']}")
         cause = next((c for k, c in CAUSES.items() if r["run"].startswith(k)), None)
         if cause and not specs:
             print(f"{'':<4}known cause: {cause}")

@@ -58,9 +58,9 @@ def check_framework(grid: Grid, options: Options) -> None:
             raise TwinError(f"framework {options.framework!r} is not one of {', '.join(FRAMEWORKS)}")
         return
     if grid.x != 1 or grid.z != 1:
-        t = grid.x * grid.y * grid.z
+        good = Grid(1, grid.x * grid.y * grid.z, 1, grid.data, pipe=grid.pipe)
         raise TwinError(f"grid {grid}: Megatron-LM's 1D tensor parallelism is the grid's y axis (heads and "
-                        f"column-parallel outputs split over y): use 1x{t}x1x{grid.pipe}x{grid.data} "
+                        f"column-parallel outputs split over y): use {good} "
                         "(1xTx1xPxD, or 1xTx1xD without a pipeline)")
 
 
