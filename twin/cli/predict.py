@@ -214,17 +214,22 @@ def search_cmd(
     batch: BatchOpt = None,
     seq: SeqOpt = None,
     placement: PlacementOpt = "contiguous",
+    framework: FrameworkOpt = "axonn",
     json_out: Annotated[bool, typer.Option("--json", help="Print the grids as a JSON list.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Rank the valid 4D grids of a model on a system (analytical model) and simulate the best; then
-    the pipelined grids (stages, schedule, micro-batches) that could beat them."""
+    the pipelined grids (stages, schedule, micro-batches) that could beat them. With --framework
+    megatron: Megatron-LM's configurations (t, p, d, micro-batch, schedule; docs/megatron.md)."""
     from twin.predict.auto import search
     from twin.predict.study import prepare
 
     if top < 1:
         raise TwinError(f"--top must be at least 1, got {top}")
-    study = prepare(system, model, gpus, batch, seq, placement=placement)
+    opts = options_from_flags(framework=framework)
+    study = prepare(system, model, gpus, batch, seq, options=opts, placement=placement)
+    if opts.framework == "megatron":
+        return _search_megatron(study, top, 3 if simulate_top < 0 else simulate_top, json_out, quiet)
     from twin.present.progress import Stages, quiet_default
     with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:
         stage("ranking and simulating grids")
@@ -259,6 +264,36 @@ def search_cmd(
                       "bound could beat the fastest simulated grid")
     if len(cands) < top:
         console.print(f"only {len(cands)} grids divide the model and fit in memory on {study.gpus} GPUs")
+
+
+def _search_megatron(study, top: int, simulate_top: int, json_out: bool, quiet: bool) -> None:
+    """`twin search --framework megatron`: the table of twin.predict.megatron_search."""
+    from twin.predict.megatron_search import megatron_search
+    from twin.present.progress import Stages, quiet_default
+    with Stages([("estimating and simulating configurations", 1.0)], quiet_default(json_out, quiet)) as stage:
+        stage("estimating and simulating configurations")
+        cands = megatron_search(study, simulate_top=simulate_top, tick=stage.part)
+    if json_out:
+        typer.echo(finite_json([{"grid": str(c.grid), "micro_batch": c.micro_batch,
+                                 "micro_batches": c.study.options.micro_batches, "schedule": c.study.options.schedule,
+                                 "chunks": c.study.options.chunks, "estimate_s": c.estimate_s,
+                                 "simulated_s": c.simulated_s} for c in cands[:top]], indent=1))
+        return
+    cols = ("#", "grid 1xTx1xPxD", "micro-batch", "M", "schedule", "estimate (s)", "simulated (s)")
+    t = table(*cols, title=f"{study.model.name} on {study.gpus} GPUs of {study.system.name}: Megatron-LM configurations",
+              keep=("#",), right=cols[2:4] + cols[5:])
+    for i, c in enumerate(cands[:top], 1):
+        o = c.study.options
+        sched = "-" if c.grid.pipe == 1 else o.schedule + (f" x{o.chunks}" if o.chunks > 1 else "")
+        t.add_row(str(i), str(c.grid), str(c.micro_batch), str(o.micro_batches), sched, f"{c.estimate_s:.3f}",
+                  "-" if c.simulated_s is None else f"{c.simulated_s:.3f}")
+    console.print(t)
+    best = min((c for c in cands if c.simulated_s is not None), key=lambda c: c.simulated_s)
+    o = best.study.options
+    console.print(f"use grid {best.grid} with --framework megatron --micro-batches {o.micro_batches}"
+                  + (f" --schedule {o.schedule}" if best.grid.pipe > 1 else "")
+                  + (f" --chunks {o.chunks}" if o.chunks > 1 else "")
+                  + f": the fastest simulated ({best.simulated_s:.3f} s); {len(cands)} configurations estimated")
 
 
 @handles_errors

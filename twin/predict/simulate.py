@@ -70,8 +70,11 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         if c.record and c.full:  # refuse an impossible trace before the search, not after it
             check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
-        best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,
-                                tick=getattr(progress, "part", None))
+        if study.options.framework == "megatron":  # Megatron-LM's configurations (t, p, d, micro-batch, schedule)
+            best, how = _megatron_choice(study, c.simulate_top, getattr(progress, "part", None))
+        else:
+            best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,
+                                    tick=getattr(progress, "part", None))
         g = best.grid
         study = getattr(best, "study", study)  # a pipelined grid's: its schedule and micro-batches
         if best.result is not None and not (c.full or c.slowdown or c.record):
@@ -85,3 +88,12 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
                                grid_choice=how, program=c.program, tick=getattr(progress, "part", None))
     result.wall_time_s = time.perf_counter() - t0
     return result
+
+
+def _megatron_choice(study, simulate_top: int, tick):
+    """Grid auto for --framework megatron: the fastest simulated of twin.predict.megatron_search."""
+    from twin.predict.megatron_search import megatron_search
+    cands = megatron_search(study, simulate_top=simulate_top, tick=tick)
+    best = min((c for c in cands if c.simulated_s is not None), key=lambda c: (c.simulated_s, c.key()))
+    return best, (f"auto (megatron): {best.describe()} the fastest of the {simulate_top} best by estimate, "
+                  f"{len(cands)} configurations estimated")
