@@ -73,6 +73,11 @@ TWIN = {
     "twin sensitivity --system perlmutter --model gpt-80b --gpus 1024 --grid 1x4x64x4":
         ["sensitivity", "--system", "perlmutter", "--model", "gpt-1b", "--gpus", "16", "--batch", "16",
          "--grid", "1x4x4x1"],
+    # README and docs/megatron.md: Megatron-LM's program on one Selene node (0.3 s)
+    "twin simulate --system selene --model megatron-22b --gpus 8 --batch 4 --grid 1x8x1x1 --framework megatron": None,
+    "twin search --system selene --model megatron-22b --gpus 8 --batch 4 --framework megatron --top 5":
+        ["search", "--system", "selene", "--model", "megatron-22b", "--gpus", "8", "--batch", "4", "--framework",
+         "megatron", "--top", "5", "--simulate-top", "1"],
     # README and docs/sweeps.md: a 4-point sweep in place of the 15 points of gpt-20b
     "twin sweep docs/sweep-nic.toml --html sweep-nic.html":
         ["sweep", str(ROOT / "tests/fixtures/sweep-small.toml"), "--serial", "--out", "sweep.csv", "--html",
@@ -158,6 +163,8 @@ ELSEWHERE = {
         "tests/test_calibration.py::test_the_loop_end_to_end runs benchmarks/bench_validate.py (--ci: 2 grids)",
     "python benchmarks/bench_published.py": "a benchmark run on demand (every published row: 13 s to a minute); "
                                             "tests/test_fidelity.py checks the parts it uses",
+    "python benchmarks/bench_published.py --rows megatron":
+        "Megatron-LM's seven Selene rows, minutes (the pipelines of 280-3,072 GPUs); tests/test_megatron.py runs one row",
     "python benchmarks/bench_published.py --figures frontier:axonn-table --figures perlmutter:axonn-table":
         "the same benchmark with other collective figures (tests/test_measured_collectives.py loads them)",
     "python benchmarks/bench_sweep.py": "a benchmark run on demand (200 points, minutes); tests/test_sweep.py "

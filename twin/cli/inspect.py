@@ -9,7 +9,7 @@ import typer
 
 from twin.cli.common import PlacementOpt, SystemOpt, console, handles_errors
 from topologies.common import TwinError, write_atomic
-from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, GridOpt, ScheduleOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
+from twin.program.flags import (BatchOpt, CacheOpt, ChunksOpt, FrameworkOpt, GridOpt, ScheduleOpt, MicroOpt, ModelOpt, OagOpt, OarOpt, OrsOpt, RecomputeOpt,
                         SeqOpt, options_from_flags, output_file)
 from twin.program.grid import Grid
 from twin.predict.memory import GIB, check_fits, memory_per_gpu
@@ -52,6 +52,7 @@ def program_cmd(
     micro_batches: MicroOpt = 1,
     schedule: ScheduleOpt = "1f1b",
     chunks: ChunksOpt = 1,
+    framework: FrameworkOpt = "axonn",
     stage: Annotated[int, typer.Option(help="The pipeline stage whose program to print (grids XxYxZxPxD).")] = 0,
     hbm_gib: Annotated[Optional[float], typer.Option(help="GPU memory (GiB) to check the fit against; off by default.")] = None,
     json_print: Annotated[bool, typer.Option("--json", help="Print the whole program (every op) as JSON instead of its summary.")] = False,
@@ -60,7 +61,8 @@ def program_cmd(
     """Build the schedule of one iteration for one rank and print its summary."""
     spec = load_model(model)
     g = Grid.parse(grid)
-    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks)
+    opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks,
+                              framework=framework)
     g.validate(spec, gpus=gpus, batch=batch, micro_batches=micro_batches, seq_len=seq)
     check_pipeline(spec, g, opts)
     if not 0 <= stage < g.pipe:
