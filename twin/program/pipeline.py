@@ -129,14 +129,19 @@ def _norm_params(model: ModelSpec, grid: Grid, layers: list[int], last: bool) ->
 
 
 def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: int, seq_len: int,
-                        stage: int) -> Program:
-    """The program of one rank of pipeline stage `stage` (module docstring)."""
+                        stage: int, units: list[tuple[str, int, int]] | None = None,
+                        bounds: list[int] | None = None) -> Program:
+    """The program of one rank of pipeline stage `stage` (module docstring). `units`: build only these
+    units (("F" or "B", micro-batch, chunk), in this order) instead of the schedule's, e.g. one of a
+    kind for twin.predict.pipe_units; `bounds`: a list to which the index one past each unit's last op
+    is appended (the end of step follows the last)."""
     P, V, M = grid.pipe, options.chunks, options.micro_batches
     if not (isinstance(stage, int) and 0 <= stage < P):
         raise TwinError(f"stage {stage!r} is not a stage of grid {grid} (0..{P - 1})")
     grid.validate(model, batch=batch, micro_batches=M, seq_len=seq_len)
     check_pipeline(model, grid, options)
-    check_program_size(model, options)
+    if units is None:
+        check_program_size(model, options)
     b = Builder(model, grid, options, batch, seq_len)
     blk = Blocks(b)
     ends = Ends(b, blk)
@@ -150,7 +155,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
                                               "reads": (buf,) if kind == "send" else (),
                                               "writes": (buf,) if kind == "recv" else ()})
 
-    for kind, j, c in schedule(options.schedule, P, M, V, stage):
+    for kind, j, c in schedule(options.schedule, P, M, V, stage) if units is None else units:
         v = c * P + stage
         layers = chunk_layers(model, grid, options, stage, c)
         a, e = layers.start, layers.stop
@@ -184,6 +189,8 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
                 ends.emb_bwd()
             else:
                 p2p(f"L{a}.bwd.send", "send", v - 1, D(f"x:L{a}"), [b.ready])
+        if bounds is not None:
+            bounds.append(len(b.ops))
 
     # end of step: a GPT's tied table exchanged between the first and the last stage, the data
     # all-reduces of this stage's gradient shards, the clipping norm over the stages, the optimizer
