@@ -28,6 +28,17 @@ def test_two_stages_by_hand():
     assert lines[0].compute_s == 6.0
 
 
+def test_blocking_sends_hold_the_sender():
+    # as above, but a stage waits for its own sends: stage 0 F0 [0,1] send [1,1.5], F1 [1.5,2.5]
+    # send [2.5,3]; stage 1 F0 [1.5,2.5] B0 [2.5,4.5] send [4.5,5], F1 [5,6] B1 [6,8] send [8,8.5];
+    # stage 0 B0 [5,7] B1 [8.5,10.5]
+    plans = [schedule("1f1b", 2, 2, 1, k) for k in range(2)]
+    cost = lambda k, u: UnitCost(1.0 if u[0] == "F" else 2.0, 1.0 if u[0] == "F" else 2.0, {})  # noqa: E731
+    lines = run_units(plans, 1, cost, lambda k, peer: 0.5, blocking_sends=True)
+    assert [ln.end_s for ln in lines] == [10.5, 8.5]
+    assert lines[0].pipe_s == 1.0 + 1.0 and lines[1].pipe_s == 0.5 + 1.0
+
+
 def test_deadlock_is_reported():
     plans = [[("B", 0, 0)], [("F", 0, 0)]]  # stage 0 waits for a gradient stage 1 never sends
     with pytest.raises(RuntimeError, match="deadlock"):

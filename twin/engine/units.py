@@ -11,7 +11,9 @@ ops, their collectives and overlap) and this engine only places the units in tim
   ran on that stage's `pipe` stream, sends one after another in the order their units finished
   (`send_s(stage, peer)` seconds each);
 - a stage waiting for its input is in the bubble before the send began and exposed `pipe`
-  communication while the send was on the wire, as twin.engine.pipeline counts it.
+  communication while the send was on the wire, as twin.engine.pipeline counts it;
+- with `blocking_sends` (Megatron-LM's synchronous sends) a stage also waits for its own send to end
+  before its next unit: exposed `pipe` time.
 
 What this leaves out, against the op-level engine: a unit's trailing collectives overlapping the
 next unit's compute (a unit ends when its last op does), and a send slowing the compute beside it.
@@ -50,7 +52,8 @@ class StageTimeline:
 
 
 def run_units(schedules: list[list[Unit]], chunks: int, cost: Callable[[int, Unit], UnitCost],
-              send_s: Callable[[int, int], float], record: bool = False) -> list[StageTimeline]:
+              send_s: Callable[[int, int], float], record: bool = False,
+              blocking_sends: bool = False) -> list[StageTimeline]:
     """Place every stage's units (`schedules[k]`, stage k's in order) in time (module docstring).
     cost(stage, unit): the unit's UnitCost; send_s(stage, peer): seconds of one send between the two
     stages. Raises RuntimeError when the schedules deadlock."""
@@ -99,6 +102,9 @@ def run_units(schedules: list[list[Unit]], chunks: int, cost: Callable[[int, Uni
                 s1 = s0 + send_s(k, peer)
                 pipe_free[k] = s1
                 arrival[(kind, j, to)] = (s0, s1)
+                if blocking_sends:
+                    line.pipe_s += s1 - end
+                    now[k] = s1
                 if not queued[peer] and peer != k:
                     queued[peer] = True
                     work.append(peer)

@@ -12,7 +12,9 @@ each kind, built by twin.program.pipeline.build_stage_program with `units`:
 - twin.engine.units places all 2 M V units of every stage, with the sends between stages;
 - the end of the step (the tied table's exchange, the data all-reduces, the clipping norm over the
   stages, the optimizer) runs op by op as in the op-level path, each stage starting it when its last
-  unit ended.
+  unit ended;
+- where the program makes compute wait for a send (Megatron-LM's synchronous sends), a stage's next
+  unit waits for its sends too.
 
 `use_units` says when: above UNITS_ABOVE ops in all the stage programs together.
 """
@@ -102,7 +104,10 @@ def simulate_by_units(study, grid: Grid, cm, compute_times, record: bool = False
         return float(cm.p2p_time(k, peer, nbytes))
 
     plans = [schedule(o.schedule, P, M, V, k) for k in range(P)]
-    lines = run_units(plans, V, cost, send_s, record=record)
+    prog = built[stages[-1]][0]
+    sends = {op.index for op in prog.ops if op.kind == "send"}
+    blocking = any(d in sends for op in prog.ops if op.kind not in P2P_KINDS for d in op.deps)
+    lines = run_units(plans, V, cost, send_s, record=record, blocking_sends=blocking)
 
     # the end of the step, op by op, each stage's starting when its units ended
     tails, tail_cs = [], []
