@@ -16,6 +16,7 @@ from dataclasses import asdict
 from twin.costs.p2p import pipeline_timers
 from twin.engine.pipeline import simulate_pipeline
 from twin.predict.memory import memory_per_gpu
+from twin.predict.pipe_units import simulate_by_units, use_units
 from twin.predict.result import LLAMA_FLOPS_CONVENTION, SimulationResult
 from twin.predict.study import Study
 from twin.predict.study_cache import model_for
@@ -30,33 +31,27 @@ def stage_rank(grid: Grid, stage: int) -> int:
 
 
 def simulate_pipelined(study: Study, grid: Grid, *, record: bool = False, collectives=None,
-                       grid_choice: str = "given", programs=None) -> SimulationResult:
+                       grid_choice: str = "given", programs=None, units: bool | None = None) -> SimulationResult:
     """Simulate one iteration of the study on the pipelined `grid` (already checked); `programs`: the
-    stage programs to run instead of the built ones (a program file's)."""
+    stage programs to run instead of the built ones (a program file's); units: simulate by units
+    (twin.predict.pipe_units) or op by op (None: by units above pipe_units.UNITS_ABOVE ops)."""
     t0 = time.perf_counter()
     o = study.options
-    progs = programs if isinstance(programs, list) else stage_programs(study.model, grid, o, study.batch,
-                                                                       study.seq_len)
-    km = study.kernels
-    compute_s = [[0.0 if (op.is_collective or op.kind in P2P_KINDS) else km.kernel_time(op) for op in p.ops]
-                 for p in progs]
-    host = study.profile.host
-    if host is not None:  # CPU ranks: the host's time per op and per collective or send issued before it
-        for p, cs in zip(progs, compute_s):
-            issued = 0
-            for op in p.ops:
-                if op.is_collective or op.kind in P2P_KINDS:
-                    issued += 1
-                else:
-                    cs[op.index] += host.op_s + issued * host.issue_s
-                    issued = 0
     cm = collectives if collectives is not None else model_for(study, grid)
     if not hasattr(cm, "p2p_time"):  # a stand-in collective model: sends cost nothing
         cm = _WithoutSends(cm)
-    collective_s, p2p_s = pipeline_timers(progs, cm)
-    res = simulate_pipeline(progs, compute_s, collective_s, p2p_s, overlap_slowdown=study.profile.overlap_slowdown,
-                            record=record, stage_rank=lambda k: stage_rank(grid, k))
-    flops = study.model.reference_flops(study.batch, study.seq_len, progs[0].vocab, o.recompute)
+    by_units = programs is None and (units if units is not None else use_units(study.model, o))
+    if by_units:
+        res, spans, vocab = simulate_by_units(study, grid, cm, lambda p: compute_times(study, p), record=record)
+    else:
+        progs = programs if isinstance(programs, list) else stage_programs(study.model, grid, o, study.batch,
+                                                                           study.seq_len)
+        collective_s, p2p_s = pipeline_timers(progs, cm)
+        res = simulate_pipeline(progs, [compute_times(study, p) for p in progs], collective_s, p2p_s,
+                                overlap_slowdown=study.profile.overlap_slowdown, record=record,
+                                stage_rank=lambda k: stage_rank(grid, k))
+        vocab = progs[0].vocab
+    flops = study.model.reference_flops(study.batch, study.seq_len, vocab, o.recompute)
     it = res.iteration_s
     fps = flops / it
     mem = memory_per_gpu(study.model, grid, o, study.batch, study.seq_len, study.profile.activation_bytes)
@@ -77,17 +72,37 @@ def simulate_pipelined(study: Study, grid: Grid, *, record: bool = False, collec
         percent_of_peak=100.0 * fps / (grid.size * study.system.gpu.peak_flops), breakdown_s=breakdown,
         memory_per_gpu_bytes=mem.total, simulated_ops=res.simulated_ops, mode="symmetric",
         simulated_ranks=P, placement=study.placement, profile=study.profile.name,
-        options={**asdict(o), "gemm_tuning": km.tuning}, grid_choice=grid_choice, pipeline=pipeline,
-        notes=list(study.notes))
+        options={**asdict(o), "gemm_tuning": study.kernels.tuning}, grid_choice=grid_choice, pipeline=pipeline,
+        notes=list(study.notes) + ([f"pipeline simulated by units (one forward or backward of a micro-batch "
+                                     f"through a chunk; twin.predict.pipe_units): {o.micro_batches} micro-batches "
+                                     f"x {o.chunks} chunk(s) x {P} stages"] if by_units else []))
     if study.model.is_llama:
         result.flops_convention = LLAMA_FLOPS_CONVENTION
-    if record:
+    if record and by_units:
+        result.spans = spans
+    elif record:
         by_rank = {stage_rank(grid, k): p for k, p in enumerate(progs)}
         result.spans = [Span(r, by_rank[r].ops[i].name, by_rank[r].ops[i].kind, by_rank[r].ops[i].stream, s, d,
                              op_args(by_rank[r].ops[i])) for r, i, s, d in res.spans]
         result.spans.sort(key=lambda sp: (sp.rank, sp.start_s))
     result.wall_time_s = time.perf_counter() - t0
     return result
+
+
+def compute_times(study: Study, program) -> list[float]:
+    """Seconds each op of a stage program takes alone (0 for communication); on a CPU profile plus the
+    host's time per op and per collective or send issued before it."""
+    km, host = study.kernels, study.profile.host
+    cs = [0.0 if (op.is_collective or op.kind in P2P_KINDS) else km.kernel_time(op) for op in program.ops]
+    if host is not None:
+        issued = 0
+        for op in program.ops:
+            if op.is_collective or op.kind in P2P_KINDS:
+                issued += 1
+            else:
+                cs[op.index] += host.op_s + issued * host.issue_s
+                issued = 0
+    return cs
 
 
 class _WithoutSends:

@@ -132,15 +132,20 @@ def _norm_params(model: ModelSpec, grid: Grid, layers: list[int], last: bool) ->
 
 
 def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: int, seq_len: int,
-                        stage: int) -> Program:
-    """The program of one rank of pipeline stage `stage` (module docstring)."""
+                        stage: int, units: list[tuple[str, int, int]] | None = None,
+                        bounds: list[int] | None = None) -> Program:
+    """The program of one rank of pipeline stage `stage` (module docstring). `units`: build only these
+    units (("F" or "B", micro-batch, chunk), in this order) instead of the schedule's, e.g. one of a
+    kind for twin.predict.pipe_units; `bounds`: a list to which the index one past each unit's last op
+    is appended (the end of step follows the last)."""
     P, V, M = grid.pipe, options.chunks, options.micro_batches
     if not (isinstance(stage, int) and 0 <= stage < P):
         raise TwinError(f"stage {stage!r} is not a stage of grid {grid} (0..{P - 1})")
     grid.validate(model, batch=batch, micro_batches=M, seq_len=seq_len)
     megatron.check_framework(grid, options)
     check_pipeline(model, grid, options)
-    check_program_size(replace(model, layers=model.layers // P), options)  # a stage's blocks
+    if units is None:
+        check_program_size(replace(model, layers=model.layers // P), options)  # a stage's blocks
     b = Builder(model, grid, options, batch, seq_len)
     blk = Blocks(b)
     ends = Ends(b, blk)
@@ -171,7 +176,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
         return b.collective(name + ".ag_y", "all_gather", "y", act_bytes * grid.y, deps=[r], reads=(buf,),
                             writes=(buf,))
 
-    for kind, j, c in schedule(options.schedule, P, M, V, stage):
+    for kind, j, c in schedule(options.schedule, P, M, V, stage) if units is None else units:
         v = c * P + stage
         layers = chunk_layers(model, grid, options, stage, c)
         a, e = layers.start, layers.stop
@@ -205,6 +210,8 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
                 ends.emb_bwd()
             else:
                 send(f"L{a}.bwd.send", v - 1, D(f"x:L{a}"))
+        if bounds is not None:
+            bounds.append(len(b.ops))
 
     # end of step: a GPT's tied table exchanged between the first and the last stage, the data
     # all-reduces of this stage's gradient shards, the clipping norm over the stages, the optimizer
