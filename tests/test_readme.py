@@ -78,6 +78,9 @@ TWIN = {
     "twin search --system selene --model megatron-22b --gpus 8 --batch 4 --framework megatron --top 5":
         ["search", "--system", "selene", "--model", "megatron-22b", "--gpus", "8", "--batch", "4", "--framework",
          "megatron", "--top", "5", "--simulate-top", "1"],
+    # docs/fidelity.md: the 3,072-GPU Megatron-LM row (about 1.5 s of CPU: pipelines simulated by units)
+    "twin simulate --system selene --model megatron-1t --gpus 3072 --batch 3072 --grid 1x8x1x64x6 --micro-batches 512 "
+    "--schedule interleaved --chunks 2 --framework megatron": None,
     # README and docs/sweeps.md: a 4-point sweep in place of the 15 points of gpt-20b
     "twin sweep docs/sweep-nic.toml --html sweep-nic.html":
         ["sweep", str(ROOT / "tests/fixtures/sweep-small.toml"), "--serial", "--out", "sweep.csv", "--html",
