@@ -84,6 +84,9 @@ CAUSES = {
     "selene megatron-310b": "as 76b; the chunks (2) are assumed",
     "selene megatron-1t": "as 76b; the chunks (2) are assumed",
     "selene megatron-22b": "within target (+3.3% at 240 TF/s GEMMs, what-if)",
+    "selene megatron-530b, 280 GPUs, iteration s, seq": "not a target of the issue (optional): the program's SP has "
+                                                       "the embedding and final norm unsplit",
+    "selene megatron-22b, 8 GPUs, iteration s, seq": "not a target of the issue (optional): as the 530b row",
     "selene megatron-530b": "within target",
 }
 
@@ -157,13 +160,18 @@ def rows(simulate_top: int, specs: dict | None = None) -> list[dict]:
     return out
 
 
-def megatron_config(row, system="selene") -> SimulationConfig:
+# The same two Korthikanti runs with sequence parallelism and selective recomputation (not targets of
+# the issue): (row of MEGATRON, published iteration s)
+MEGATRON_SP = [("megatron-22b", 1.10), ("megatron-530b", 37.83)]
+
+
+def megatron_config(row, system="selene", framework="megatron") -> SimulationConfig:
     """The published configuration of a MEGATRON row as a SimulationConfig (Megatron-LM's program)."""
     from twin.program.flags import options_from_flags
     model, t, p, gpus, batch, mb, chunks = row[:7]
     d = gpus // (t * p)
     opts = options_from_flags(micro_batches=batch // (d * mb), schedule="interleaved" if chunks > 1 else "1f1b",
-                              chunks=chunks, framework="megatron")
+                              chunks=chunks, framework=framework)
     grid = f"1x{t}x1x{p}x{d}" if p > 1 else f"1x{t}x1x{d}"
     return SimulationConfig(system, model, gpus, grid, batch, options=opts)
 
@@ -185,6 +193,16 @@ def megatron_rows(specs: dict | None = None, only: list[str] | None = None) -> l
         out.append(dict(run=f"selene {row[0]}, {row[3]:,} GPUs, {what}", published=published, predicted=pred,
                         error=err, unit="%", met=abs(err) <= 10, grid=f"{r.grid_str} ({sched})",
                         iteration_s=r.iteration_time_s, breakdown=r.breakdown_s, source=row[9]))
+    for name, published in MEGATRON_SP:
+        if only and name not in only:
+            continue
+        row = next(r for r in MEGATRON if r[0] == name)
+        r = simulate(megatron_config(row, (specs or {}).get("selene", "selene"), framework="megatron-sp"))
+        err = 100 * (r.iteration_time_s - published) / published
+        out.append(dict(run=f"selene {name}, {row[3]:,} GPUs, iteration s, seq. parallel", published=published,
+                        predicted=r.iteration_time_s, error=err, unit="%", met=None, grid=f"{r.grid_str} (megatron-sp)",
+                        iteration_s=r.iteration_time_s, breakdown=r.breakdown_s,
+                        source="Korthikanti et al. 2022, Table 5, sequence parallelism + selective recomputation"))
     return out
 
 
@@ -226,7 +244,8 @@ def main() -> None:
         print(f"{'':<4}{r['iteration_s']:.3f} s: compute {b['compute']:.3f}, exposed "
               + ", ".join(f"{k} {v:.3f}" for k, v in b["exposed_comm"].items())
               + (f", bubble {b['bubble']:.3f}" if "bubble" in b else "") + f"; {r['source']}")
-        cause = next((c for k, c in CAUSES.items() if r["run"].startswith(k)), None)
+        cause = max(((k, c) for k, c in CAUSES.items() if r["run"].startswith(k)), key=lambda kc: len(kc[0]),
+                    default=(None, None))[1]  # the longest key that starts the row's name
         if cause and not specs:
             print(f"{'':<4}known cause: {cause}")
     print(f"({time.perf_counter() - t0:.0f} s)")

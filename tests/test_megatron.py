@@ -97,3 +97,19 @@ def test_a_published_row_end_to_end():
                                   options=mega(micro_batches=1)))
     assert r.iteration_time_s == pytest.approx(1.42, rel=0.25)
     assert r.breakdown_s["exposed_comm"]["y"] > 0.05 * r.iteration_time_s  # the TP all-reduces are exposed
+
+
+def test_sequence_parallelism_reduce_scatters_and_gathers_and_recomputes_attention_alone():
+    m = dataclasses.replace(load_model("gpt-tiny"), layers=1)
+    sp = options_from_flags(framework="megatron-sp")
+    assert (sp.framework, sp.recompute) == ("megatron-sp", False)  # selective: no full recompute pass
+    ops = build_program(m, Grid(1, 2, 1, 2), sp).ops
+    y = sorted((op.name, op.kind) for op in ops if op.axis == "y" and op.name.startswith("L0."))
+    assert ("L0.attn_out.fwd.rs_y", "reduce_scatter") in y and ("L0.ln1.fwd.ag_y", "all_gather") in y
+    assert not [n for n, k in y if k == "all_reduce"]
+    rec = [op.name for op in ops if op.phase == "rec"]
+    assert rec == [f"L0.attn.rec.{k}" for k in ("scores", "softmax", "dropout", "context")]
+    # the norms work on this rank's share of the sequence
+    full = {op.name: op for op in build_program(m, Grid(1, 2, 1, 2), mega()).ops}
+    ln = next(op for op in ops if op.name == "L0.ln1.fwd")
+    assert ln.bytes * 2 == full["L0.ln1.fwd"].bytes

@@ -228,7 +228,7 @@ def search_cmd(
         raise TwinError(f"--top must be at least 1, got {top}")
     opts = options_from_flags(framework=framework)
     study = prepare(system, model, gpus, batch, seq, options=opts, placement=placement)
-    if opts.framework == "megatron":
+    if opts.framework.startswith("megatron"):
         return _search_megatron(study, top, 3 if simulate_top < 0 else simulate_top, json_out, quiet)
     from twin.present.progress import Stages, quiet_default
     with Stages([("ranking and simulating grids", 1.0)], quiet_default(json_out, quiet)) as stage:

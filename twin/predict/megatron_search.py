@@ -110,7 +110,7 @@ def megatron_search(study: Study, simulate_top: int = 3, published: tuple | None
     for i, (grid, b, M, sched, V) in enumerate(confs):
         if tick is not None:
             tick(0.8 * i / max(1, len(confs)))
-        o = dataclasses.replace(study.options, micro_batches=M, schedule=sched, chunks=V, framework="megatron")
+        o = dataclasses.replace(study.options, micro_batches=M, schedule=sched, chunks=V)
         full = dataclasses.replace(study, options=o)
         try:
             check_grid(full, grid)

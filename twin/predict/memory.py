@@ -37,6 +37,7 @@ from topologies.common import TwinError
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.program import ACT_BYTES, Options, local_params
+from twin.program.megatron import is_sequence_parallel
 
 GIB = 1024**3
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16 mixed precision (Megatron-LM)
@@ -94,6 +95,8 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
         per_block = activation_bytes * m * (4 * h // gx + (2 * q + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    if is_sequence_parallel(options):  # Megatron-LM's sequence parallelism: the norms' and dropouts' inputs split too
+        per_block = _sp_block(model, activation_bytes, m, s, gy)
     if options.recompute:
         activations = model.layers * block_input + per_block + working
     else:
@@ -216,6 +219,8 @@ def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: 
         per_block = activation_bytes * m * (4 * h // gx + (2 * model.qkv_width + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    if is_sequence_parallel(options):
+        per_block = _sp_block(model, activation_bytes, m, s, gy)
     block_input = activation_bytes * m * h // gx
     chunk = len(chunk_layers(model, grid, options, stage, 0))
     units = in_flight(schedule(options.schedule, grid.pipe, options.micro_batches, options.chunks, stage))
@@ -235,6 +240,13 @@ def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: 
     return Memory(parameters=weight * n_local, gradients=grad * n_local, optimizer=opt * n_local,
                   activations=activations, gathered_weights=gathered, logits=logits,
                   reduction_buffers=max(0, copies - (activations + gathered + logits)))
+
+
+def _sp_block(model: ModelSpec, activation_bytes: int, m: int, s: int, gy: int) -> int:
+    """Bytes a block saves with Megatron-LM's sequence parallelism and selective recomputation: every
+    input of the norms, GEMMs and dropouts split over the t = G_y GPUs, the attention core recomputed."""
+    h = model.hidden
+    return activation_bytes * m * (4 * h + 3 * h + h + 2 * model.ffn) // gy + 4 * (m // s) * (model.heads // gy) * s
 
 
 def check_fits(mem: Memory, capacity_bytes: float, what: str = "") -> None:

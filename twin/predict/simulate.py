@@ -70,7 +70,7 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         if c.record and c.full:  # refuse an impossible trace before the search, not after it
             check_trace_size(min_ops_per_rank(study), study.gpus)
         say("ranking grids")
-        if study.options.framework == "megatron":  # Megatron-LM's configurations (t, p, d, micro-batch, schedule)
+        if study.options.framework.startswith("megatron"):  # Megatron-LM's configurations (t, p, d, micro-batch, schedule)
             best, how = _megatron_choice(study, c.simulate_top, getattr(progress, "part", None))
         else:
             best, how = choose_grid(study, simulate_top=c.simulate_top, collectives=collectives,

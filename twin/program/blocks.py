@@ -20,6 +20,7 @@ class Blocks:
         self.b, self.model, self.grid, self.options = b, model, grid, b.opt
         self.llama = model.is_llama
         self.megatron = megatron.is_megatron(b.opt)
+        self.sequence_parallel = megatron.is_sequence_parallel(b.opt)
         self.m, self.h, self.gx, self.gy, self.s = b.tokens, model.hidden, grid.x, grid.y, b.seq_len
         # each linear's shard (k_local, n_local, in_axis, out_axis), the same in every block
         self.lin = {ln: linear_dims(grid, k, n, t) for ln, k, n, t in model.linear_shapes()}
@@ -88,6 +89,8 @@ class Blocks:
 
     def fwd(self, i: int) -> None:
         """Block i's forward ops (the recomputed forward when the builder's phase is `rec`)."""
+        if self.sequence_parallel:
+            return megatron.sp_fwd(self, i)
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         self.norm(f"{L}.ln1", io["x"], io["qkv"])
@@ -124,6 +127,8 @@ class Blocks:
 
     def bwd(self, i: int) -> None:
         """Block i's backward ops (after its recomputed forward, with recomputation)."""
+        if self.sequence_parallel:
+            return megatron.sp_bwd(self, i)
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         gathered = self.options.recompute  # with recomputation the backward reuses the recompute's gather

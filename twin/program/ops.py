@@ -39,13 +39,13 @@ class Options:
     goldfish_h: int = 0       # goldfish loss: tokens hashed per target to mask it (0: off)
     schedule: str = "1f1b"    # pipeline schedule with G_pipe > 1: gpipe, 1f1b or interleaved (twin/program/pipeline.py)
     chunks: int = 1           # model chunks (virtual stages) per pipeline stage; > 1 with the interleaved schedule
-    framework: str = "axonn"  # whose schedule: "axonn" (the 4D algorithm) or "megatron" (twin/program/megatron.py)
+    framework: str = "axonn"  # whose schedule: "axonn" (the 4D algorithm), "megatron" or "megatron-sp" (twin/program/megatron.py)
 
 
 def grad_ar_bytes(options: Options) -> int:
     """Bytes per parameter of the data all-reduce of gradients: fp32 (AxoNN), or fp16 (Megatron-LM's
     local DDP with fp16, as in the SC'21 runs: twin/program/megatron.py)."""
-    return 2 if options.framework == "megatron" else GRAD_AR_BYTES
+    return 2 if options.framework.startswith("megatron") else GRAD_AR_BYTES
 
 
 @dataclass(frozen=True)

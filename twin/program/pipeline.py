@@ -171,7 +171,7 @@ def build_stage_program(model: ModelSpec, grid: Grid, options: Options, batch: i
     def receive(name: str, peer_v: int, buf: str) -> int:
         """A receive; with the scatter/gather sends, then the all-gather of the pieces over y."""
         r = p2p(name + ".recv", "recv", peer_v, buf, ())
-        if not scatter:
+        if not scatter or megatron.is_sequence_parallel(options):  # sequence-parallel: already split by sequence
             return r
         return b.collective(name + ".ag_y", "all_gather", "y", act_bytes * grid.y, deps=[r], reads=(buf,),
                             writes=(buf,))
