@@ -113,3 +113,12 @@ def test_sequence_parallelism_reduce_scatters_and_gathers_and_recomputes_attenti
     full = {op.name: op for op in build_program(m, Grid(1, 2, 1, 2), mega()).ops}
     ln = next(op for op in ops if op.name == "L0.ln1.fwd")
     assert ln.bytes * 2 == full["L0.ln1.fwd"].bytes
+
+
+def test_the_backend_refuses_a_megatron_program_file_in_one_line(tmp_path):
+    from backend.cli.common import load_program_file
+    from twin.program.programfile import save_program
+    path = tmp_path / "megatron.json"
+    save_program(build_program(load_model("gpt-tiny"), Grid(1, 2, 1, 2), mega()), path)
+    with pytest.raises(TwinError, match="simulated by the twin only"):
+        load_program_file(str(path))

@@ -60,7 +60,13 @@ def load_program_file(program_file: str | None):
     if not program_file:
         return None
     from twin.present.progress import load_program_shown
-    return load_program_shown(program_file)
+    loaded = load_program_shown(program_file)
+    first = loaded[0] if isinstance(loaded, list) else loaded
+    if first.options.framework != "axonn":  # its unfused attention and dropouts have no kernels here
+        from topologies.common import InputError
+        raise InputError(f"{program_file}: a {first.options.framework} program (twin --framework) is simulated by "
+                         "the twin only; the backend runs the axonn program")
+    return loaded
 
 
 FIXED_BY_PROGRAM = ("model", "grid", "batch", "micro_batches", "oar", "ors", "oag", "cache_layers", "recompute",
