@@ -122,3 +122,11 @@ def test_the_backend_refuses_a_megatron_program_file_in_one_line(tmp_path):
     save_program(build_program(load_model("gpt-tiny"), Grid(1, 2, 1, 2), mega()), path)
     with pytest.raises(TwinError, match="simulated by the twin only"):
         load_program_file(str(path))
+
+
+def test_the_python_api_gets_megatron_semantics_from_the_framework_alone():
+    from twin.program.program import Options
+    m = dataclasses.replace(load_model("gpt-tiny"), layers=1)
+    ops = {op.name: op for op in build_program(m, Grid(1, 2, 1, 2), Options(framework="megatron")).ops}
+    assert ops["L0.qkv.bwd.ar_y"].index in ops["L0.qkv.bwd.wgrad"].deps  # not overlapped even with oar=True
+    assert ops["head.bwd.ar_y"].index in ops["head.bwd.wgrad"].deps

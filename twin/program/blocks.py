@@ -74,7 +74,7 @@ class Blocks:
         ar = b.collective(f"{lname}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * m * kl,
                           deps=[dgrad], reads=(dinp,), writes=(dinp,))
         wgrad = b.gemm(f"{lname}.bwd.wgrad", kl, nl, m, "TN", inp, dout, f"g:{lname}",
-                       deps=[] if self.options.oar else [ar], weight=lname)
+                       deps=[] if self.options.oar and not self.megatron else [ar], weight=lname)
         b.reduce_scatter(lname, f"{lname}.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
         b.ready = ar if ar is not None else grad_ready
 

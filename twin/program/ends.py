@@ -96,7 +96,8 @@ class Ends:
         ar = b.collective("head.bwd.ar_y", "all_reduce", "y", ACT_BYTES * m * kl, deps=[dgrad],
                           reads=(D("lnf.out"),), writes=(D("lnf.out"),))
         wgrad = b.gemm("head.bwd.wgrad", nl, kl, m, "TN", D("logits"), "lnf.out", "g:head",
-                       deps=[] if options.oar else [ar], weight="head")
+                       deps=[] if options.oar and not options.framework.startswith("megatron") else [ar],
+                       weight="head")
         b.reduce_scatter("head", "head.bwd.rs_z", ACT_BYTES * kl * nl, wgrad)
         b.ready = ar if ar is not None else dgrad
         self.blk.norm_bwd("lnf", D("lnf.out"), D(f"x:L{model.layers}"))
