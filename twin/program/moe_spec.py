@@ -67,7 +67,7 @@ def check_imbalance(m: "ModelSpec", f: float) -> None:
     """Raise TwinError (one line) unless `f` is a routing imbalance the model can have: 1 (balanced)
     up to experts / top_k (every token chooses the busiest expert); 1 for a dense model."""
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f):
-        raise TwinError(f"--moe-imbalance must be a number, got {f!r}")
+        raise TwinError(f"--moe-imbalance must be a finite number, got {f!r}")
     if not m.is_moe:
         if f != 1:
             raise TwinError(f"--moe-imbalance {f:g} is for mixture-of-experts models; {m.name} has no experts")
