@@ -20,7 +20,8 @@ as on one node's symmetric links). The all-to-all is timed alone: flows of other
 the same time do not slow it (the expert group's collectives run on the data stream, which is idle
 during the blocks' passes but for them).
 
-All-reduce over the expert or edata groups: a flat ring over each group's members, laid out as the
+Where the profile carries measured collectives (a CPU profile), those are read instead
+(`measured_time`). All-reduce over the expert or edata groups: a flat ring over each group's members, laid out as the
 collective model lays out a ring (its channels and caps), every group at once:
 2 (p - 1) steps of max(floor, alpha + chunk / bus rate).
 """
@@ -130,5 +131,22 @@ def expert_time(cm, kind: str, axis: str, nbytes: float) -> float:
     key = (kind, axis, nbytes)
     t = store.get(key)
     if t is None:
-        t = store[key] = all_to_all_time(cm, nbytes, axis) if kind == "all_to_all" else ring_time(cm, kind, axis, nbytes)
+        t = measured_time(cm, kind, axis, nbytes)
+        if t is None:
+            t = all_to_all_time(cm, nbytes, axis) if kind == "all_to_all" else ring_time(cm, kind, axis, nbytes)
+        store[key] = t
     return t
+
+
+def measured_time(cm, kind: str, axis: str, nbytes: float) -> float | None:
+    """Where the profile has measured collectives (cm.measured, a CPU profile's): an all-to-all read as
+    the measured all-gather of its group size and stride (the same bytes leave each rank; no all-to-all
+    is measured yet) of a tensor axis (it blocks the op after it), an edata all-reduce as a data-axis
+    all-reduce (it leaves with the others at the end of the step); None where nothing applies."""
+    if cm.measured is None:
+        return None
+    p = cm.grid.axis_size(axis)
+    if p == 1 or nbytes <= 0:
+        return 0.0
+    as_kind = "all_gather" if kind == "all_to_all" else kind
+    return cm.measured.time(as_kind, "data" if axis == "edata" else "expert", p, nbytes, cm.grid.stride(axis))
