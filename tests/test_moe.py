@@ -222,3 +222,17 @@ def test_simulating_an_moe_grid_adds_up():
     b = d["breakdown_s"]
     assert b["compute"] + sum(b["exposed_comm"].values()) + b["idle"] == pytest.approx(d["iteration_time_s"])
     assert math.isfinite(d["iteration_time_s"]) and b["exposed_comm"]["data"] > 0
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_waits_of_an_moe_run_add_up_to_its_breakdown(full):
+    """The all-to-alls and edata all-reduces run on the data stream: their exposed time is data's."""
+    from twin.predict.run import simulate_grid
+    from twin.predict.study import prepare
+    r = simulate_grid(prepare("perlmutter", "mixtral-tiny", 8), Grid.parse("2x1x1x4e2"), full=full, record=True)
+    per: dict[str, float] = {}
+    for w in r.waits:
+        per[w.args["axis"]] = per.get(w.args["axis"], 0.0) + w.duration_s / (8 if full else 1)
+    assert set(per) <= {"x", "y", "z", "data"} and per["data"] > 0
+    for axis, seconds in r.breakdown_s["exposed_comm"].items():
+        assert per.get(axis, 0.0) == pytest.approx(seconds, abs=1e-9)
