@@ -236,3 +236,30 @@ def test_the_waits_of_an_moe_run_add_up_to_its_breakdown(full):
     assert set(per) <= {"x", "y", "z", "data"} and per["data"] > 0
     for axis, seconds in r.breakdown_s["exposed_comm"].items():
         assert per.get(axis, 0.0) == pytest.approx(seconds, abs=1e-9)
+
+
+@pytest.mark.parametrize("variant", ["every other block", "capacity", "gpt experts"])
+def test_moe_variants_build_checked_programs(variant, tmp_path):
+    import dataclasses as dc
+    tiny = load_model("mixtral-tiny")
+    m = {"every other block": dc.replace(tiny, layers=4, moe_every=2),
+         "capacity": dc.replace(tiny, capacity_factor=1.25),
+         "gpt experts": ModelSpec(name="gmoe", layers=2, hidden=64, heads=4, vocab=256, seq_len=32, global_batch=16,
+                                  experts=4, top_k=1)}[variant]
+    for grid in ("1x1x1x4e2", "2x2x2x2e2"):
+        p = build_program(m, Grid.parse(grid), Options(), batch=16)
+        check_dataflow(p, grid)
+        s = p.summary()
+        if m.capacity_factor:  # buffers padded to capacity: R = E ceil(1.25 m k / E) rows
+            up = next(op for op in p.ops if op.name == "L0.expert_up.fwd.gemm")
+            tokens = 16 // (Grid.parse(grid).z * Grid.parse(grid).data) * 32
+            assert up.m == 4 * math.ceil(1.25 * tokens * 2 / 4)
+            hot = build_program(m, Grid.parse(grid), Options(moe_imbalance=1.5), batch=16)
+            assert [op.bytes for op in hot.ops] == [op.bytes for op in p.ops]  # padded: imbalance changes nothing
+        else:
+            assert s["matmul_flops"] == s["reference_flops"]
+        save_program(p, tmp_path / "p.json")
+        assert load_program(tmp_path / "p.json").ops == p.ops
+    if m.moe_every == 2:
+        names = {op.name for op in p.ops}
+        assert "L0.mlp_up.fwd.gemm" in names and "L1.expert_up.fwd.gemm" in names and "L1.mlp_up.fwd.gemm" not in names
