@@ -163,6 +163,13 @@ def ring_time(cm, kind: str, axis: str, nbytes: float) -> float:
     return steps * max(floor, alpha + nbytes / p / rate)
 
 
+def laid_out(cm, kind: str, axis: str) -> bool:
+    """Whether `expert_time` of this kind and axis routes nothing on `cm` (its flows are laid out and
+    rated already, or a measured table answers): lower bounds use the exact time only then."""
+    store = cm.__dict__.get("_expert_times") or {}
+    return cm.measured is not None or (("a2a" if kind == "all_to_all" else "ring"), axis) in store
+
+
 def expert_time(cm, kind: str, axis: str, nbytes: float) -> float:
     """Seconds of collective `kind` of `nbytes` over the expert axis `axis` (memoised on `cm`)."""
     store = _store(cm)
