@@ -268,3 +268,15 @@ def test_moe_variants_build_checked_programs(variant, tmp_path):
     if m.moe_every == 2:
         names = {op.name for op in p.ops}
         assert "L0.mlp_up.fwd.gemm" in names and "L1.expert_up.fwd.gemm" in names and "L1.mlp_up.fwd.gemm" not in names
+
+
+def test_grid_auto_splits_mixtrals_experts_where_that_is_faster():
+    from dataclasses import replace
+    from twin.predict.auto import choose_grid
+    from twin.predict.run import simulate_grid
+    from twin.predict.study import prepare
+    study = prepare("frontier", "mixtral-8x7b", 128, 128)
+    best, how = choose_grid(study, simulate_top=1, pipelines=False)
+    assert best.grid.expert > 1, how
+    dense_axis = simulate_grid(study, replace(best.grid, expert=1))
+    assert best.simulated_s < dense_axis.iteration_time_s
