@@ -88,8 +88,8 @@ def parse_fat_tree(t: dict, w: str, nodes: int, nics: int) -> FatTreeSpec:
         where = f"{w} level {name!r}"
         if top:
             if "oversubscription" in lv:
-                raise InputError(f"system file {where}: the top level has no up-links, so no oversubscription: "
-                                 "remove the key (every port of a top switch faces down)")
+                raise InputError(f"system file {where}: the top level (the last [[fattree.levels]]) has no up-links, "
+                                 "so no oversubscription: remove the key, or add the level above it")
             down, up = radix, 0
         else:
             if "oversubscription" not in lv:
