@@ -194,7 +194,7 @@ def test_hash_collides_where_destination_does_not():
     ("oversubscription = 1           # non-blocking (selene.md)", "oversubscription = 0.5", "fattree.levels[0].oversubscription must be"),
     ('link_bandwidth = 25e9          # bytes/s per direction, leaf-spine', '# no rate', "fattree.levels[1].link_bandwidth is missing"),
     ('name = "spine"\nradix = 40\noversubscription = 1', 'name = "spine"\nradix = 40', "level 'spine': oversubscription is missing"),
-    ('name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1', "the top level has no up-links"),
+    ('name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1', "has no up-links, so no oversubscription"),
     ("oversubscription = 1           # non-blocking (selene.md)", "oversubscription = 2", "do not split into whole down and up ports"),
     ('ecmp = "spread"', 'ecmp = "random"', "fattree.ecmp must be one of destination, hash, spread"),
     ('[fattree]', '[network]\ngroups = 1\n[fattree]', "not both"),
@@ -248,3 +248,19 @@ def test_selene_simulates():
     import json
     out = json.loads(r.stdout)
     assert out["iteration_time_s"] > 0 and out["system"] == "selene"
+
+
+def test_selene_draws_by_pods():
+    """The drawing aggregates Selene's 1,040 switches into 16 pods per level below the top and one top
+    marker; a job of 3,072 GPUs (nodes 0-383) is in the first pod of every rail."""
+    from topologies.draw import topology_figure
+    from topologies.placement import place
+    s = load_system("selene")
+    fig = topology_figure(build_network(s), place(s, 3072, "contiguous", 0))
+    rows = [t for t in fig.data if t.hovertext is not None and len(t.hovertext) == 16]
+    assert len(rows) == 2                                  # leaf and spine, one marker per pod
+    leaf = rows[0]
+    assert "rail 0 (NIC 0) of nodes 0-399; the job uses 384 of its nodes" in leaf.hovertext[0]
+    assert "rail 0 (NIC 0) of nodes 400-559" in leaf.hovertext[1] and "job" not in leaf.hovertext[1]
+    assert [c == "crimson" for c in leaf.marker.color] == [q % 2 == 0 for q in range(16)]
+    assert any(t.text == ("400 x core",) for t in fig.data)
