@@ -264,3 +264,27 @@ def test_selene_draws_by_pods():
     assert "rail 0 (NIC 0) of nodes 400-559" in leaf.hovertext[1] and "job" not in leaf.hovertext[1]
     assert [c == "crimson" for c in leaf.marker.color] == [q % 2 == 0 for q in range(16)]
     assert any(t.text == ("400 x core",) for t in fig.data)
+
+
+@pytest.mark.parametrize("levels,rail,ecmp", [
+    ([dict(name="switch", radix=16)], False, "destination"),                                   # one switch
+    ([dict(name="leaf", radix=6, over=2), dict(name="spine", radix=8)], True, "hash"),          # 4 down, 2 up
+    ([dict(name="l0", radix=4, over=1), dict(name="l1", radix=4, over=1), dict(name="l2", radix=6, over=2),
+      dict(name="l3", radix=8)], False, "destination"),                                         # four levels
+    (THREE, True, "spread"),
+])
+def test_every_route_is_a_walk_from_gpu_to_gpu(tmp_path, levels, rail, ecmp):
+    """Whatever the levels, rails and rule: every flow's links join end to end, from its GPU to the
+    other, climbing no higher than the lowest common level (up links, then as many down links)."""
+    net = build_network(load_tree(tmp_path, levels, nodes=8, gpn=2, nics=2, rail=rail, ecmp=ecmp))
+    n = net.n_gpus
+    src, dst = np.divmod(np.arange(n * n), n)
+    keep = src != dst
+    r = route(net, src[keep], dst[keep])
+    for f, (a, b) in enumerate(zip(src[keep], dst[keep])):
+        p = r.path(f)
+        assert net.src[p[0]] == a and net.dst[p[-1]] == b
+        assert (net.dst[p[:-1]] == net.src[p[1:]]).all()
+        kinds = net.kind[p].tolist()
+        ups = sum(k in (UP, UP_TRUNK) for k in kinds)
+        assert ups == sum(k in (DOWN, DOWN_TRUNK) for k in kinds) <= len(levels) - 1

@@ -308,7 +308,7 @@ class Network:
             if ends:  # from the block's first switch to its parent block's first
                 b = np.arange(n, dtype=np.int64)
                 lo = self.sw0 + ft.first[l] + b * ft.W[l]
-                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0) * ft.W[l + 1]
+                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0 * b) * ft.W[l + 1]
             put(self.b_up + 2 * ft.n_cables + 2 * ft.trunk_first[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
                 lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP_TRUNK, DOWN_TRUNK], n),
                 ft.W[l + 1] * lv[l + 1].link_bandwidth,
