@@ -288,3 +288,25 @@ def test_every_route_is_a_walk_from_gpu_to_gpu(tmp_path, levels, rail, ecmp):
         kinds = net.kind[p].tolist()
         ups = sum(k in (UP, UP_TRUNK) for k in kinds)
         assert ups == sum(k in (DOWN, DOWN_TRUNK) for k in kinds) <= len(levels) - 1
+
+
+def test_solo_bound_holds_on_a_fat_tree():
+    """The search's routing-free bound stays below the routed time of every collective on Selene, nodes
+    scattered over leaves and pods (its links are those every path crosses: GPU, NIC and leaf ports)."""
+    from twin.costs.solobound import SoloBound
+    from twin.predict.search import rank_grids
+    from twin.predict.study import prepare
+    from twin.predict.study_cache import model_for, program_for
+    study = prepare("selene", "gpt-1b", 64, batch=64, placement="scattered")
+    for g in [c.grid for c in rank_grids(study)][:4]:
+        cm = model_for(study, g)
+        sb = SoloBound(cm)
+        for op in {(op.kind, op.axis, op.bytes) for op in program_for(study, g).ops if op.is_collective}:
+            assert sb.time(*op) <= cm.time(*op), (g, op)
+
+
+def test_the_80_gb_a100_has_its_profile():
+    from twin.costs.profile import profile_for_gpu
+    assert profile_for_gpu("NVIDIA A100 80GB").name == "a100-80gb"
+    assert profile_for_gpu("NVIDIA A100 40GB").name == "a100"
+    assert profile_for_gpu("a100-80gb").hbm_bandwidth > profile_for_gpu("a100").hbm_bandwidth
