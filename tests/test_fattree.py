@@ -310,3 +310,11 @@ def test_the_80_gb_a100_has_its_profile():
     assert profile_for_gpu("NVIDIA A100 80GB").name == "a100-80gb"
     assert profile_for_gpu("NVIDIA A100 40GB").name == "a100"
     assert profile_for_gpu("a100-80gb").hbm_bandwidth > profile_for_gpu("a100").hbm_bandwidth
+
+
+def test_a_tree_far_larger_than_its_nics_is_refused(tmp_path):
+    """Pods are built whole: two levels of 4,096 ports under a top make pods of 4 M NIC ports, 8 of them
+    for 32 NICs (33 M cables), which the loader refuses before building anything."""
+    big = [dict(name="leaf", radix=4096, over=1), dict(name="spine", radix=4096, over=1), dict(name="core", radix=8)]
+    with pytest.raises(TwinError, match="use fewer levels or a smaller radix"):
+        load_tree(tmp_path, big, nodes=4, gpn=8, nics=8)
