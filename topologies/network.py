@@ -1,4 +1,4 @@
-"""The machine as a graph of directed links: GPUs, NICs and Slingshot switches.
+"""The machine as a graph of directed links: GPUs, NICs and switches (a Slingshot dragonfly or a fat tree).
 
 Vertices are integers: GPUs first (id = node * gpus_per_node + local GPU), then NICs
 (node * nics_per_node + nic), then switches (group * switches_per_group + switch). Links are directed
@@ -10,6 +10,8 @@ follows from a formula (vectorized in numpy; see the `*_link` methods):
     NIC <-> switch
     local         switch -> switch of the same group (all-to-all)
     global        between two groups, `global_links_per_pair` cables for every pair of groups
+    up, down      a fat tree's cables between levels (topologies.fattree; no local or global links
+                  then), and with its "spread" rule one up and one down trunk per block after them
 
 `capacity[link]` is in bytes/s (per direction), `latency[link]` in seconds. The networkx view
 (`Network.graph`) is built on first use from the arrays: the routing and flow code never needs it.
