@@ -49,7 +49,6 @@ import numpy as np
 from topologies.common import InputError
 
 ECMP_RULES = ("destination", "hash", "spread")
-MAX_LEVELS = 4
 MAX_PARTS = 20_000_000  # switches and cables a tree may have (Selene: 1,040 and 12,800)
 
 
