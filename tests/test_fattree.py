@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from topologies.common import TwinError
-from topologies.network import DOWN, DOWN_TRUNK, NIC_SW, UP, UP_TRUNK, Network, build_network
+from topologies.network import DOWN, DOWN_TRUNK, GPU_PORT, NIC_SW, PORT_GPU, UP, UP_TRUNK, Network, build_network
 from topologies.routing import route
 from topologies.system import load_system
 from twin.cli.main import app
@@ -19,7 +19,7 @@ GB = 1e9
 
 
 def tree_toml(levels: list[dict], nodes: int, gpn: int, nics: int, rail: bool = True, ecmp: str = "destination",
-              nic_gbs: float = 25) -> str:
+              nic_gbs: float = 25, nvswitch: float = 0) -> str:
     """A small system on a fat tree: `levels` as [[fattree.levels]] tables (name, radix, oversubscription
     but at the top, link_gbs)."""
     mesh = [[0 if i == j else 100 for j in range(gpn)] for i in range(gpn)]
@@ -38,6 +38,7 @@ gpu_nic = {[i % nics for i in range(gpn)]}
 gpu_nic_bandwidth = 100e9
 link_latency = 1e-6
 links_gbs = {mesh}
+{f"nvswitch_gbs = {nvswitch}" if nvswitch else ""}
 [fattree]
 rail_optimized = {str(rail).lower()}
 ecmp = "{ecmp}"
@@ -318,3 +319,30 @@ def test_a_tree_far_larger_than_its_nics_is_refused(tmp_path):
     big = [dict(name="leaf", radix=4096, over=1), dict(name="spine", radix=4096, over=1), dict(name="core", radix=8)]
     with pytest.raises(TwinError, match="use fewer levels or a smaller radix"):
         load_tree(tmp_path, big, nodes=4, gpn=8, nics=8)
+
+
+def test_a_gpu_shares_its_nvswitch_port_among_its_peers(tmp_path):
+    """With `nvswitch_gbs` a GPU-GPU hop crosses the sender's port out and the receiver's port in (a walk
+    through the node's switch): GPU 0 sending to GPUs 1 and 2 of its node at once gets 60 / 2 GB/s
+    each (the 100 GB/s pair links no longer bind), and GPU 3 -> 1 shares GPU 1's port in with 0 -> 1."""
+    net = build_network(load_tree(tmp_path, THREE, nodes=4, gpn=4, nics=2, nvswitch=60))
+    assert net.summary()["links_by_kind"]["gpu-nvswitch"] == 16 and net.n_vertices == net.nvs0 + 4
+    r = route(net, [0, 0, 3], [1, 2, 1])
+    assert _switch_path(net, r.path(0)) == ["gpu0.0", "nvswitch0", "gpu0.1"]
+    assert [net.kind[r.path(f)].tolist() for f in range(3)] == [[GPU_PORT, PORT_GPU]] * 3
+    assert max_min_rates(r, net.capacity) / GB == pytest.approx([30, 30, 30])
+    # across nodes the hop to the NIC's GPU crosses the ports too: GPU 0 -> GPU 5 (node 1) through the
+    # NIC of GPU 1 (on rail 1): 0 -> switch -> 1, then the NIC path
+    r = route(net, [0], [5], src_nic_gpu=[1], dst_nic_gpu=[5])
+    assert _switch_path(net, r.path(0))[:4] == ["gpu0.0", "nvswitch0", "gpu0.1", "nic0.1"]
+
+
+def test_selene_axes_inside_a_node_share_the_ports():
+    """Selene's tensor-parallel ring alone gets 0.76 x 300 GB/s; two axes inside the node at once (x = 2,
+    y = 4) share every GPU's port: half each."""
+    from twin.costs.collectives import CollectiveModel
+    from twin.program.grid import Grid
+    cm = CollectiveModel(load_system("selene"), Grid(2, 4, 1, 8))
+    for a, b in (("x", "y"), ("y", "x")):
+        assert cm.effective_bandwidth(a) == pytest.approx(228 * GB)
+        assert cm.effective_bandwidth(a, frozenset({b})) == pytest.approx(114 * GB)

@@ -251,7 +251,9 @@ SYSTEM = Table(
         "node": Table(required={"nodes": COUNT, "gpus_per_node": Int(1, 4096), "nics_per_node": Int(0, 4096),
                                 "nic_bandwidth": RATE0, "gpu_nic_bandwidth": RATE0, "link_latency": LATENCY,
                                 "links_gbs": ListOf(ListOf(Number(0, 1e9), max_len=4096), min_len=1, max_len=4096)},
-                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096)}),
+                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096),
+                                # GB/s per direction of each GPU's port into the node's switch (NVSwitch)
+                                "nvswitch_gbs": Number(0, 1e9, lo_open=True)}),
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
                              optional={**COLLECTIVE_TUNING, "name": Text(nonempty=True),

@@ -64,7 +64,7 @@ import math
 import numpy as np
 
 from topologies import caches
-from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
+from topologies.network import GPU_GPU, GPU_PORT, NIC_SW, PORT_GPU, SW_NIC, build_network
 from topologies.placement import place
 from topologies.memo import array_key, digest, remember_key
 from topologies.routing import MODES, Routes, network_key, route
@@ -143,7 +143,8 @@ def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.nda
     if hit is not None and hit[0] is net:
         return hit[1], hit[2]
     cap = net.capacity.copy()  # masks multiply in place (`where`): no gather and scatter of half a million links
-    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap, where=net.kind == GPU_GPU)
+    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap,
+                where=(net.kind == GPU_GPU) | (net.kind == GPU_PORT) | (net.kind == PORT_GPU))  # ports: a node switch
     channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
     if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
         per_nic = min(1.0, channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)

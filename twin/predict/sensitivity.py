@@ -123,6 +123,8 @@ def _system_variants(study: Study, step: float):
                  coll("inter_node_channel_efficiency"))]
         if c.inter_node_step_floor > 0:
             out.append(("collectives.inter_node_step_floor", c.inter_node_step_floor, coll("inter_node_step_floor")))
+    if s.gpus_per_node > 1 and s.node_port_bandwidth > 0:  # a node switch: its ports carry the node's traffic
+        out.append(("node.nvswitch_gbs (port bandwidth)", s.node_port_bandwidth, sys_(node_port_bandwidth=lambda v: v)))
     if s.gpus_per_node > 1:
         out += [("node.links_gbs (all, x)", 1.0, lambda f: dc.replace(study, system=dc.replace(s, node_links=s.node_links * f))),
                 ("collectives.intra_node_efficiency", c.intra_node_efficiency, coll("intra_node_efficiency"))]
