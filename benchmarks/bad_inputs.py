@@ -131,6 +131,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     fat_tree("no core level", core, "")
     fat_tree("ecmp=random", 'ecmp = "spread"', 'ecmp = "random"')
     fat_tree("radix nan", "radix = 40 ", "radix = nan ")
+    fat_tree("nvswitch_gbs=0", "nvswitch_gbs = 300", "nvswitch_gbs = 0")
     profile("compute_units=nan", edit(CPU_PROFILE, None, "compute_units", '{ value = nan, source = "x" }'))
     profile("compute_units=inf", edit(CPU_PROFILE, None, "compute_units", '{ value = inf, source = "x" }'))
     profile("gemm_table no m", CPU_PROFILE + '\n[[gemm_table]]\nn = 64\nk = 64\nlayout = "NN"\n'
