@@ -253,7 +253,7 @@ SYSTEM = Table(
                                 "links_gbs": ListOf(ListOf(Number(0, 1e9), max_len=4096), min_len=1, max_len=4096)},
                       optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096),
                                 # GB/s per direction of each GPU's port into the node's switch (NVSwitch)
-                                "nvswitch_gbs": Number(0, 1e9, lo_open=True)}),
+                                "nvswitch_gbs": Number(1e-3, 1e6)}),
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
                              optional={**COLLECTIVE_TUNING, "name": Text(nonempty=True),
