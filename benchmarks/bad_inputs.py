@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FRONTIER = (ROOT / "topologies/systems/frontier.toml").read_text()
 CPU_PROFILE = (ROOT / "twin/profiles/cpu.toml").read_text()
 TINY = (ROOT / "twin/models/gpt-tiny.toml").read_text()
+SELENE = (ROOT / "topologies/systems/selene.toml").read_text()
 
 
 def edit(text: str, section: str | None, key: str, value: str) -> str:
@@ -113,6 +114,24 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     system("peak_flops=inf", "gpu", "peak_flops", "inf", ("--json",))
     system("links_gbs nan", "node", "links_gbs", "[[0, nan], [nan, 0]]")
     system("nodes=true", "node", "nodes", "true")
+
+    def fat_tree(name, old, new):  # a fat tree with a missing or inconsistent level (issue 42)
+        assert old in SELENE, old
+        path = file(f"tree-{name}.toml", SELENE.replace(old, new, 1))
+        out.append((f"twin fat tree {name}", twin + ["simulate", "--system", path, *small], "error", {}))
+
+    fat_tree("core radix 8", 'name = "core"\nradix = 40', 'name = "core"\nradix = 8')
+    fat_tree("oversubscription 0.5", "oversubscription = 1", "oversubscription = 0.5")
+    fat_tree("oversubscription 2 of 40 ports", "oversubscription = 1", "oversubscription = 2")
+    fat_tree("spine without oversubscription", 'name = "spine"\nradix = 40\noversubscription = 1',
+             'name = "spine"\nradix = 40')
+    fat_tree("core with oversubscription", 'name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1')
+    fat_tree("spine without a rate", "link_bandwidth = 25e9          # bytes/s per direction, leaf-spine", "#")
+    core = SELENE[SELENE.index('[[fattree.levels]]\nname = "core"'):SELENE.index("[collectives]")]
+    fat_tree("no core level", core, "")
+    fat_tree("ecmp=random", 'ecmp = "spread"', 'ecmp = "random"')
+    fat_tree("radix nan", "radix = 40 ", "radix = nan ")
+    fat_tree("nvswitch_gbs=0", "nvswitch_gbs = 300", "nvswitch_gbs = 0")
     profile("compute_units=nan", edit(CPU_PROFILE, None, "compute_units", '{ value = nan, source = "x" }'))
     profile("compute_units=inf", edit(CPU_PROFILE, None, "compute_units", '{ value = inf, source = "x" }'))
     profile("gemm_table no m", CPU_PROFILE + '\n[[gemm_table]]\nn = 64\nk = 64\nlayout = "NN"\n'

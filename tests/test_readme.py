@@ -78,6 +78,10 @@ TWIN = {
         ["sweep", str(ROOT / "tests/fixtures/sweep-small.toml"), "--serial", "--out", "sweep.csv", "--html",
          "sweep-nic.html"],
 }
+TWIN.update({  # docs/topologies.md (all of Selene is built in about 10 ms)
+    "twin topology --system selene --html selene.html": None,
+    "twin topology --system dgx-h100 --grid 8x1x4x8": None,
+})
 TWIN.update({  # docs/pipeline.md
     "twin simulate --system frontier --model gpt-20b --gpus 128 --batch 512 --grid 4x2x2x2x4 --micro-batches 8": None,
     "twin simulate --system frontier --model gpt-320b --gpus 32768 --grid auto":

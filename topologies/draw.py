@@ -106,7 +106,9 @@ def _add_gpus(fig: go.Figure, s: SystemSpec, row: int, col: int) -> None:
 def topology_figure(net: Network, placement: Placement | None = None) -> go.Figure:
     """Left: the dragonfly groups on a circle, the job's groups in red with the global links among
     them (every pair of groups has `L` links; the others are not drawn). Right: one node's GPUs and
-    NICs with every link's bandwidth (GB/s per direction)."""
+    NICs with every link's bandwidth (GB/s per direction). A fat tree is drawn by fat_tree_figure."""
+    if net.fattree is not None:
+        return fat_tree_figure(net, placement)
     s = net.system
     G = net.groups
     used = sorted(set(placement.groups_used().tolist())) if placement is not None else []
@@ -145,6 +147,78 @@ def topology_figure(net: Network, placement: Placement | None = None) -> go.Figu
         fig.update_yaxes(visible=False, row=1, col=c)
     fig.update_layout(title=s.description, height=640, template="plotly_white",
                       legend=dict(orientation="h", y=-0.05))
+    return fig
+
+
+def fat_tree_figure(net: Network, placement: Placement | None = None) -> go.Figure:
+    """Left: a fat tree by levels (leaf at the bottom), its switches aggregated by pod (the blocks under
+    the top level: one marker per pod and level, one for the whole top level), the pods that hold the
+    job in red; hovering a marker says its switches and nodes. Right: one node's fabric."""
+    s, ft = net.system, net.fattree
+    spec = s.fattree
+    h, pods = ft.h, ft.pods
+    rails = f", rail-optimized: {s.nics_per_node} rails x {ft.pods_per_rail} pods" if spec.rail_optimized else ""
+    left = (f"{s.name}: {h}-level fat tree ({', '.join(f'{lv.name} {lv.radix}' for lv in spec.levels)} ports), "
+            f"{pods} pods{rails}")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.03,
+                        subplot_titles=(left, f"one node: {s.gpus_per_node} x {s.gpu.name}, {s.nics_per_node} NICs"))
+    # which pods the job's NICs are in (every NIC of a job's node: a rail-optimized node is in one pod per rail)
+    job = np.zeros(pods, dtype=np.int64)
+    if placement is not None:
+        nics = (placement.nodes[:, None] * s.nics_per_node + np.arange(s.nics_per_node)).ravel()
+        per_node = ft.endpoint(nics).reshape(len(placement.nodes), -1) // ft.pod_size  # (nodes, NICs) pod
+        for q in np.unique(per_node).tolist():
+            job[q] = int((per_node == q).any(axis=1).sum())
+    px = (np.arange(pods) + 0.5) / pods if pods else np.zeros(0)
+
+    def pod_nodes(q: int) -> str:
+        if spec.rail_optimized:
+            k, j = divmod(q, max(ft.pods_per_rail, 1))
+            lo, hi = j * ft.pod_size, min(s.nodes, (j + 1) * ft.pod_size) - 1
+            return f"rail {k} (NIC {k}) of nodes {lo}-{hi}"
+        lo, hi = q * ft.pod_size // s.nics_per_node, min(s.nodes * s.nics_per_node, (q + 1) * ft.pod_size) - 1
+        return f"the NICs of nodes {lo}-{hi // s.nics_per_node}"
+
+    colour = ["crimson" if job[q] else "steelblue" for q in range(pods)]
+    for l, lv in enumerate(spec.levels):
+        if l == h - 1:  # the top level: one marker, linked to every pod's switches below it
+            below = h - 2
+            if below >= 0:
+                xs, ys = _segments(px, np.full(pods, below), np.full(pods, 0.5), np.full(pods, l))
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=l == 1,
+                                         line=dict(width=0.6, color="rgba(120,120,120,0.5)"),
+                                         name="links between levels (every pod reaches every top switch)"), row=1, col=1)
+            fig.add_trace(go.Scatter(x=[0.5], y=[l], mode="markers+text", text=[f"{ft.switches[l]} x {lv.name}"],
+                                     textposition="top center", hoverinfo="text", showlegend=False,
+                                     hovertext=[f"{ft.switches[l]} {lv.name} switches of {lv.radix} ports, "
+                                                f"{lv.link_bandwidth / 1e9:.0f} GB/s links from below"],
+                                     marker=dict(size=22, color="dimgray", symbol="square")), row=1, col=1)
+            continue
+        per_pod = ft.switches[l] // pods
+        if l > 0:
+            xs, ys = _segments(px, np.full(pods, l - 1), px, np.full(pods, l))
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=l == 1,
+                                     line=dict(width=0.6, color="rgba(120,120,120,0.5)"),
+                                     name="links between levels (every pod reaches every top switch)"), row=1, col=1)
+        text = [f"pod {q}, {lv.name}: {per_pod} switches of {lv.radix} ports ({lv.down} down, {lv.up} up); "
+                f"{pod_nodes(q)}" + (f"; the job uses {job[q]} of its nodes" if job[q] else "") for q in range(pods)]
+        label = [f"rail {q // max(ft.pods_per_rail, 1)}" if spec.rail_optimized else f"pod {q}" for q in range(pods)]
+        show = l == 0 and pods <= 32   # under the leaves, each pod's rail (or number) where they fit
+        fig.add_trace(go.Scatter(x=px, y=np.full(pods, l), mode="markers+text" if show else "markers",
+                                 text=label if show else None, hovertext=text, hoverinfo="text",
+                                 textposition="bottom center", textfont=dict(size=9),
+                                 name=(f"pods ({int((job > 0).sum())} hold the job, in red)" if placement is not None
+                                       else "pods") if l == 0 else None, showlegend=l == 0,
+                                 marker=dict(size=max(5, min(16, 600 // max(pods, 1))), color=colour, symbol="square")),
+                      row=1, col=1)
+        fig.add_annotation(x=-0.02, y=l, text=f"{lv.name}<br>{per_pod} per pod", showarrow=False, xanchor="right",
+                           row=1, col=1)
+    _add_node_fabric(fig, s, 1, 2)
+    fig.update_xaxes(visible=False, range=[-0.15, 1.02], row=1, col=1)
+    fig.update_yaxes(visible=False, range=[-0.5, h - 0.4], row=1, col=1)
+    fig.update_xaxes(visible=False, scaleanchor="y2", row=1, col=2)
+    fig.update_yaxes(visible=False, row=1, col=2)
+    fig.update_layout(title=s.description, height=640, template="plotly_white", legend=dict(orientation="h", y=-0.05))
     return fig
 
 

@@ -1,4 +1,4 @@
-"""The machine as a graph of directed links: GPUs, NICs and Slingshot switches.
+"""The machine as a graph of directed links: GPUs, NICs and switches (a Slingshot dragonfly or a fat tree).
 
 Vertices are integers: GPUs first (id = node * gpus_per_node + local GPU), then NICs
 (node * nics_per_node + nic), then switches (group * switches_per_group + switch). Links are directed
@@ -10,6 +10,8 @@ follows from a formula (vectorized in numpy; see the `*_link` methods):
     NIC <-> switch
     local         switch -> switch of the same group (all-to-all)
     global        between two groups, `global_links_per_pair` cables for every pair of groups
+    up, down      a fat tree's cables between levels (topologies.fattree; no local or global links
+                  then), and with its "spread" rule one up and one down trunk per block after them
 
 `capacity[link]` is in bytes/s (per direction), `latency[link]` in seconds. The networkx view
 (`Network.graph`) is built on first use from the arrays: the routing and flow code never needs it.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from topologies import caches
+from topologies.fattree import FatTreeShape
 from topologies.memo import digest, remember_key
 from topologies.system import SystemSpec
 
@@ -51,8 +54,9 @@ def same_block(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return a // k == b // k
 
 
-GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL = range(7)
-LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global")
+GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL, UP, DOWN, UP_TRUNK, DOWN_TRUNK, GPU_PORT, PORT_GPU = range(13)
+LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global", "up", "down",
+              "up-trunk", "down-trunk", "gpu-nvswitch", "nvswitch-gpu")
 
 
 class Network:
@@ -69,11 +73,14 @@ class Network:
         self.nodes = min(groups * s.nodes_per_group, s.nodes)
         self.gpn, self.nics_per_node = s.gpus_per_node, s.nics_per_node
         self.n_gpus = self.nodes * self.gpn
-        self.n_nics = self.nodes * self.nics_per_node if df else 0
+        # a fat tree (topologies.fattree): its leaves, spines, ... are the switches, its up and down
+        # links follow the NIC links; the dragonfly's blocks are empty (S = E = L = 0)
+        self.fattree = FatTreeShape(s.fattree, self.nodes, self.nics_per_node) if s.fattree else None
+        self.n_nics = self.nodes * self.nics_per_node if df or self.fattree else 0
         self.S = df.switches_per_group if df else 0
         self.E = df.endpoints_per_switch if df else 0
         self.L = df.global_links_per_pair if df else 0
-        self.n_switches = groups * self.S
+        self.n_switches = groups * self.S if not self.fattree else self.fattree.n_switches
         self.nic0 = self.n_gpus                  # first NIC vertex
         self.sw0 = self.n_gpus + self.n_nics     # first switch vertex
         self.n_vertices = self.sw0 + self.n_switches
@@ -82,11 +89,20 @@ class Network:
         # block bases
         self.b_gpu = 0
         self.b_gn = self.nodes * g * (g - 1)
-        self.b_ns = self.b_gn + (2 * self.n_gpus if df else 0)
+        self.b_ns = self.b_gn + (2 * self.n_gpus if self.n_nics else 0)
         self.b_loc = self.b_ns + 2 * self.n_nics
         self.b_glob = self.b_loc + groups * self.S * (self.S - 1)
         self.n_pairs = groups * (groups - 1) // 2
-        self.n_links = self.b_glob + 2 * self.n_pairs * self.L
+        self.b_up = self.b_glob + 2 * self.n_pairs * self.L   # a fat tree's up and down links
+        self.n_links = self.b_up + (2 * (self.fattree.n_cables + self.fattree.n_trunks) if self.fattree else 0)
+        # a node switch (NVSwitch, `nvswitch_gbs`): each GPU's port out and in, after everything else; a
+        # GPU-GPU hop then crosses the sender's port and the receiver's (routing puts them in its place)
+        self.ports = s.node_port_bandwidth > 0 and self.gpn > 1
+        self.b_port = self.n_links
+        self.nvs0 = self.n_vertices              # the node switches' vertices, one per node
+        if self.ports:
+            self.n_links += 2 * self.n_gpus
+            self.n_vertices += self.nodes
         self._build_arrays(ends=False)
         # the arrays follow from the system and the group count: read-only, and keyed by those for
         # the process' memos (topologies.memo.array_key), so that nothing hashes megabytes of links
@@ -144,6 +160,8 @@ class Network:
 
     def switch_of_nic(self, nic):
         """Switch index (0-based) a NIC is cabled to."""
+        if self.fattree:
+            return self.fattree.leaf(nic)
         nic = np.asarray(nic)
         node, k = nic // self.nics_per_node, mod(nic, self.nics_per_node)
         npg = self.system.nodes_per_group
@@ -167,6 +185,19 @@ class Network:
         """Switch index in group g that carries g's j-th global link to group h."""
         g, h, j = np.asarray(g), np.asarray(h), np.asarray(j)
         return g * self.S + mod((h - (h > g)) * self.L + j, self.S)
+
+    def through_ports(self, gg):
+        """(port out of the sender, port into the receiver) of GPU-GPU links `gg` (node switches)."""
+        i = np.asarray(gg, dtype=np.int64) - self.b_gpu
+        a, j = i // (self.gpn - 1), i % (self.gpn - 1)
+        lb = j + (j >= mod(a, self.gpn))
+        b = a - mod(a, self.gpn) + lb
+        return self.b_port + 2 * a, self.b_port + 2 * b + 1
+
+    @cached_property
+    def endpoint_of_gpus(self) -> np.ndarray:
+        """(n_gpus,) fat trees: the leaf port (topologies.fattree endpoint) of the NIC each GPU uses."""
+        return self.fattree.endpoint(self.nic_of_gpus)
 
     @cached_property
     def cable_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,6 +258,14 @@ class Network:
         put(self.b_gpu, self.nodes * len(la), lambda: node * g + np.tile(la, self.nodes),
             lambda: node * g + np.tile(lb, self.nodes), GPU_GPU, np.tile(s.node_links[la, lb], self.nodes),
             s.link_latency)
+        if self.fattree is not None:
+            self._build_fat_tree(put, ends)
+        if self.ports:
+            gpu = np.arange(self.n_gpus, dtype=np.int64)
+            nvs = self.nvs0 + gpu // g if ends else None
+            put(self.b_port, 2 * self.n_gpus, lambda: np.stack([gpu, nvs], 1).ravel(),
+                lambda: np.stack([nvs, gpu], 1).ravel(), np.tile([GPU_PORT, PORT_GPU], self.n_gpus),
+                s.node_port_bandwidth, s.link_latency / 2)
         if df is not None:
             gpu = np.arange(self.n_gpus, dtype=np.int64)
             nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
@@ -259,6 +298,46 @@ class Network:
             src.flags.writeable = dst.flags.writeable = False
             self.__dict__["src"], self.__dict__["dst"] = src, dst
 
+    def _build_fat_tree(self, put, ends: bool) -> None:
+        """The GPU-NIC, NIC-leaf, up and down links of a fat tree (topologies.fattree), by `put`."""
+        s, ft = self.system, self.fattree
+        spec, lv = s.fattree, s.fattree.levels
+        gpu = np.arange(self.n_gpus, dtype=np.int64)
+        nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
+        put(self.b_gn, 2 * self.n_gpus, lambda: np.stack([gpu, nic_v], 1).ravel(),
+            lambda: np.stack([nic_v, gpu], 1).ravel(), np.tile([GPU_NIC, NIC_GPU], self.n_gpus),
+            s.gpu_nic_bandwidth, s.link_latency)
+        nic = np.arange(self.n_nics, dtype=np.int64)
+        sw_v = self.sw0 + ft.leaf(nic) if ends else None
+        put(self.b_ns, 2 * self.n_nics, lambda: np.stack([self.nic0 + nic, sw_v], 1).ravel(),
+            lambda: np.stack([sw_v, self.nic0 + nic], 1).ravel(), np.tile([NIC_SW, SW_NIC], self.n_nics),
+            min(s.nic_bandwidth, lv[0].link_bandwidth),
+            np.tile([spec.nic_latency, lv[0].switch_latency + spec.nic_latency], self.n_nics))
+        for l in range(ft.h - 1):
+            n = ft.switches[l] * ft.up[l]
+            if not n:
+                continue
+            if ends:  # cable c of level l: from switch (b, r) up to replica r * up + p of level l+1
+                c = np.arange(n, dtype=np.int64)
+                b, ra = c // ft.W[l + 1], c % ft.W[l + 1]
+                lo = self.sw0 + ft.first[l] + b * ft.W[l] + ra // ft.up[l]
+                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0) * ft.W[l + 1] + ra
+            put(self.b_up + ft.cable_base[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
+                lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP, DOWN], n), lv[l + 1].link_bandwidth,
+                np.tile([lv[l].switch_latency + spec.cable_latency, lv[l + 1].switch_latency + spec.cable_latency], n))
+        for l in range(ft.h - 1):  # "spread": a trunk up and down per block, the rate of the block's cables
+            n = ft.trunk_first[l + 1] - ft.trunk_first[l]
+            if not n:
+                continue
+            if ends:  # from the block's first switch to its parent block's first
+                b = np.arange(n, dtype=np.int64)
+                lo = self.sw0 + ft.first[l] + b * ft.W[l]
+                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0 * b) * ft.W[l + 1]
+            put(self.b_up + 2 * ft.n_cables + 2 * ft.trunk_first[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
+                lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP_TRUNK, DOWN_TRUNK], n),
+                ft.W[l + 1] * lv[l + 1].link_bandwidth,
+                np.tile([lv[l].switch_latency + spec.cable_latency, lv[l + 1].switch_latency + spec.cable_latency], n))
+
     # -- lookup and views -------------------------------------------------------------------------
     @cached_property
     def _keys(self) -> tuple[np.ndarray, np.ndarray]:
@@ -284,7 +363,13 @@ class Network:
         if v < self.sw0:
             n = v - self.nic0
             return f"nic{n // self.nics_per_node}.{n % self.nics_per_node}"
+        if v >= self.nvs0:
+            return f"nvswitch{v - self.nvs0}"
         w = v - self.sw0
+        if self.fattree:  # <level name><index in the level>
+            ft = self.fattree
+            l = int(np.searchsorted(ft.first, w, side="right")) - 1
+            return f"{self.system.fattree.levels[l].name}{w - ft.first[l]}"
         return f"sw{w // self.S}.{w % self.S}"
 
     @cached_property
@@ -301,8 +386,9 @@ class Network:
         G.add_nodes_from(range(self.nic0, self.sw0), kind="nic")
         G.add_nodes_from(range(self.sw0, self.n_vertices), kind="switch")
         cap, lat = self.capacity.tolist(), self.latency.tolist()
-        G.add_edges_from(zip(self.src.tolist(), self.dst.tolist(),
-                             ({"link": i, "capacity": cap[i], "latency": lat[i]} for i in range(self.n_links))))
+        real = np.flatnonzero(self.kind < UP_TRUNK)   # a fat tree's trunks are a routing device, not cables
+        G.add_edges_from(zip(self.src[real].tolist(), self.dst[real].tolist(),
+                             ({"link": i, "capacity": cap[i], "latency": lat[i]} for i in real.tolist())))
         return G
 
     def switch_graph(self) -> nx.Graph:
@@ -313,7 +399,7 @@ class Network:
         G = nx.Graph(system=self.system.name)
         for v in range(self.sw0, self.n_vertices):
             G.add_node(self.vertex_name(v), group=(v - self.sw0) // max(self.S, 1))
-        sel = np.flatnonzero(((self.kind == LOCAL) | (self.kind == GLOBAL)) & (self.src < self.dst))
+        sel = np.flatnonzero(((self.kind == LOCAL) | (self.kind == GLOBAL) | (self.kind == UP)) & (self.src < self.dst))
         for i in sel.tolist():
             G.add_edge(self.vertex_name(int(self.src[i])), self.vertex_name(int(self.dst[i])),
                        kind=LINK_KINDS[self.kind[i]], bandwidth=float(self.capacity[i]))

@@ -13,6 +13,7 @@ Between switches:
   minimal path from where it lands: at most 5 hops. Inside one group, via a random third switch.
 - adaptive: each flow picks the cheapest of its minimal paths and a few Valiant paths, given the
   flows already placed (topologies.adaptive).
+A fat tree routes every mode by its ECMP rule (topologies.fattree): one shortest path per flow.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from topologies import caches
 from topologies.adaptive import HOPS, adaptive
 from topologies.memo import Memo, array_key, digest
-from topologies.network import Network, same_block
+from topologies.network import GPU_GPU, Network, same_block
 from topologies.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
@@ -179,7 +180,8 @@ def network_key(net: Network) -> bytes:
     key = _NET_KEYS.get(net)
     if key is None:
         key = _NET_KEYS[net] = digest(net.groups, net.nodes, net.gpn, net.nics_per_node, net.S, net.E, net.L,
-                                      net.system.nodes_per_group, net.gpu_nic, array_key(net.capacity))
+                                      net.system.nodes_per_group, net.gpu_nic, array_key(net.capacity),
+                                      net.system.fattree)
     return key
 
 
@@ -211,9 +213,27 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
     if hit is not None:
         return hit
     out = _route(net, src, dst, sv, dv, mode, seed, demand)
+    if net.ports:
+        out = _through_ports(net, out)
     out.key = key
     ROUTES.put(key, out)
     return out
+
+
+def _through_ports(net: Network, r: Routes) -> Routes:
+    """`r` with each GPU-GPU link replaced by the sender's port into the node switch and the
+    receiver's port out of it (a node switch: Network.ports)."""
+    links = r.links
+    gg = net.kind[links] == GPU_GPU
+    if not gg.any():
+        return r
+    before = np.concatenate([[0], np.cumsum(gg)])   # GPU-GPU links before each position
+    at = np.arange(len(links)) + before[:-1]        # where each old link starts in the new array
+    out = np.empty(len(links) + int(before[-1]), dtype=np.int64)
+    out[at] = links
+    port_out, port_in = net.through_ports(links[gg])
+    out[at[gg]], out[at[gg] + 1] = port_out, port_in
+    return Routes(r.ptr + before[r.ptr], out)
 
 
 def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Routes:
@@ -237,7 +257,8 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     first = has_intra or bool(off_a.any())    # a column for the first GPU-GPU link
     last = bool(off_b.any())                  # one for the last
     sa, sb = net.switch_of_gpu[a], net.switch_of_gpu[b]
-    hops = 0 if not (sa != sb).any() else 3 if mode == "minimal" else HOPS
+    ft = net.fattree
+    hops = 0 if not (sa != sb).any() else 2 * (ft.h - 1) if ft else 3 if mode == "minimal" else HOPS
     c = int(first)                            # column of GPU -> NIC
     # link indices in 32 bits where they fit (half the bytes to write and compact), int64 in the result
     m = np.full((n, c + 4 + hops + int(last)), -1, dtype=np.int32 if net.n_links < 2**31 else np.int64)
@@ -251,7 +272,11 @@ def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Rout
     m[rows, c + 1] = net.nic_to_switch_link(nic_a)
     if hops:
         sw = slice(c + 2, c + 2 + hops)
-        if mode == "minimal":
+        if ft:  # every mode by the fat tree's ECMP rule (topologies.fattree)
+            e = net.endpoint_of_gpus
+            p = ft.paths(e[a], e[b])
+            m[rows, sw] = np.where(p >= 0, p + net.b_up, -1)
+        elif mode == "minimal":
             m[rows, sw] = minimal(net, sa, sb)
         elif mode == "nonminimal":
             m[rows, sw] = valiant(net, sa, sb, seed)

@@ -251,7 +251,9 @@ SYSTEM = Table(
         "node": Table(required={"nodes": COUNT, "gpus_per_node": Int(1, 4096), "nics_per_node": Int(0, 4096),
                                 "nic_bandwidth": RATE0, "gpu_nic_bandwidth": RATE0, "link_latency": LATENCY,
                                 "links_gbs": ListOf(ListOf(Number(0, 1e9), max_len=4096), min_len=1, max_len=4096)},
-                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096)}),
+                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096),
+                                # GB/s per direction of each GPU's port into the node's switch (NVSwitch)
+                                "nvswitch_gbs": Number(1e-3, 1e6)}),
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
                              optional={**COLLECTIVE_TUNING, "name": Text(nonempty=True),
@@ -267,6 +269,14 @@ SYSTEM = Table(
                                    "global_links_per_pair": Int(0, 4096), "link_bandwidth": RATE,
                                    "switch_latency": LATENCY, "nic_latency": LATENCY,
                                    "local_cable_latency": LATENCY, "global_cable_latency": LATENCY}),
+        # a fat tree instead of the dragonfly (topologies.fattree): levels leaf first, each with its radix,
+        # down : up ports (all but the top) and the rate of the links that come up into it
+        "fattree": Table(required={"levels": ListOf(Table(required={"name": Text(nonempty=True), "radix": Int(2, 4096),
+                                                                    "link_bandwidth": RATE, "switch_latency": LATENCY},
+                                                          optional={"oversubscription": Number(1, 64)}),
+                                                    min_len=1, max_len=4),
+                                   "nic_latency": LATENCY, "cable_latency": LATENCY},
+                         optional={"rail_optimized": Flag(), "ecmp": Text(("destination", "hash", "spread"))}),
         # node failures (twin sweep's goodput): a node's mean time between failures that stop a job, hours
         "failures": Table(required={"node_mtbf_h": Number(1e-3, 1e9), "source": Text(nonempty=True)}),
     })

@@ -14,6 +14,7 @@ import numpy as np
 
 from topologies.datafile import read_spec, shipped
 from topologies.common import InputError
+from topologies.fattree import FatTreeSpec, parse_fat_tree
 from topologies.schema import SYSTEM, check
 
 SYSTEMS_DIR = Path(__file__).parent / "systems"
@@ -89,6 +90,9 @@ class SystemSpec:
     collective_sets: tuple[CollectiveSpec, ...] = field(default=())  # every named set of the file, the default first
     node_mtbf_h: float = 0.0    # a node's mean time between job-stopping failures, hours (0: not given)
     path: str = ""
+    fattree: FatTreeSpec | None = None  # the network when it is a fat tree (then `dragonfly` is None)
+    node_port_bandwidth: float = 0.0  # bytes/s per direction of a GPU's port into a node switch (NVSwitch); 0: none
+    profile: str = ""           # the kernel profile the file names (twin/profiles), "" to pick one by GPU name
 
     @property
     def total_gpus(self) -> int:
@@ -200,11 +204,19 @@ def _parse(data: dict, path: Path) -> SystemSpec:
     gpu_nic = n.get("gpu_nic", [])
     if nics and (len(gpu_nic) != gpn or any(not isinstance(x, int) or not 0 <= x < nics for x in gpu_nic)):
         raise InputError(f"system file {w}: gpu_nic must list, for each of the {gpn} GPUs, a NIC in 0..{nics - 1}")
-    dragonfly = None
+    dragonfly = fattree = None
+    if "network" in data and "fattree" in data:
+        raise InputError(f"system file {path}: a network is a dragonfly ([network]) or a fat tree ([fattree]), "
+                         "not both: remove one table")
     if "network" in data:
         dragonfly = _dragonfly(data["network"], f"{path} [network]", nodes, nics)
+    elif "fattree" in data:
+        if nodes > 1 and nics < 1:
+            raise InputError(f"system file {path} [node]: a fat tree needs NICs (nics_per_node >= 1)")
+        fattree = parse_fat_tree(data["fattree"], f"{path} [fattree]", nodes, nics)
     elif nodes > 1:
-        raise InputError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly)")
+        raise InputError(f"system file {path}: {nodes} nodes need a [network] table (the dragonfly) "
+                         "or a [fattree] table")
     w = f"{path} [collectives]"
     sets = _collectives(c, w)
     coll = sets[0]
@@ -220,7 +232,8 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         link_latency=_get(n, "link_latency", f"{path} [node]"), node_links=mat, gpu_nic=tuple(gpu_nic),
         dragonfly=dragonfly, collectives=coll, collective_sets=sets, default_model=_get(d, "model", w, str),
         default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path),
-        node_mtbf_h=float(data.get("failures", {}).get("node_mtbf_h", 0.0)))
+        node_mtbf_h=float(data.get("failures", {}).get("node_mtbf_h", 0.0)), fattree=fattree,
+        profile=str(data.get("profile", "")), node_port_bandwidth=float(n.get("nvswitch_gbs", 0.0)) * 1e9)
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:

@@ -114,7 +114,8 @@ def systems_cmd() -> None:
         df = s.dragonfly
         t.add_row(name, s.gpu.name, f"{s.gpu.peak_flops / 1e12:.4g}", f"{s.gpu.hbm_bytes / 2**30:.3g}",
                   f"{s.nodes} x {s.gpus_per_node}", f"{s.nics_per_node} x {s.nic_bandwidth / 1e9:.0f}",
-                  f"{df.groups} x {df.global_links_per_pair}" if df else "-",
+                  f"{df.groups} x {df.global_links_per_pair}" if df else
+                  f"fat tree ({len(s.fattree.levels)} levels)" if s.fattree else "-",
                   f"{s.default_model} on {s.default_gpus}")
     console.print(t)
 
@@ -144,7 +145,8 @@ def topology_cmd(
     dt = time.perf_counter() - t0
     info = net.summary()
     console.print(f"{s.name}: {s.description}")
-    console.print(f"network built in {dt:.3f} s: {info['groups']} groups, {info['nodes']} nodes, {info['gpus']} GPUs, "
+    shape = f"a {len(s.fattree.levels)}-level fat tree" if s.fattree else f"{info['groups']} groups"
+    console.print(f"network built in {dt:.3f} s: {shape}, {info['nodes']} nodes, {info['gpus']} GPUs, "
                   f"{info['nics']} NICs, {info['switches']} switches, {info['links']} directed links")
     links = table("link kind", "links", "GB/s per direction", keep=("link kind", "links"), right=("links",))
     for kind, n in info["links_by_kind"].items():
@@ -152,8 +154,16 @@ def topology_cmd(
             cap = net.capacity[net.kind == list(info["links_by_kind"]).index(kind)]
             links.add_row(kind, str(n), f"{cap.min() / 1e9:.0f}" + ("" if cap.min() == cap.max() else f"-{cap.max() / 1e9:.0f}"))
     console.print(links)
-    console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes in "
-                  f"{len(job.groups_used())} of {s.groups} groups")
+    if net.fattree is not None:  # where a fat tree's job sits: its leaves and pods
+        import numpy as np
+        ft = net.fattree
+        e = ft.endpoint((job.nodes[:, None] * s.nics_per_node + np.arange(s.nics_per_node)).ravel())
+        console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes on "
+                      f"{len(np.unique(e // ft.down[0]))} of {ft.switches[0]} {s.fattree.levels[0].name} switches, "
+                      f"{len(np.unique(e // ft.pod_size))} of {ft.pods} pods")
+    else:
+        console.print(f"job of {job.ranks} GPUs ({placement}): {len(job.nodes)} nodes in "
+                      f"{len(job.groups_used())} of {s.groups} groups")
     if g is not None:
         from twin.costs.collectives import CollectiveModel
         cm = CollectiveModel(s, g, placement=placement, seed=seed)

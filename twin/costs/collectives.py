@@ -41,7 +41,8 @@ How the library lays a ring on the machine (NCCL/RCCL behaviour, as the measured
   Perlmutter GPUs, where rings cross 8 groups: 8.3 GB/s per channel with 1 path, 12.5 with 2, 16.7
   with 4, against a 20 GB/s channel cap; 4 costs about 2x the time of 2). Adaptive and non-minimal
   routing may use every group of the machine, so the whole machine's network is built (the rest
-  of the machine is taken to be idle).
+  of the machine is taken to be idle). On a fat tree every flow takes the one path its ECMP rule
+  gives (topologies.fattree), whatever the routing mode: one sub-flow each.
 - `algorithm="hierarchical"` instead runs a ring inside each node, then m rings across nodes (one per
   local position, each over its own NIC, 1/m of the data). The phases are pipelined chunk by chunk,
   as NCCL's tree and RCCL's hierarchical algorithms stream their intra- and inter-node stages: the
@@ -63,7 +64,7 @@ import math
 import numpy as np
 
 from topologies import caches
-from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
+from topologies.network import GPU_GPU, GPU_PORT, NIC_SW, PORT_GPU, SW_NIC, build_network
 from topologies.placement import place
 from topologies.memo import array_key, digest, remember_key
 from topologies.routing import MODES, Routes, network_key, route
@@ -143,7 +144,8 @@ def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.nda
     if hit is not None and hit[0] is net:
         return hit[1], hit[2]
     cap = net.capacity.copy()  # masks multiply in place (`where`): no gather and scatter of half a million links
-    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap, where=net.kind == GPU_GPU)
+    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap,
+                where=(net.kind == GPU_GPU) | (net.kind == GPU_PORT) | (net.kind == PORT_GPU))  # ports: a node switch
     channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
     if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
         per_nic = min(1.0, channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
@@ -193,7 +195,8 @@ class CollectiveModel:
         self.seed = seed
         self.measured = measured
         self.contention = contention
-        self.spread = 1 if routing == "minimal" else spread
+        # a fat tree routes a flow on one ECMP path whatever the mode (topologies.fattree): no sub-flows
+        self.spread = 1 if routing == "minimal" or system.fattree else spread
         self._flows: dict[tuple, tuple] = {}
         self._flat: dict[str, bool] = {}  # per axis: is a hierarchical ring the flat ring?
         self._rates: dict[tuple, dict[str, list[float]]] = {}

@@ -110,6 +110,21 @@ def _system_variants(study: Study, step: float):
             return dc.replace(study, system=dc.replace(
                 s, link_latency=lat[0] * f, dragonfly=dc.replace(df, switch_latency=lat[1] * f, nic_latency=lat[2] * f)))
         out.append(("link, switch and NIC latencies (x)", 1.0, latencies))
+    elif s.fattree is not None and s.nodes > 1:  # a fat tree: the NICs, the rate of every switch level
+        ft = s.fattree
+
+        def rates(f):
+            levels = tuple(dc.replace(lv, link_bandwidth=lv.link_bandwidth * f) for lv in ft.levels)
+            return dc.replace(study, system=dc.replace(s, fattree=dc.replace(ft, levels=levels)))
+        out += [("node.nic_bandwidth", s.nic_bandwidth, sys_(nic_bandwidth=lambda v: v)),
+                ("node.gpu_nic_bandwidth", s.gpu_nic_bandwidth, sys_(gpu_nic_bandwidth=lambda v: v)),
+                ("fattree.levels rates (all, x)", 1.0, rates),
+                ("collectives.inter_node_channel_efficiency", c.inter_node_channel_efficiency,
+                 coll("inter_node_channel_efficiency"))]
+        if c.inter_node_step_floor > 0:
+            out.append(("collectives.inter_node_step_floor", c.inter_node_step_floor, coll("inter_node_step_floor")))
+    if s.gpus_per_node > 1 and s.node_port_bandwidth > 0:  # a node switch: its ports carry the node's traffic
+        out.append(("node.nvswitch_gbs (port bandwidth)", s.node_port_bandwidth, sys_(node_port_bandwidth=lambda v: v)))
     if s.gpus_per_node > 1:
         out += [("node.links_gbs (all, x)", 1.0, lambda f: dc.replace(study, system=dc.replace(s, node_links=s.node_links * f))),
                 ("collectives.intra_node_efficiency", c.intra_node_efficiency, coll("intra_node_efficiency"))]
@@ -160,8 +175,15 @@ def _alternatives(study: Study, g: Grid) -> list[tuple]:
                     lambda c=c: (dc.replace(study, system=dc.replace(s, collectives=c)), None)))
     if s.nodes == 1:
         return out
-    for mode in ("minimal", "nonminimal"):
-        out.append(("routing", "adaptive", mode, lambda mode=mode: (study, CollectiveModel(s, g, placement=pl, routing=mode))))
+    if s.fattree is not None:  # a fat tree's routing is its ECMP rule (topologies.fattree)
+        for rule in ("spread", "destination", "hash"):
+            if rule != s.fattree.ecmp:
+                other_tree = dc.replace(s, fattree=dc.replace(s.fattree, ecmp=rule))
+                out.append(("fat-tree ECMP", s.fattree.ecmp, rule,
+                            lambda t=other_tree: (dc.replace(study, system=t), None)))
+    else:
+        for mode in ("minimal", "nonminimal"):
+            out.append(("routing", "adaptive", mode, lambda mode=mode: (study, CollectiveModel(s, g, placement=pl, routing=mode))))
     other = "scattered" if pl == "contiguous" else "contiguous"
     out.append(("placement", pl, other, lambda: (study, CollectiveModel(s, g, placement=other))))
     out.append(("inter-node cap", "per ring channel", "per NIC (shared)",
