@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FRONTIER = (ROOT / "topologies/systems/frontier.toml").read_text()
 CPU_PROFILE = (ROOT / "twin/profiles/cpu.toml").read_text()
 TINY = (ROOT / "twin/models/gpt-tiny.toml").read_text()
+SELENE = (ROOT / "topologies/systems/selene.toml").read_text()
 
 
 def edit(text: str, section: str | None, key: str, value: str) -> str:
@@ -113,6 +114,24 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     system("peak_flops=inf", "gpu", "peak_flops", "inf", ("--json",))
     system("links_gbs nan", "node", "links_gbs", "[[0, nan], [nan, 0]]")
     system("nodes=true", "node", "nodes", "true")
+
+    def fat_tree(name, old, new):  # a fat tree with a missing or inconsistent level (issue 42)
+        assert old in SELENE, old
+        path = file(f"tree-{name}.toml", SELENE.replace(old, new, 1))
+        out.append((f"twin fat tree {name}", twin + ["simulate", "--system", path, *small], "error", {}))
+
+    fat_tree("core radix 8", 'name = "core"\nradix = 40', 'name = "core"\nradix = 8')
+    fat_tree("oversubscription 0.5", "oversubscription = 1", "oversubscription = 0.5")
+    fat_tree("oversubscription 2 of 40 ports", "oversubscription = 1", "oversubscription = 2")
+    fat_tree("spine without oversubscription", 'name = "spine"\nradix = 40\noversubscription = 1',
+             'name = "spine"\nradix = 40')
+    fat_tree("core with oversubscription", 'name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1')
+    fat_tree("spine without a rate", "link_bandwidth = 25e9          # bytes/s per direction, leaf-spine", "#")
+    core = SELENE[SELENE.index('[[fattree.levels]]\nname = "core"'):SELENE.index("[collectives]")]
+    fat_tree("no core level", core, "")
+    fat_tree("ecmp=random", 'ecmp = "spread"', 'ecmp = "random"')
+    fat_tree("radix nan", "radix = 40 ", "radix = nan ")
+    fat_tree("nvswitch_gbs=0", "nvswitch_gbs = 300", "nvswitch_gbs = 0")
     profile("compute_units=nan", edit(CPU_PROFILE, None, "compute_units", '{ value = nan, source = "x" }'))
     profile("compute_units=inf", edit(CPU_PROFILE, None, "compute_units", '{ value = inf, source = "x" }'))
     profile("gemm_table no m", CPU_PROFILE + '\n[[gemm_table]]\nn = 64\nk = 64\nlayout = "NN"\n'
@@ -127,6 +146,26 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     model("layers=true", "layers", "true")
     model("tied_embeddings='no'", "tied_embeddings", '"no"')
     model("hidden=1.5", "hidden", "1.5")
+    # mixture of experts (docs/moe.md)
+    moe = ["--model", "mixtral-tiny", "--gpus", "8"]
+    out.append(("twin moe: E_p does not divide the experts", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                                    "--grid", "1x1x1x8e8"], "error", {}))
+    out.append(("twin moe: E_p does not divide G_data", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                              "--grid", "1x1x1x8e3"], "error", {}))
+    out.append(("twin moe: e0", twin + ["program", "--model", "mixtral-tiny", "--grid", "1x1x1x8e0"], "error", {}))
+    out.append(("twin moe: --moe-imbalance 9", twin + ["simulate", "--system", "perlmutter", *moe, "--grid",
+                                                      "1x1x1x8e2", "--moe-imbalance", "9"], "error", {}))
+    out.append(("twin moe: --moe-imbalance nan", twin + ["simulate", "--system", "perlmutter", *moe, "--grid",
+                                                        "1x1x1x8e2", "--moe-imbalance", "nan"], "error", {}))
+    out.append(("twin moe: --moe-imbalance on a dense model", twin + ["simulate", "--system", "perlmutter", *small,
+                                                                     "--moe-imbalance", "2"], "error", {}))
+    for name, extra in (("top_k > experts", "experts = 4\ntop_k = 5\n"), ("capacity_factor=0", "experts = 4\ntop_k = 2\ncapacity_factor = 0\n"),
+                        ("capacity_factor=-1", "experts = 4\ntop_k = 2\ncapacity_factor = -1\n"),
+                        ("top_k without experts", "top_k = 2\n")):
+        path = file(f"moe-{name}.toml", TINY + "\n" + extra)
+        out.append((f"twin moe model {name}", twin + ["program", "--model", path, "--grid", "1x1x1x1"], "error", {}))
+    out.append(("twin good: simulate mixtral-tiny 1x1x1x8e4", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                                     "--grid", "1x1x1x8e4", "--json"], "ok", {}))
     # usage errors
     out.append(("twin usage: unknown option", twin + ["simulate", "--system", "cpu", "--bogus"], "error", {}))
     out.append(("twin usage: --gpus abc", twin + ["simulate", "--system", "cpu", "--gpus", "abc"], "error", {}))

@@ -7,10 +7,14 @@ Each figure is a whole `twin` process (imports included), as a user runs it:
 2. `twin search --system frontier --model gpt-320b --gpus 32768 --top 10` (every grid ranked, top 10
    simulated and any other that could beat them);
 3. full mode: gpt-5b on 4,096 GCDs (grid 2x2x2x512), simulated ops per second of the whole process;
+6. mixture of experts: mixtral-8x7b on 1,024 Frontier GCDs, grid auto (E_p among the searched axes);
 4. CPU: gpt-small on 8 ranks of the 2-core CPU system with a grid (1x1x4x2) and with grid auto, both
    with this checkout's twin/profiles/cpu.toml (so that both checkouts read the same figures):
    a grid's stretch is a fixed point of simulations, each the mean of twin.host.spread's drawn runs;
-5. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
+5. Selene (issue 42): a 1T GPT (benchmarks/gpt-1t.toml, the shape of Narayanan et al.'s largest run) on
+   3,072 A100s of the rail-optimized fat tree, grid 8x1x1x64x6 (t=8, p=64, d=6), 64 micro-batches
+   (the published 512 exceed the ops a program may have);
+6. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
 Every command runs in this checkout and, with --baseline, in another one (e.g. a worktree of an older
 commit: `git worktree add /tmp/base COMMIT`), alternately, `--repeat` times; the table gives the
 median wall and CPU seconds of each, their ratio, and each process's peak resident memory. The
@@ -48,6 +52,7 @@ RUNNER = ("import os, resource, runpy, sys\n"
           "sys.exit(code)\n")
 
 CPU_PROFILE = str(HERE / "twin" / "profiles" / "cpu.toml")
+GPT_1T = str(HERE / "benchmarks" / "gpt-1t.toml")
 CPU = ["simulate", "--system", "cpu", "--model", "gpt-small", "--gpus", "8", "--batch", "16", "--profile", CPU_PROFILE]
 CASES = [
     ("simulate frontier (grid auto)", ["simulate", "--system", "frontier", "--json"], "< 2 s (goal 1 s)"),
@@ -58,8 +63,13 @@ CASES = [
     ("full: gpt-5b on 4,096 GCDs 2x2x2x512", ["simulate", "--system", "frontier", "--model", "gpt-5b", "--gpus",
                                               "4096", "--grid", "2x2x2x512", "--full", "--json"],
      ">= 1 M ops/s"),
+    ("selene: gpt-1t on 3,072 GPUs 8x1x1x64x6", ["simulate", "--system", "selene", "--model", GPT_1T, "--gpus",
+                                                "3072", "--grid", "8x1x1x64x6", "--micro-batches", "64", "--json"],
+     "< 2 s"),
     ("cpu: gpt-small on 8 ranks --grid 1x1x4x2", CPU + ["--grid", "1x1x4x2", "--json"], "< 1 s"),
     ("cpu: gpt-small on 8 ranks (grid auto)", CPU + ["--json"], "< 4 s"),
+    ("moe: mixtral-8x7b on 1,024 GCDs (grid auto, E_p searched)", ["simulate", "--system", "frontier", "--model",
+                                                                   "mixtral-8x7b", "--gpus", "1024", "--json"], "< 2 s"),
 ]
 MACHINE = ("full: gpt-320b on 32,768 GCDs 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8",
                                                       "--full", "--json"], "< 300 s, < 12 GB")

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from topologies.common import TwinError
-from topologies.network import DOWN, DOWN_TRUNK, NIC_SW, UP, UP_TRUNK, Network, build_network
+from topologies.network import DOWN, DOWN_TRUNK, GPU_PORT, NIC_SW, PORT_GPU, UP, UP_TRUNK, Network, build_network
 from topologies.routing import route
 from topologies.system import load_system
 from twin.cli.main import app
@@ -19,7 +19,7 @@ GB = 1e9
 
 
 def tree_toml(levels: list[dict], nodes: int, gpn: int, nics: int, rail: bool = True, ecmp: str = "destination",
-              nic_gbs: float = 25) -> str:
+              nic_gbs: float = 25, nvswitch: float = 0) -> str:
     """A small system on a fat tree: `levels` as [[fattree.levels]] tables (name, radix, oversubscription
     but at the top, link_gbs)."""
     mesh = [[0 if i == j else 100 for j in range(gpn)] for i in range(gpn)]
@@ -38,6 +38,7 @@ gpu_nic = {[i % nics for i in range(gpn)]}
 gpu_nic_bandwidth = 100e9
 link_latency = 1e-6
 links_gbs = {mesh}
+{f"nvswitch_gbs = {nvswitch}" if nvswitch else ""}
 [fattree]
 rail_optimized = {str(rail).lower()}
 ecmp = "{ecmp}"
@@ -194,7 +195,7 @@ def test_hash_collides_where_destination_does_not():
     ("oversubscription = 1           # non-blocking (selene.md)", "oversubscription = 0.5", "fattree.levels[0].oversubscription must be"),
     ('link_bandwidth = 25e9          # bytes/s per direction, leaf-spine', '# no rate', "fattree.levels[1].link_bandwidth is missing"),
     ('name = "spine"\nradix = 40\noversubscription = 1', 'name = "spine"\nradix = 40', "level 'spine': oversubscription is missing"),
-    ('name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1', "the top level has no up-links"),
+    ('name = "core"\nradix = 40', 'name = "core"\nradix = 40\noversubscription = 1', "has no up-links, so no oversubscription"),
     ("oversubscription = 1           # non-blocking (selene.md)", "oversubscription = 2", "do not split into whole down and up ports"),
     ('ecmp = "spread"', 'ecmp = "random"', "fattree.ecmp must be one of destination, hash, spread"),
     ('[fattree]', '[network]\ngroups = 1\n[fattree]', "not both"),
@@ -248,3 +249,100 @@ def test_selene_simulates():
     import json
     out = json.loads(r.stdout)
     assert out["iteration_time_s"] > 0 and out["system"] == "selene"
+
+
+def test_selene_draws_by_pods():
+    """The drawing aggregates Selene's 1,040 switches into 16 pods per level below the top and one top
+    marker; a job of 3,072 GPUs (nodes 0-383) is in the first pod of every rail."""
+    from topologies.draw import topology_figure
+    from topologies.placement import place
+    s = load_system("selene")
+    fig = topology_figure(build_network(s), place(s, 3072, "contiguous", 0))
+    rows = [t for t in fig.data if t.hovertext is not None and len(t.hovertext) == 16]
+    assert len(rows) == 2                                  # leaf and spine, one marker per pod
+    leaf = rows[0]
+    assert "rail 0 (NIC 0) of nodes 0-399; the job uses 384 of its nodes" in leaf.hovertext[0]
+    assert "rail 0 (NIC 0) of nodes 400-559" in leaf.hovertext[1] and "job" not in leaf.hovertext[1]
+    assert [c == "crimson" for c in leaf.marker.color] == [q % 2 == 0 for q in range(16)]
+    assert any(t.text == ("400 x core",) for t in fig.data)
+
+
+@pytest.mark.parametrize("levels,rail,ecmp", [
+    ([dict(name="switch", radix=16)], False, "destination"),                                   # one switch
+    ([dict(name="leaf", radix=6, over=2), dict(name="spine", radix=8)], True, "hash"),          # 4 down, 2 up
+    ([dict(name="l0", radix=4, over=1), dict(name="l1", radix=4, over=1), dict(name="l2", radix=6, over=2),
+      dict(name="l3", radix=8)], False, "destination"),                                         # four levels
+    (THREE, True, "spread"),
+])
+def test_every_route_is_a_walk_from_gpu_to_gpu(tmp_path, levels, rail, ecmp):
+    """Whatever the levels, rails and rule: every flow's links join end to end, from its GPU to the
+    other, climbing no higher than the lowest common level (up links, then as many down links)."""
+    net = build_network(load_tree(tmp_path, levels, nodes=8, gpn=2, nics=2, rail=rail, ecmp=ecmp))
+    n = net.n_gpus
+    src, dst = np.divmod(np.arange(n * n), n)
+    keep = src != dst
+    r = route(net, src[keep], dst[keep])
+    for f, (a, b) in enumerate(zip(src[keep], dst[keep])):
+        p = r.path(f)
+        assert net.src[p[0]] == a and net.dst[p[-1]] == b
+        assert (net.dst[p[:-1]] == net.src[p[1:]]).all()
+        kinds = net.kind[p].tolist()
+        ups = sum(k in (UP, UP_TRUNK) for k in kinds)
+        assert ups == sum(k in (DOWN, DOWN_TRUNK) for k in kinds) <= len(levels) - 1
+
+
+def test_solo_bound_holds_on_a_fat_tree():
+    """The search's routing-free bound stays below the routed time of every collective on Selene, nodes
+    scattered over leaves and pods (its links are those every path crosses: GPU, NIC and leaf ports)."""
+    from twin.costs.solobound import SoloBound
+    from twin.predict.search import rank_grids
+    from twin.predict.study import prepare
+    from twin.predict.study_cache import model_for, program_for
+    study = prepare("selene", "gpt-1b", 64, batch=64, placement="scattered")
+    for g in [c.grid for c in rank_grids(study)][:4]:
+        cm = model_for(study, g)
+        sb = SoloBound(cm)
+        for op in {(op.kind, op.axis, op.bytes) for op in program_for(study, g).ops if op.is_collective}:
+            assert sb.time(*op) <= cm.time(*op), (g, op)
+
+
+def test_the_80_gb_a100_has_its_profile():
+    from twin.costs.profile import profile_for_gpu
+    assert profile_for_gpu("NVIDIA A100 80GB").name == "a100-80gb"
+    assert profile_for_gpu("NVIDIA A100 40GB").name == "a100"
+    assert profile_for_gpu("a100-80gb").hbm_bandwidth > profile_for_gpu("a100").hbm_bandwidth
+
+
+def test_a_tree_far_larger_than_its_nics_is_refused(tmp_path):
+    """Pods are built whole: two levels of 4,096 ports under a top make pods of 4 M NIC ports, 8 of them
+    for 32 NICs (33 M cables), which the loader refuses before building anything."""
+    big = [dict(name="leaf", radix=4096, over=1), dict(name="spine", radix=4096, over=1), dict(name="core", radix=8)]
+    with pytest.raises(TwinError, match="use fewer levels or a smaller radix"):
+        load_tree(tmp_path, big, nodes=4, gpn=8, nics=8)
+
+
+def test_a_gpu_shares_its_nvswitch_port_among_its_peers(tmp_path):
+    """With `nvswitch_gbs` a GPU-GPU hop crosses the sender's port out and the receiver's port in (a walk
+    through the node's switch): GPU 0 sending to GPUs 1 and 2 of its node at once gets 60 / 2 GB/s
+    each (the 100 GB/s pair links no longer bind), and GPU 3 -> 1 shares GPU 1's port in with 0 -> 1."""
+    net = build_network(load_tree(tmp_path, THREE, nodes=4, gpn=4, nics=2, nvswitch=60))
+    assert net.summary()["links_by_kind"]["gpu-nvswitch"] == 16 and net.n_vertices == net.nvs0 + 4
+    r = route(net, [0, 0, 3], [1, 2, 1])
+    assert _switch_path(net, r.path(0)) == ["gpu0.0", "nvswitch0", "gpu0.1"]
+    assert [net.kind[r.path(f)].tolist() for f in range(3)] == [[GPU_PORT, PORT_GPU]] * 3
+    assert max_min_rates(r, net.capacity) / GB == pytest.approx([30, 30, 30])
+    # across nodes the hop to the NIC's GPU crosses the ports too: GPU 0 -> GPU 5 (node 1) through the
+    # NIC of GPU 1 (on rail 1): 0 -> switch -> 1, then the NIC path
+    r = route(net, [0], [5], src_nic_gpu=[1], dst_nic_gpu=[5])
+    assert _switch_path(net, r.path(0))[:4] == ["gpu0.0", "nvswitch0", "gpu0.1", "nic0.1"]
+
+
+def test_selene_axes_inside_a_node_share_the_ports():
+    """Selene's tensor-parallel ring alone gets 0.76 x 300 GB/s; two axes inside the node at once (x = 2,
+    y = 4) share every GPU's port: half each."""
+    from twin.costs.collectives import CollectiveModel
+    from twin.program.grid import Grid
+    cm = CollectiveModel(load_system("selene"), Grid(2, 4, 1, 8))
+    for a, b in (("x", "y"), ("y", "x")):
+        assert cm.effective_bandwidth(a) == pytest.approx(228 * GB)
+        assert cm.effective_bandwidth(a, frozenset({b})) == pytest.approx(114 * GB)

@@ -202,7 +202,11 @@ def fat_tree_figure(net: Network, placement: Placement | None = None) -> go.Figu
                                      name="links between levels (every pod reaches every top switch)"), row=1, col=1)
         text = [f"pod {q}, {lv.name}: {per_pod} switches of {lv.radix} ports ({lv.down} down, {lv.up} up); "
                 f"{pod_nodes(q)}" + (f"; the job uses {job[q]} of its nodes" if job[q] else "") for q in range(pods)]
-        fig.add_trace(go.Scatter(x=px, y=np.full(pods, l), mode="markers", text=text, hoverinfo="text",
+        label = [f"rail {q // max(ft.pods_per_rail, 1)}" if spec.rail_optimized else f"pod {q}" for q in range(pods)]
+        show = l == 0 and pods <= 32   # under the leaves, each pod's rail (or number) where they fit
+        fig.add_trace(go.Scatter(x=px, y=np.full(pods, l), mode="markers+text" if show else "markers",
+                                 text=label if show else None, hovertext=text, hoverinfo="text",
+                                 textposition="bottom center", textfont=dict(size=9),
                                  name=(f"pods ({int((job > 0).sum())} hold the job, in red)" if placement is not None
                                        else "pods") if l == 0 else None, showlegend=l == 0,
                                  marker=dict(size=max(5, min(16, 600 // max(pods, 1))), color=colour, symbol="square")),

@@ -49,7 +49,7 @@ import numpy as np
 from topologies.common import InputError
 
 ECMP_RULES = ("destination", "hash", "spread")
-MAX_LEVELS = 4
+MAX_PARTS = 20_000_000  # switches and cables a tree may have (Selene: 1,040 and 12,800)
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ def parse_fat_tree(t: dict, w: str, nodes: int, nics: int) -> FatTreeSpec:
         where = f"{w} level {name!r}"
         if top:
             if "oversubscription" in lv:
-                raise InputError(f"system file {where}: the top level has no up-links, so no oversubscription: "
-                                 "remove the key (every port of a top switch faces down)")
+                raise InputError(f"system file {where}: the top level (the last [[fattree.levels]]) has no up-links, "
+                                 "so no oversubscription: remove the key, or add the level above it")
             down, up = radix, 0
         else:
             if "oversubscription" not in lv:
@@ -116,6 +116,10 @@ def parse_fat_tree(t: dict, w: str, nodes: int, nics: int) -> FatTreeSpec:
             what = "NICs" if len(levels) == 1 else f"pods of {shape.pod_size} NIC ports"
             raise InputError(f"system file {w}: {nodes} nodes x {nics} NICs need {shape.pods} {what} "
                              f"but a {top.name} switch has {top.radix} ports: add a level or use a larger radix")
+        if shape.n_switches + shape.n_cables > MAX_PARTS:  # pods are built whole: a huge pod for a few NICs
+            raise InputError(f"system file {w}: the tree would have {shape.n_switches:,} switches and "
+                             f"{shape.n_cables:,} cables for {nodes * nics:,} NICs (pods of {shape.pod_size:,} "
+                             "NIC ports are built whole): use fewer levels or a smaller radix")
     return spec
 
 

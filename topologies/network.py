@@ -1,4 +1,4 @@
-"""The machine as a graph of directed links: GPUs, NICs and Slingshot switches.
+"""The machine as a graph of directed links: GPUs, NICs and switches (a Slingshot dragonfly or a fat tree).
 
 Vertices are integers: GPUs first (id = node * gpus_per_node + local GPU), then NICs
 (node * nics_per_node + nic), then switches (group * switches_per_group + switch). Links are directed
@@ -10,6 +10,8 @@ follows from a formula (vectorized in numpy; see the `*_link` methods):
     NIC <-> switch
     local         switch -> switch of the same group (all-to-all)
     global        between two groups, `global_links_per_pair` cables for every pair of groups
+    up, down      a fat tree's cables between levels (topologies.fattree; no local or global links
+                  then), and with its "spread" rule one up and one down trunk per block after them
 
 `capacity[link]` is in bytes/s (per direction), `latency[link]` in seconds. The networkx view
 (`Network.graph`) is built on first use from the arrays: the routing and flow code never needs it.
@@ -52,9 +54,9 @@ def same_block(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return a // k == b // k
 
 
-GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL, UP, DOWN, UP_TRUNK, DOWN_TRUNK = range(11)
+GPU_GPU, GPU_NIC, NIC_GPU, NIC_SW, SW_NIC, LOCAL, GLOBAL, UP, DOWN, UP_TRUNK, DOWN_TRUNK, GPU_PORT, PORT_GPU = range(13)
 LINK_KINDS = ("gpu-gpu", "gpu-nic", "nic-gpu", "nic-switch", "switch-nic", "local", "global", "up", "down",
-              "up-trunk", "down-trunk")
+              "up-trunk", "down-trunk", "gpu-nvswitch", "nvswitch-gpu")
 
 
 class Network:
@@ -93,6 +95,14 @@ class Network:
         self.n_pairs = groups * (groups - 1) // 2
         self.b_up = self.b_glob + 2 * self.n_pairs * self.L   # a fat tree's up and down links
         self.n_links = self.b_up + (2 * (self.fattree.n_cables + self.fattree.n_trunks) if self.fattree else 0)
+        # a node switch (NVSwitch, `nvswitch_gbs`): each GPU's port out and in, after everything else; a
+        # GPU-GPU hop then crosses the sender's port and the receiver's (routing puts them in its place)
+        self.ports = s.node_port_bandwidth > 0 and self.gpn > 1
+        self.b_port = self.n_links
+        self.nvs0 = self.n_vertices              # the node switches' vertices, one per node
+        if self.ports:
+            self.n_links += 2 * self.n_gpus
+            self.n_vertices += self.nodes
         self._build_arrays(ends=False)
         # the arrays follow from the system and the group count: read-only, and keyed by those for
         # the process' memos (topologies.memo.array_key), so that nothing hashes megabytes of links
@@ -176,6 +186,14 @@ class Network:
         g, h, j = np.asarray(g), np.asarray(h), np.asarray(j)
         return g * self.S + mod((h - (h > g)) * self.L + j, self.S)
 
+    def through_ports(self, gg):
+        """(port out of the sender, port into the receiver) of GPU-GPU links `gg` (node switches)."""
+        i = np.asarray(gg, dtype=np.int64) - self.b_gpu
+        a, j = i // (self.gpn - 1), i % (self.gpn - 1)
+        lb = j + (j >= mod(a, self.gpn))
+        b = a - mod(a, self.gpn) + lb
+        return self.b_port + 2 * a, self.b_port + 2 * b + 1
+
     @cached_property
     def endpoint_of_gpus(self) -> np.ndarray:
         """(n_gpus,) fat trees: the leaf port (topologies.fattree endpoint) of the NIC each GPU uses."""
@@ -242,6 +260,12 @@ class Network:
             s.link_latency)
         if self.fattree is not None:
             self._build_fat_tree(put, ends)
+        if self.ports:
+            gpu = np.arange(self.n_gpus, dtype=np.int64)
+            nvs = self.nvs0 + gpu // g if ends else None
+            put(self.b_port, 2 * self.n_gpus, lambda: np.stack([gpu, nvs], 1).ravel(),
+                lambda: np.stack([nvs, gpu], 1).ravel(), np.tile([GPU_PORT, PORT_GPU], self.n_gpus),
+                s.node_port_bandwidth, s.link_latency / 2)
         if df is not None:
             gpu = np.arange(self.n_gpus, dtype=np.int64)
             nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
@@ -308,7 +332,7 @@ class Network:
             if ends:  # from the block's first switch to its parent block's first
                 b = np.arange(n, dtype=np.int64)
                 lo = self.sw0 + ft.first[l] + b * ft.W[l]
-                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0) * ft.W[l + 1]
+                hi = self.sw0 + ft.first[l + 1] + (b // ft.down[l + 1] if l + 1 < ft.h - 1 else 0 * b) * ft.W[l + 1]
             put(self.b_up + 2 * ft.n_cables + 2 * ft.trunk_first[l], 2 * n, lambda: np.stack([lo, hi], 1).ravel(),
                 lambda: np.stack([hi, lo], 1).ravel(), np.tile([UP_TRUNK, DOWN_TRUNK], n),
                 ft.W[l + 1] * lv[l + 1].link_bandwidth,
@@ -339,6 +363,8 @@ class Network:
         if v < self.sw0:
             n = v - self.nic0
             return f"nic{n // self.nics_per_node}.{n % self.nics_per_node}"
+        if v >= self.nvs0:
+            return f"nvswitch{v - self.nvs0}"
         w = v - self.sw0
         if self.fattree:  # <level name><index in the level>
             ft = self.fattree

@@ -26,7 +26,7 @@ import numpy as np
 from topologies import caches
 from topologies.adaptive import HOPS, adaptive
 from topologies.memo import Memo, array_key, digest
-from topologies.network import Network, same_block
+from topologies.network import GPU_GPU, Network, same_block
 from topologies.common import InputError
 
 MODES = ("minimal", "nonminimal", "adaptive")
@@ -213,9 +213,27 @@ def route(net: Network, src, dst, src_nic_gpu=None, dst_nic_gpu=None, mode: str 
     if hit is not None:
         return hit
     out = _route(net, src, dst, sv, dv, mode, seed, demand)
+    if net.ports:
+        out = _through_ports(net, out)
     out.key = key
     ROUTES.put(key, out)
     return out
+
+
+def _through_ports(net: Network, r: Routes) -> Routes:
+    """`r` with each GPU-GPU link replaced by the sender's port into the node switch and the
+    receiver's port out of it (a node switch: Network.ports)."""
+    links = r.links
+    gg = net.kind[links] == GPU_GPU
+    if not gg.any():
+        return r
+    before = np.concatenate([[0], np.cumsum(gg)])   # GPU-GPU links before each position
+    at = np.arange(len(links)) + before[:-1]        # where each old link starts in the new array
+    out = np.empty(len(links) + int(before[-1]), dtype=np.int64)
+    out[at] = links
+    port_out, port_in = net.through_ports(links[gg])
+    out[at[gg]], out[at[gg] + 1] = port_out, port_in
+    return Routes(r.ptr + before[r.ptr], out)
 
 
 def _route(net: Network, src, dst, sv, dv, mode: str, seed: int, demand) -> Routes:

@@ -251,7 +251,9 @@ SYSTEM = Table(
         "node": Table(required={"nodes": COUNT, "gpus_per_node": Int(1, 4096), "nics_per_node": Int(0, 4096),
                                 "nic_bandwidth": RATE0, "gpu_nic_bandwidth": RATE0, "link_latency": LATENCY,
                                 "links_gbs": ListOf(ListOf(Number(0, 1e9), max_len=4096), min_len=1, max_len=4096)},
-                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096)}),
+                      optional={"gpu_nic": ListOf(Int(0, 4095), max_len=4096),
+                                # GB/s per direction of each GPU's port into the node's switch (NVSwitch)
+                                "nvswitch_gbs": Number(1e-3, 1e6)}),
         "collectives": Table(required={"library": Text(nonempty=True), "intra_node_efficiency": FRACTION,
                                        "inter_node_channel_efficiency": FRACTION, "step_latency": LATENCY},
                              optional={**COLLECTIVE_TUNING, "name": Text(nonempty=True),
@@ -288,7 +290,10 @@ MODEL = Table(
               "rope_theta": Number(1.0, 1e12), "norm_eps": Number(0.0, 1.0, lo_open=True),
               "rope_scaling": Number(1.0, 1e6), "rope_low_freq_factor": Number(0.0, 1e6, lo_open=True),
               "rope_high_freq_factor": Number(0.0, 1e6, lo_open=True),
-              "rope_original_context": Int(1, 1 << 24)})
+              "rope_original_context": Int(1, 1 << 24),
+              # mixture of experts (twin/program/moe_spec.py): a file that gives capacity_factor gives one > 0
+              "experts": Int(1, 1 << 16), "top_k": Int(1, 1 << 16), "moe_every": Int(1, 100_000),
+              "capacity_factor": Number(0.0, 1e3, lo_open=True), "router_aux_coef": Number(0.0, 1e3)})
 
 GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
                            "layout": Text(("NN", "NT", "TN")), "flops": Sourced(RATE)},

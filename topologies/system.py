@@ -91,6 +91,7 @@ class SystemSpec:
     node_mtbf_h: float = 0.0    # a node's mean time between job-stopping failures, hours (0: not given)
     path: str = ""
     fattree: FatTreeSpec | None = None  # the network when it is a fat tree (then `dragonfly` is None)
+    node_port_bandwidth: float = 0.0  # bytes/s per direction of a GPU's port into a node switch (NVSwitch); 0: none
     profile: str = ""           # the kernel profile the file names (twin/profiles), "" to pick one by GPU name
 
     @property
@@ -232,7 +233,7 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         dragonfly=dragonfly, collectives=coll, collective_sets=sets, default_model=_get(d, "model", w, str),
         default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path),
         node_mtbf_h=float(data.get("failures", {}).get("node_mtbf_h", 0.0)), fattree=fattree,
-        profile=str(data.get("profile", "")))
+        profile=str(data.get("profile", "")), node_port_bandwidth=float(n.get("nvswitch_gbs", 0.0)) * 1e9)
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:

@@ -147,7 +147,8 @@ def topology_cmd(
     dt = time.perf_counter() - t0
     info = net.summary()
     console.print(f"{s.name}: {s.description}")
-    console.print(f"network built in {dt:.3f} s: {info['groups']} groups, {info['nodes']} nodes, {info['gpus']} GPUs, "
+    shape = f"a {len(s.fattree.levels)}-level fat tree" if s.fattree else f"{info['groups']} groups"
+    console.print(f"network built in {dt:.3f} s: {shape}, {info['nodes']} nodes, {info['gpus']} GPUs, "
                   f"{info['nics']} NICs, {info['switches']} switches, {info['links']} directed links")
     links = table("link kind", "links", "GB/s per direction", keep=("link kind", "links"), right=("links",))
     for kind, n in info["links_by_kind"].items():

@@ -64,12 +64,13 @@ import math
 import numpy as np
 
 from topologies import caches
-from topologies.network import GPU_GPU, NIC_SW, SW_NIC, build_network
+from topologies.network import GPU_GPU, GPU_PORT, NIC_SW, PORT_GPU, SW_NIC, build_network
 from topologies.placement import place
 from topologies.memo import array_key, digest, remember_key
 from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from topologies.common import TwinError
+from twin.costs.alltoall import EXPERT_AXES, expert_time
 from twin.costs.flows import max_min_rates
 from twin.costs.flowsets import FLOWS, FlowSet, link_counts, sharing_links
 from twin.program.grid import AXES, Grid
@@ -143,7 +144,8 @@ def _link_capacity(net, system: SystemSpec, inter_node_cap: str) -> tuple[np.nda
     if hit is not None and hit[0] is net:
         return hit[1], hit[2]
     cap = net.capacity.copy()  # masks multiply in place (`where`): no gather and scatter of half a million links
-    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap, where=net.kind == GPU_GPU)
+    np.multiply(cap, system.collectives.intra_node_efficiency, out=cap,
+                where=(net.kind == GPU_GPU) | (net.kind == GPU_PORT) | (net.kind == PORT_GPU))  # ports: a node switch
     channel_cap = system.collectives.inter_node_channel_efficiency * system.nic_bandwidth
     if inter_node_cap == "nic":  # the cap moves from each channel onto the NIC its channels share
         per_nic = min(1.0, channel_cap * system.gpus_per_node / system.nics_per_node / system.nic_bandwidth)
@@ -380,6 +382,8 @@ class CollectiveModel:
         all-reduce, unless the system file makes it ring-only, takes the fastest of that, the
         hierarchical ring and a tree (2 ceil(log2 p) steps, the buffer sent twice at the ring's rate),
         as NCCL's tuner picks among ring and tree by size."""
+        if axis in EXPERT_AXES:  # an MoE block's all-to-alls, the experts' gradients (twin/costs/alltoall.py)
+            return expert_time(self, kind, axis, nbytes)
         key = (kind, axis, nbytes, concurrent)
         t = self._times.get(key)
         if t is not None:

@@ -37,6 +37,7 @@ from topologies.common import TwinError
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.program import ACT_BYTES, Options, local_params
+from twin.predict.moe_memory import block_weights as moe_block_weights, moe_activation_extra
 from twin.program.megatron import is_sequence_parallel
 
 GIB = 1024**3
@@ -95,6 +96,8 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
         per_block = activation_bytes * m * (4 * h // gx + (2 * q + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    extra = moe_activation_extra(model, grid, options, m, activation_bytes)  # an MoE block's (moe_memory.py)
+    per_block, working = per_block + extra[0], working + extra[1]
     if is_sequence_parallel(options):  # Megatron-LM's sequence parallelism: the norms' and dropouts' inputs split too
         per_block = _sp_block(model, activation_bytes, m, s, gy)
     if options.recompute:
@@ -102,7 +105,7 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
     else:
         activations = model.layers * per_block + working + block_input
 
-    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    block_weights = moe_block_weights(model, grid)
     wgrad = block_weights[-1] * (2 if gloo else 1)  # mlp_down's full wgrad (and gloo's copy) before its reduce-scatter
     in_flight = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
@@ -219,6 +222,8 @@ def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: 
         per_block = activation_bytes * m * (4 * h // gx + (2 * model.qkv_width + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    extra = moe_activation_extra(model, grid, options, m, activation_bytes)  # an MoE block's (moe_memory.py)
+    per_block, working = per_block + extra[0], working + extra[1]
     if is_sequence_parallel(options):
         per_block = _sp_block(model, activation_bytes, m, s, gy)
     block_input = activation_bytes * m * h // gx
@@ -227,7 +232,7 @@ def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: 
     saved = block_input if options.recompute else per_block
     activations = units * chunk * saved + per_block + working + 2 * block_input  # + a unit's received input and gradient
     n_local = stage_params(model, grid, options, stage, model.padded_vocab(gy))
-    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    block_weights = moe_block_weights(model, grid)
     wgrad = block_weights[-1] * (2 if gloo else 1)
     in_fl = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)

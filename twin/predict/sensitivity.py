@@ -110,6 +110,21 @@ def _system_variants(study: Study, step: float):
             return dc.replace(study, system=dc.replace(
                 s, link_latency=lat[0] * f, dragonfly=dc.replace(df, switch_latency=lat[1] * f, nic_latency=lat[2] * f)))
         out.append(("link, switch and NIC latencies (x)", 1.0, latencies))
+    elif s.fattree is not None and s.nodes > 1:  # a fat tree: the NICs, the rate of every switch level
+        ft = s.fattree
+
+        def rates(f):
+            levels = tuple(dc.replace(lv, link_bandwidth=lv.link_bandwidth * f) for lv in ft.levels)
+            return dc.replace(study, system=dc.replace(s, fattree=dc.replace(ft, levels=levels)))
+        out += [("node.nic_bandwidth", s.nic_bandwidth, sys_(nic_bandwidth=lambda v: v)),
+                ("node.gpu_nic_bandwidth", s.gpu_nic_bandwidth, sys_(gpu_nic_bandwidth=lambda v: v)),
+                ("fattree.levels rates (all, x)", 1.0, rates),
+                ("collectives.inter_node_channel_efficiency", c.inter_node_channel_efficiency,
+                 coll("inter_node_channel_efficiency"))]
+        if c.inter_node_step_floor > 0:
+            out.append(("collectives.inter_node_step_floor", c.inter_node_step_floor, coll("inter_node_step_floor")))
+    if s.gpus_per_node > 1 and s.node_port_bandwidth > 0:  # a node switch: its ports carry the node's traffic
+        out.append(("node.nvswitch_gbs (port bandwidth)", s.node_port_bandwidth, sys_(node_port_bandwidth=lambda v: v)))
     if s.gpus_per_node > 1:
         out += [("node.links_gbs (all, x)", 1.0, lambda f: dc.replace(study, system=dc.replace(s, node_links=s.node_links * f))),
                 ("collectives.intra_node_efficiency", c.intra_node_efficiency, coll("intra_node_efficiency"))]
@@ -134,6 +149,17 @@ def _profile_variants(study: Study, step: float):
     return out
 
 
+def _moe_variants(study: Study, step: float):
+    """A mixture-of-experts model's routing imbalance (the busiest expert's tokens over balanced,
+    Options.moe_imbalance, docs/moe.md), moved by +-step within [1, experts / top_k]."""
+    m = study.model
+    if not m.is_moe or m.capacity_factor > 0:  # with a capacity the buffers are padded: no effect
+        return []
+    v = study.options.moe_imbalance
+    lo, hi = max(1.0, v * (1 - step)), min(m.experts / m.top_k, v * (1 + step))
+    return [("moe.imbalance", v, lambda f: dc.replace(study, options=dc.replace(study.options, moe_imbalance=f)), lo, hi)]
+
+
 def _alternatives(study: Study, g: Grid) -> list[tuple]:
     """(parameter, base, alternative, make() -> (Study, collective model or None)) of each documented
     alternative that applies to the study: routing, placement, the rules that extrapolate the
@@ -149,8 +175,15 @@ def _alternatives(study: Study, g: Grid) -> list[tuple]:
                     lambda c=c: (dc.replace(study, system=dc.replace(s, collectives=c)), None)))
     if s.nodes == 1:
         return out
-    for mode in ("minimal", "nonminimal"):
-        out.append(("routing", "adaptive", mode, lambda mode=mode: (study, CollectiveModel(s, g, placement=pl, routing=mode))))
+    if s.fattree is not None:  # a fat tree's routing is its ECMP rule (topologies.fattree)
+        for rule in ("spread", "destination", "hash"):
+            if rule != s.fattree.ecmp:
+                other_tree = dc.replace(s, fattree=dc.replace(s.fattree, ecmp=rule))
+                out.append(("fat-tree ECMP", s.fattree.ecmp, rule,
+                            lambda t=other_tree: (dc.replace(study, system=t), None)))
+    else:
+        for mode in ("minimal", "nonminimal"):
+            out.append(("routing", "adaptive", mode, lambda mode=mode: (study, CollectiveModel(s, g, placement=pl, routing=mode))))
     other = "scattered" if pl == "contiguous" else "contiguous"
     out.append(("placement", pl, other, lambda: (study, CollectiveModel(s, g, placement=other))))
     out.append(("inter-node cap", "per ring channel", "per NIC (shared)",
@@ -181,7 +214,7 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         g = choose_grid(study, simulate_top=simulate_top)[0].grid
     else:
         g = Grid.parse(grid) if isinstance(grid, str) else grid
-    variants = _system_variants(study, step) + _profile_variants(study, step)
+    variants = _system_variants(study, step) + _profile_variants(study, step) + _moe_variants(study, step)
     total = 1 + 2 * len(variants) + (len(_alternatives(study, g)) if alternatives else 0)
     done = 0
 
@@ -199,7 +232,7 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         lo, hi = item[3:] if len(item) == 5 else (v * (1 - step), v * (1 + step))
         if "efficiency" in name:
             hi = min(hi, 1.0)
-        kind = "profile" if name.startswith("profile.") else "system"
+        kind = "profile" if name.startswith("profile.") else "model" if name.startswith("moe.") else "system"
         rows.append(Row(name, kind, _fmt(v), _fmt(lo), _fmt(hi),
                         run(make(lo), what=name) if lo != v else None, run(make(hi), what=name) if hi != v else None))
     if alternatives:

@@ -15,7 +15,7 @@ from twin.program.grid import AXES, Grid
 from twin.program.model import ModelSpec
 
 STREAMS = ("compute",) + AXES
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # all_to_all: twin/program/moe.py
 COMPUTE_KINDS = ("gemm", "attention", "elementwise", "embedding", "loss", "optimizer")
 
 ACT_BYTES = 2     # bf16 activations, weights in flight and their gradients
@@ -40,6 +40,8 @@ class Options:
     schedule: str = "1f1b"    # pipeline schedule with G_pipe > 1: gpipe, 1f1b or interleaved (twin/program/pipeline.py)
     chunks: int = 1           # model chunks (virtual stages) per pipeline stage; > 1 with the interleaved schedule
     framework: str = "axonn"  # whose schedule: "axonn" (the 4D algorithm), "megatron" or "megatron-sp" (twin/program/megatron.py)
+    moe_imbalance: float = 1.0  # MoE (twin only): the busiest expert's tokens over balanced; stretches the rows its rank's
+    # experts and all-to-alls carry (twin/program/moe.py); the backend routes for real and ignores it
 
 
 def grad_ar_bytes(options: Options) -> int:
@@ -364,6 +366,9 @@ def local_params(model: ModelSpec, grid: Grid) -> int:
     tables = 2 * v if model.is_llama else v + model.seq_len  # embedding and head, or wte and wpe
     sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + tables * model.hidden
     norms = model.layers * model.norm_params_per_layer + model.final_norm_params
+    if model.is_moe:  # experts and routers (twin/program/moe.py)
+        from twin.program.moe_spec import moe_local_params
+        return sharded // grid.tensor_size + norms // grid.x + moe_local_params(model, grid, range(model.layers))
     return sharded // grid.tensor_size + norms // grid.x
 
 

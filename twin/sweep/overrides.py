@@ -65,7 +65,8 @@ def apply_system(spec: SystemSpec, overrides) -> SystemSpec:
             spec = dc.replace(spec, **{key: float(v)})
         elif section == "network":
             if spec.dragonfly is None:
-                raise InputError(f"{path}: system {spec.name} has no [network] (one node)")
+                raise InputError(f"{path}: system {spec.name} has no dragonfly [network] "
+                                 f"({'a [fattree]' if spec.fattree else 'one node'})")
             value = int(v) if key == "global_links_per_pair" else float(v)
             spec = dc.replace(spec, dragonfly=dc.replace(spec.dragonfly, **{key: value}))
         elif section == "collectives":
