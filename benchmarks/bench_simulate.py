@@ -11,9 +11,9 @@ Each figure is a whole `twin` process (imports included), as a user runs it:
 4. CPU: gpt-small on 8 ranks of the 2-core CPU system with a grid (1x1x4x2) and with grid auto, both
    with this checkout's twin/profiles/cpu.toml (so that both checkouts read the same figures):
    a grid's stretch is a fixed point of simulations, each the mean of twin.host.spread's drawn runs;
-5. Selene (issue 42): a 1T GPT (benchmarks/gpt-1t.toml, the shape of Narayanan et al.'s largest run) on
-   3,072 A100s of the rail-optimized fat tree, grid 8x1x1x64x6 (t=8, p=64, d=6), 64 micro-batches
-   (the published 512 exceed the ops a program may have);
+5. Selene (issue 42): Megatron-LM's 1T-parameter run (Narayanan et al., SC'21, Table 1) as published:
+   3,072 A100s of the rail-optimized fat tree, Megatron-LM's program, grid 1x8x1x64x6 (t=8, p=64,
+   d=6), interleaved over 2 chunks, 512 micro-batches (simulated by units, twin.predict.pipe_units);
 6. with --machine: gpt-320b on all 32,768 Frontier GCDs in full mode (about 196 M ops; minutes).
 Every command runs in this checkout and, with --baseline, in another one (e.g. a worktree of an older
 commit: `git worktree add /tmp/base COMMIT`), alternately, `--repeat` times; the table gives the
@@ -52,7 +52,6 @@ RUNNER = ("import os, resource, runpy, sys\n"
           "sys.exit(code)\n")
 
 CPU_PROFILE = str(HERE / "twin" / "profiles" / "cpu.toml")
-GPT_1T = str(HERE / "benchmarks" / "gpt-1t.toml")
 CPU = ["simulate", "--system", "cpu", "--model", "gpt-small", "--gpus", "8", "--batch", "16", "--profile", CPU_PROFILE]
 CASES = [
     ("simulate frontier (grid auto)", ["simulate", "--system", "frontier", "--json"], "< 2 s (goal 1 s)"),
@@ -63,9 +62,10 @@ CASES = [
     ("full: gpt-5b on 4,096 GCDs 2x2x2x512", ["simulate", "--system", "frontier", "--model", "gpt-5b", "--gpus",
                                               "4096", "--grid", "2x2x2x512", "--full", "--json"],
      ">= 1 M ops/s"),
-    ("selene: gpt-1t on 3,072 GPUs 8x1x1x64x6", ["simulate", "--system", "selene", "--model", GPT_1T, "--gpus",
-                                                "3072", "--grid", "8x1x1x64x6", "--micro-batches", "64", "--json"],
-     "< 2 s"),
+    ("selene: megatron-1t on 3,072 GPUs 1x8x1x64x6", ["simulate", "--system", "selene", "--model", "megatron-1t",
+                                                     "--gpus", "3072", "--grid", "1x8x1x64x6", "--framework", "megatron",
+                                                     "--schedule", "interleaved", "--chunks", "2",
+                                                     "--micro-batches", "512", "--json"], "< 2 s"),
     ("cpu: gpt-small on 8 ranks --grid 1x1x4x2", CPU + ["--grid", "1x1x4x2", "--json"], "< 1 s"),
     ("cpu: gpt-small on 8 ranks (grid auto)", CPU + ["--json"], "< 4 s"),
     ("moe: mixtral-8x7b on 1,024 GCDs (grid auto, E_p searched)", ["simulate", "--system", "frontier", "--model",
