@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from backend.models.moe import GPTMoE
 from backend.runtime.layers import IGNORE
+from backend.runtime.moe import aux_coef_of, capacity_factor_of, experts_of, moe_layer, top_k_of
 from backend.runtime.pipeline import owner_stage
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
@@ -40,26 +42,37 @@ class ReferenceGPT(nn.Module):
 
         self.wte, self.wpe = w(self.vocab, h), w(spec.seq_len, h)
         self.blocks = nn.ModuleList()
-        for _ in range(spec.layers):
+        for i in range(spec.layers):
             b = nn.Module()
             b.ln1, b.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
             for name, k, n, _ in spec.linear_shapes():
-                setattr(b, name, w(k, n))
+                if not (moe_layer(spec, i) and name.startswith("mlp")):
+                    setattr(b, name, w(k, n))
+            if moe_layer(spec, i):  # experts (each this MLP) and a router in place of the MLP
+                b.moe = GPTMoE(h, spec.ffn, experts_of(spec), top_k_of(spec), capacity_factor_of(spec), init=w)
             self.blocks.append(b)
         self.lnf = nn.LayerNorm(h)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE (plus, with MoE
+        layers, router_aux_coef times their auxiliary loss, its mean over layers and `groups`:
+        backend.models.moe)."""
         B, s = tokens.shape
+        auxes = []
         nh, hd = self.spec.heads, self.spec.head_dim
         x = self.wte[tokens] + self.wpe[:s]
         for b in self.blocks:
             q, k, v = (b.ln1(x) @ b.qkv).view(B, s, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, s, -1)
             x = x + a @ b.attn_out
-            x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down
+            if hasattr(b, "moe"):
+                y, aux = b.moe(b.ln2(x), groups)
+                x, auxes = x + y, auxes + [aux]
+            else:
+                x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down
         logits = self.lnf(x) @ self.wte.t()
-        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1), ignore_index=IGNORE)
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1), ignore_index=IGNORE)
+        return loss + aux_coef_of(self.spec) * torch.stack(auxes).mean() if auxes else loss
 
 
 # -- reference <-> shards ---------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""Mixture of experts in PyTorch: the routing math (shared by the single-process references and the
+executor's kernels) and the reference MoE blocks that replace a block's MLP.
+
+A MoE block (the fields are ModelSpec's, pinned in docs/moe-backend.md):
+- router: a linear layer hidden -> E (no bias); softmax over the E experts in fp32; the top_k experts
+  of each token; their probabilities renormalised to sum to one over the k chosen (Mixtral's rule);
+- E experts, each the model's own MLP: SwiGLU down(silu(gate x) * up x) of width ffn_size for
+  arch "llama", GELU mlp_down(gelu(x mlp_up)) of width ffn_mult*hidden for arch "gpt";
+- the output of a token is sum over its kept choices of weight * expert(x);
+- capacity: with capacity_factor c > 0 each expert takes at most ceil(c * T * top_k / E) of the T
+  tokens of a group (a rank's micro-batch), first come first served by the token's position; a
+  dropped choice contributes zero (the residual carries the token). c = 0: dropless;
+- the load-balancing loss of a group, E * sum_i f_i * P_i, with f_i the fraction of the group's
+  T * top_k choices that picked expert i (before any drop; no gradient) and P_i the mean router
+  probability of expert i over the group's tokens. Balanced routing gives 1. The model adds
+  router_aux_coef times its mean over groups and MoE layers to the language-model loss.
+
+`groups`: the reference computes over the whole batch, a 4D run over each rank's micro-batch; so
+capacity and the auxiliary loss are taken per group, the batch's tokens cut into `groups` equal
+contiguous chunks in batch order (G_z * G_data * micro-batches: a rank's shard of whole sequences,
+then its micro-batches), which gives the 4D run's numbers exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.runtime.moe import aux_loss, capacity, keep_mask, route
+
+
+# -- the reference block ---------------------------------------------------------------------------
+def moe_forward(x: torch.Tensor, router: Callable[[torch.Tensor], torch.Tensor],
+                expert: Callable[[int, torch.Tensor], torch.Tensor], experts: int, top_k: int,
+                capacity_factor: float = 0.0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block on tokens x [T, h] (autograd-friendly): (output [T, h], the mean over groups of the
+    auxiliary loss). router(x) -> logits [T, E]; expert(e, x_e) -> its MLP's output."""
+    T = x.shape[0]
+    if T % groups:
+        raise ValueError(f"{T} tokens do not split into {groups} equal groups")
+    outs, aux = [], x.new_zeros((), dtype=torch.float32)
+    for chunk in x.split(T // groups):
+        probs, idx, weights = route(router(chunk), top_k)
+        keep = keep_mask(idx, experts, capacity(chunk.shape[0], top_k, experts, capacity_factor))
+        aux = aux + aux_loss(probs, idx)
+        y = torch.zeros_like(chunk)
+        for e in range(experts):
+            tok, slot = torch.where((idx == e) & keep)
+            if tok.numel():
+                ye = expert(e, chunk[tok]) * weights[tok, slot, None].to(chunk.dtype)
+                y = y.index_add(0, tok, ye.to(y.dtype))
+        outs.append(y)
+    return torch.cat(outs), aux / groups
+
+
+class MixtralMoE(nn.Module):
+    """A Llama's MoE block with Hugging Face Mixtral's names and shapes as its files hold them:
+    `gate.weight` [E, h] (the router), `experts.<e>.w1.weight` (gate) and `w3.weight` (up) [F, h],
+    `w2.weight` (down) [h, F]."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, capacity_factor: float = 0.0):
+        super().__init__()
+        self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, experts
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList()
+        for _ in range(experts):
+            e = nn.Module()
+            e.w1, e.w3, e.w2 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False), \
+                nn.Linear(ffn, hidden, bias=False)
+            self.experts.append(e)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        m = self.experts[e]
+        return m.w2(F.silu(m.w1(x)) * m.w3(x))
+
+    def forward(self, x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., h] -> (output of the same shape, auxiliary loss)."""
+        y, aux = moe_forward(x.reshape(-1, x.shape[-1]), self.gate, self._expert, self.n_experts, self.top_k,
+                             self.capacity_factor, groups)
+        return y.view_as(x), aux
+
+
+class GPTMoE(nn.Module):
+    """A GPT's MoE block in ReferenceGPT's layout (y = x @ W): `router` [h, E], `experts.<e>.mlp_up`
+    [h, F] and `experts.<e>.mlp_down` [F, h], GELU between."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, capacity_factor: float = 0.0,
+                 init: Callable[..., nn.Parameter] | None = None):
+        super().__init__()
+        init = init or (lambda *shape: nn.Parameter(torch.randn(shape) * 0.02))
+        self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, experts
+        self.router = init(hidden, experts)
+        self.experts = nn.ModuleList()
+        for _ in range(experts):
+            e = nn.Module()
+            e.mlp_up, e.mlp_down = init(hidden, ffn), init(ffn, hidden)
+            self.experts.append(e)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        m = self.experts[e]
+        return F.gelu(x @ m.mlp_up) @ m.mlp_down
+
+    def forward(self, x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        y, aux = moe_forward(x.reshape(-1, x.shape[-1]), lambda t: t @ self.router, self._expert,
+                             self.n_experts, self.top_k, self.capacity_factor, groups)
+        return y.view_as(x), aux
