@@ -280,7 +280,10 @@ MODEL = Table(
               "rope_theta": Number(1.0, 1e12), "norm_eps": Number(0.0, 1.0, lo_open=True),
               "rope_scaling": Number(1.0, 1e6), "rope_low_freq_factor": Number(0.0, 1e6, lo_open=True),
               "rope_high_freq_factor": Number(0.0, 1e6, lo_open=True),
-              "rope_original_context": Int(1, 1 << 24)})
+              "rope_original_context": Int(1, 1 << 24),
+              # mixture of experts (twin/program/moe_spec.py): a file that gives capacity_factor gives one > 0
+              "experts": Int(1, 1 << 16), "top_k": Int(1, 1 << 16), "moe_every": Int(1, 100_000),
+              "capacity_factor": Number(0.0, 1e3, lo_open=True), "router_aux_coef": Number(0.0, 1e3)})
 
 GEMM_ROW = Table(required={"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
                            "layout": Text(("NN", "NT", "TN")), "flops": Sourced(RATE)},

@@ -23,6 +23,9 @@ class Blocks:
         self.lin = {ln: linear_dims(grid, k, n, t) for ln, k, n, t in model.linear_shapes()}
         self.qkv_local, self.f_local = model.qkv_width // grid.y, model.ffn // grid.y
         self.rope_width = (model.heads + model.n_kv_heads) * model.head_dim // grid.y  # rotated q and k features
+        if model.is_moe:  # mixture-of-experts blocks in place of some MLPs (twin/program/moe.py)
+            from twin.program.moe import MoE
+            self.moe = MoE(b, self)
 
     # -- norms: statistics all-reduced over x (the features of the residual stream) ----------------
     def norm(self, name: str, inp: str, out: str) -> None:
@@ -98,6 +101,9 @@ class Blocks:
                   k=model.head_dim, replicas=gx, role="attention", reads=(io["attn_in"],),
                   writes=(io["attn_out"], f"{L}.attn.ctx"))
         self.linear_fwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], io["mid"], add=io["x"])
+        if model.moe_layer(i):
+            self.moe.fwd(i)
+            return
         self.norm(f"{L}.ln2", io["mid"], io["mlp_up"])
         self.linear_fwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], f"{L}.mlp_up.out")
         if self.llama:  # silu(gate) * up: reads gate and up, writes the product
@@ -113,15 +119,18 @@ class Blocks:
         b, model, lin, m, s, gx, gy = self.b, self.model, self.lin, self.m, self.s, self.gx, self.gy
         L, io = f"L{i}", self.io(i)
         gathered = self.options.recompute  # with recomputation the backward reuses the recompute's gather
-        self.linear_bwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
-        if self.llama:
-            b.elementwise(f"{L}.swiglu.bwd", m * self.f_local, 10, 5, replicas=gx, role="swiglu_bwd",
-                          reads=(D(io["mlp_down"]), f"{L}.swiglu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+        if model.moe_layer(i):
+            self.moe.bwd(i)
         else:
-            b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
-                          reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
-        self.linear_bwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
-        self.norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
+            self.linear_bwd(f"{L}.mlp_down", lin["mlp_down"], io["mlp_down"], D(io["out"]), D(io["mlp_down"]), gathered)
+            if self.llama:
+                b.elementwise(f"{L}.swiglu.bwd", m * self.f_local, 10, 5, replicas=gx, role="swiglu_bwd",
+                              reads=(D(io["mlp_down"]), f"{L}.swiglu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+            else:
+                b.elementwise(f"{L}.gelu.bwd", m * model.ffn // gy, 8, 3, replicas=gx, role="gelu_bwd",
+                              reads=(D(io["mlp_down"]), f"{L}.gelu.ctx"), writes=(D(f"{L}.mlp_up.out"),))
+            self.linear_bwd(f"{L}.mlp_up", lin["mlp_up"], io["mlp_up"], D(f"{L}.mlp_up.out"), D(io["mlp_up"]), gathered)
+            self.norm_bwd(f"{L}.ln2", D(io["mlp_up"]), D(io["mid"]), add=D(io["out"]))
         self.linear_bwd(f"{L}.attn_out", lin["attn_out"], io["attn_out"], D(io["mid"]), D(io["attn_out"]), gathered)
         b.compute(f"{L}.attn.bwd", "attention", flops=8.0 * b.seqs * s * s * self.h / gy,
                   bytes=ACT_BYTES * 2 * m * (self.qkv_local + self.h // gy), m=b.seqs * (model.heads // gy), n=s,

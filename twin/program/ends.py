@@ -26,6 +26,17 @@ class Ends:
         self.emb_bytes = self.wte_bytes + (0 if self.llama else ACT_BYTES * math.prod(embedding_dims(grid, s, h)))
         self.wbytes = {ln: ACT_BYTES * math.prod(linear_dims(grid, k, n, t)[:2])
                        for ln, k, n, t in model.linear_shapes()}
+        if model.is_moe:  # an MoE block's expert linears: the rank's experts stacked (twin/program/moe.py)
+            from twin.program.moe import local_experts
+            e = local_experts(model, grid)
+            self.wbytes.update(expert_up=e * self.wbytes["mlp_up"], expert_down=e * self.wbytes["mlp_down"])
+
+    def linears(self, i: int) -> list:
+        """The linear layers of block i (an MoE block's expert linears in place of its MLP's)."""
+        if not self.model.is_moe:
+            return self.model.linear_shapes()
+        from twin.program.moe import layer_linears
+        return layer_linears(self.model, i)
 
     # -- the gather order of a pass ----------------------------------------------------------------
     def fwd_order(self, layers, first_mb: bool, emb: bool = True, head: bool = True) -> list[tuple[str, str, int]]:
@@ -35,16 +46,16 @@ class Ends:
         for i in layers:
             if not (i < cache and not first_mb):
                 order += [(f"L{i}.{ln}", f"L{i}.{ln}.fwd.ag_z", self.wbytes[ln])
-                          for ln, _, _, _ in self.model.linear_shapes()]
+                          for ln, _, _, _ in self.linears(i)]
         return order + ([("head", "head.fwd.ag_z", self.wte_bytes)] if head else [])
 
     def bwd_order(self, layers, head: bool = True) -> list[tuple[str, str, int]]:
         """Gather visits of a backward pass over blocks `layers` (descending), after the head's."""
         order = [("head", "head.bwd.ag_z", self.wte_bytes)] if head else []
-        linears = self.model.linear_shapes()
         for i in layers:
             if i < self.options.cache_layers:
                 continue
+            linears = self.linears(i)
             lin = linears if self.options.recompute else linears[::-1]
             order += [(f"L{i}.{ln}", f"L{i}.{ln}.bwd.ag_z", self.wbytes[ln]) for ln, _, _, _ in lin]
         return order
@@ -134,8 +145,11 @@ class Ends:
         end = b.ready
         params = grad_params(model, b.vocab, b.seq_len)
         for i in layers:
-            for ln, _, _, _ in model.linear_shapes():
+            for ln, k, n, _ in self.linears(i):
                 key = f"L{i}.{ln}"
+                if ln.startswith("expert_"):  # over the edata group (twin/program/moe.py)
+                    grad_ar.append(self.blk.moe.grad_reduction(key, k, n, [b.last_rs[key], end]))
+                    continue
                 grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data",
                                             GRAD_AR_BYTES * params[key] // P, deps=[b.last_rs[key], end],
                                             role="grad", weight=key))
@@ -143,6 +157,8 @@ class Ends:
             waits = [b.last_rs.get(k) for k in (("emb", "head") if key == "emb" and not self.llama else (key,))]
             grad_ar.append(b.collective(f"{key}.grad.ar_data", "all_reduce", "data", GRAD_AR_BYTES * params[key] // P,
                                         deps=[*waits, end, *(after or {}).get(key, ())], role="grad", weight=key))
+        if model.is_moe:
+            grad_ar += self.blk.moe.router_reductions(layers)
         if norm_params is None:
             norm_params = (model.layers * model.norm_params_per_layer + model.final_norm_params) // grid.x
         nz = b.collective("norms.grad.ar_z", "all_reduce", "z", STAT_BYTES * norm_params, deps=[b.ready],
@@ -163,6 +179,8 @@ class Ends:
                       **sizes["grad_norm"])
             for axis in ("x", "y", "z"):
                 b.allreduce_ready(f"opt.clip.ar_{axis}", axis, STAT_BYTES, "opt.norm")
+            if self.model.is_moe:
+                self.blk.moe.clip_expert()
             if pipe is not None:
                 b.ready = pipe([b.ready])
             grad_ar, clip = [], ("opt.norm",)

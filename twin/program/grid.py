@@ -27,17 +27,22 @@ class Grid:
     z: int
     data: int
     pipe: int = 1  # pipeline stages (G_pipe); written between z and data: XxYxZxPxD
+    expert: int = 1  # E_p: experts split over groups of E_p consecutive data coordinates; suffix e<N>
 
     def __post_init__(self) -> None:
-        for a in AXES + ("pipe",):
+        for a in AXES + ("pipe", "expert"):
             v = getattr(self, a)
             if not isinstance(v, int) or v < 1:
                 raise TwinError(f"grid: G_{a} must be a positive integer, got {v!r}")
 
     @classmethod
     def parse(cls, text: str) -> "Grid":
-        """Parse 'XxYxZxD' or 'XxYxZxPxD' (four or five positive integers joined by 'x')."""
-        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)x(\d+)(?:x(\d+))?\s*", str(text))
+        """Parse 'XxYxZxD' or 'XxYxZxPxD' (four or five positive integers joined by 'x'), with an
+        optional expert suffix 'e<N>' (E_p = N: 1x1x1x8e4)."""
+        m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)x(\d+)(?:x(\d+))?(?:e(\d+))?\s*", str(text))
+        if m and m.group(6) is not None:  # the expert suffix (twin/program/moe.py)
+            from twin.program.moe_grid import parse_expert
+            return parse_expert(cls, text, m)
         if not m:
             raise TwinError(f"grid {text!r} is not of the form XxYxZxD or XxYxZxPxD (four or five positive "
                             "integers, x fastest, e.g. 8x8x4x128 or 8x8x4x2x64 with 2 pipeline stages)")
@@ -47,9 +52,10 @@ class Grid:
         return cls(*g)
 
     def __str__(self) -> str:
+        e = f"e{self.expert}" if self.expert > 1 else ""
         if self.pipe > 1:
-            return f"{self.x}x{self.y}x{self.z}x{self.pipe}x{self.data}"
-        return f"{self.x}x{self.y}x{self.z}x{self.data}"
+            return f"{self.x}x{self.y}x{self.z}x{self.pipe}x{self.data}{e}"
+        return f"{self.x}x{self.y}x{self.z}x{self.data}{e}"
 
     @property
     def size(self) -> int:
@@ -61,13 +67,19 @@ class Grid:
         """x*y*z: the GPUs that share one copy of the model."""
         return self.x * self.y * self.z
 
+    @property
+    def edata(self) -> int:
+        """G_data / E_p: the ranks an expert's gradients are all-reduced over (the "edata" group)."""
+        return self.data // self.expert
+
     def axis_size(self, axis: str) -> int:
         return getattr(self, axis)
 
     def stride(self, axis: str) -> int:
         """Rank distance between consecutive members of a group of `axis`."""
         t = self.x * self.y * self.z
-        return {"x": 1, "y": self.x, "z": self.x * self.y, "pipe": t, "data": t * self.pipe}[axis]
+        return {"x": 1, "y": self.x, "z": self.x * self.y, "pipe": t, "data": t * self.pipe,
+                "expert": t * self.pipe, "edata": t * self.pipe * self.expert}[axis]
 
     def coords(self, rank: int) -> tuple[int, int, int, int]:
         """(x, y, z, data) coordinates of a rank (its pipeline stage: `stage`)."""
@@ -90,7 +102,11 @@ class Grid:
         return self.rank(*self.coords(rank), pipe=stage)
 
     def group(self, rank: int, axis: str) -> list[int]:
-        """The ranks of `axis`'s group that contains `rank`, in axis order."""
+        """The ranks of `axis`'s group that contains `rank`, in axis order (also "expert" and "edata":
+        twin/program/moe_grid.py)."""
+        if axis in ("expert", "edata"):
+            from twin.program.moe_grid import expert_group
+            return expert_group(self, rank, axis)
         c = list(self.coords(rank))
         i = AXES.index(axis)
         p = self.stage(rank)
@@ -102,6 +118,9 @@ class Grid:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of `axis`, each a list of ranks; together they partition the ranks."""
+        if axis in ("expert", "edata"):
+            from twin.program.moe_grid import expert_groups
+            return expert_groups(self, axis)
         n, s = self.axis_size(axis), self.stride(axis)
         return [[base + j * s for j in range(n)]
                 for base in range(self.size) if (base // s) % n == 0]
@@ -146,4 +165,7 @@ class Grid:
         for lname, k, n, _ in model.linear_shapes() + extra:
             if (k * n // self.x // self.y) % self.z:
                 raise TwinError(f"{lname} shard of {k}x{n}/(G_x*G_y) is not divisible by G_z={self.z}")
+        if model.is_moe or self.expert > 1:
+            from twin.program.moe_grid import validate_experts
+            validate_experts(self, model)
 

@@ -50,12 +50,19 @@ class ModelSpec:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    # mixture of experts (twin/program/moe.py, docs/moe.md); experts = 0: a dense model
+    experts: int = 0          # experts per MoE layer (E)
+    top_k: int = 0            # experts per token, 1..experts when experts > 0
+    moe_every: int = 1        # layer i has an MoE block in place of its MLP iff (i + 1) % moe_every == 0
+    capacity_factor: float = 0.0  # 0: dropless; > 0: an expert takes at most ceil(cf * tokens * top_k / E) of a rank's tokens
+    router_aux_coef: float = 0.01  # load-balancing loss E * sum_i f_i P_i, times this, added to the LM loss
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "ffn_mult"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise TwinError(f"model {self.name!r}: {f} must be a positive integer, got {getattr(self, f)!r}")
+        self._check_moe()
         if self.arch not in ("gpt", "llama"):
             raise TwinError(f"model {self.name!r}: arch must be \"gpt\" or \"llama\", got {self.arch!r}")
         if self.hidden % self.heads:
@@ -72,6 +79,35 @@ class ModelSpec:
             raise TwinError(f"model {self.name!r}: {self.heads} heads are not divisible by kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise TwinError(f"model {self.name!r}: rotary embeddings need an even head dimension, got {self.head_dim}")
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts fields, each checked with one line (TwinError)."""
+        from twin.program.moe_spec import check_moe
+        check_moe(self)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers have a mixture-of-experts block in place of their MLP."""
+        return self.experts > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether block i (0-based) has an MoE block in place of its MLP."""
+        return self.experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks have an MoE block."""
+        return self.layers // self.moe_every if self.experts > 0 else 0
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter (all experts), on the model's own vocabulary (not padded)."""
+        return self.parameters(vocab=self.vocab)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses (top_k experts of each MoE layer, and the router), own vocabulary."""
+        return self.parameters(vocab=self.vocab, active=True)
 
     @property
     def is_llama(self) -> bool:
@@ -125,14 +161,19 @@ class ModelSpec:
         return [("qkv", h, 3 * h, False), ("attn_out", h, h, True),
                 ("mlp_up", h, f, False), ("mlp_down", f, h, True)]
 
-    def parameters(self, vocab: int | None = None) -> int:
-        """Exact parameter count (vocab defaults to the padded vocabulary)."""
+    def parameters(self, vocab: int | None = None, active: bool = False) -> int:
+        """Exact parameter count (vocab defaults to the padded vocabulary); with MoE, every expert, or
+        with `active` the top_k experts a token uses (the router counts in both)."""
         v = self.padded_vocab() if vocab is None else vocab
         h = self.hidden
         block = sum(k * n for _, k, n, _ in self.linear_shapes()) + self.norm_params_per_layer
+        blocks = self.layers * block
+        if self.is_moe:  # the MoE blocks' extra: router h x E, and E (or top_k) MLPs in place of one
+            from twin.program.moe_spec import moe_block_extra
+            blocks += self.moe_layers * moe_block_extra(self, active)
         if self.is_llama:  # embedding and untied head, final RMSNorm
-            return self.layers * block + 2 * v * h + self.final_norm_params
-        return self.layers * block + v * h + self.seq_len * h + 2 * h
+            return blocks + 2 * v * h + self.final_norm_params
+        return blocks + v * h + self.seq_len * h + 2 * h
 
     def reference_flops(self, batch: int | None = None, seq_len: int | None = None,
                         vocab: int | None = None, recompute: bool = True) -> float:
@@ -150,6 +191,10 @@ class ModelSpec:
         v = self.padded_vocab() if vocab is None else vocab
         l, h = self.layers, self.hidden
         passes = 4 if recompute else 3  # forward (+ recomputed forward) + backward (2x)
+        if self.is_moe:  # the linears a token runs through: the router and top_k experts in MoE blocks
+            from twin.program.moe_spec import moe_block_extra
+            linear = l * sum(k * n for _, k, n, _ in self.linear_shapes()) + self.moe_layers * moe_block_extra(self, True)
+            return passes * b * s * (2 * linear + l * 4 * s * h) + 6 * b * s * h * v
         if self.is_llama:
             linear = sum(k * n for _, k, n, _ in self.linear_shapes())
             return passes * b * s * l * (2 * linear + 4 * s * h) + 6 * b * s * h * v

@@ -15,7 +15,7 @@ from twin.program.grid import AXES, Grid
 from twin.program.model import ModelSpec
 
 STREAMS = ("compute",) + AXES
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # all_to_all: twin/program/moe.py
 COMPUTE_KINDS = ("gemm", "attention", "elementwise", "embedding", "loss", "optimizer")
 
 ACT_BYTES = 2     # bf16 activations, weights in flight and their gradients
@@ -357,6 +357,9 @@ def local_params(model: ModelSpec, grid: Grid) -> int:
     tables = 2 * v if model.is_llama else v + model.seq_len  # embedding and head, or wte and wpe
     sharded = model.layers * sum(k * n for _, k, n, _ in model.linear_shapes()) + tables * model.hidden
     norms = model.layers * model.norm_params_per_layer + model.final_norm_params
+    if model.is_moe:  # experts and routers (twin/program/moe.py)
+        from twin.program.moe_spec import moe_local_params
+        return sharded // grid.tensor_size + norms // grid.x + moe_local_params(model, grid, range(model.layers))
     return sharded // grid.tensor_size + norms // grid.x
 
 

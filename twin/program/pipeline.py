@@ -121,6 +121,9 @@ def stage_params(model: ModelSpec, grid: Grid, options: Options, stage: int, voc
     block = sum(k * n for _, k, n, _ in model.linear_shapes())
     tables = (vocab + (0 if model.is_llama else model.seq_len)) * first + vocab * last
     sharded = len(layers) * block + tables * model.hidden
+    if model.is_moe:  # experts and routers (twin/program/moe.py)
+        from twin.program.moe_spec import moe_local_params
+        return sharded // grid.tensor_size + _norm_params(model, grid, layers, last) + moe_local_params(model, grid, layers)
     return sharded // grid.tensor_size + _norm_params(model, grid, layers, last)
 
 

@@ -108,7 +108,8 @@ def same_ops_but_shards(a: Grid, b: Grid) -> bool:
     of each weight a rank holds (1 / (G_x G_y G_z))."""
     if a.pipe > 1 or b.pipe > 1:  # a stage's program: built for its own grid
         return a == b
-    return (a.x, a.y, a.z * a.data, a.z > 1, a.data > 1) == (b.x, b.y, b.z * b.data, b.z > 1, b.data > 1)
+    return (a.x, a.y, a.z * a.data, a.z > 1, a.data > 1, a.expert, a.edata > 1) == \
+        (b.x, b.y, b.z * b.data, b.z > 1, b.data > 1, b.expert, b.edata > 1)
 
 
 def regrid(program: Program, grid: Grid) -> Program:
@@ -127,7 +128,14 @@ def regrid(program: Program, grid: Grid) -> Program:
     sizes = optimizer_sizes(local_params(model, grid))
     ops = list(program.ops)
     for i, op in enumerate(ops):
-        if op.phase == "grad" and op.axis == "data" and op.weight != "norms":
+        if op.phase == "grad" and op.axis == "edata":  # an expert linear's (twin/program/moe.py)
+            from twin.program.moe import expert_grad_bytes
+            k, n = {ln: (k, n) for ln, k, n, _ in model.linear_shapes()}["mlp_" + op.weight.rsplit("_", 1)[1]]
+            ops[i] = changed(op, bytes=expert_grad_bytes(model, grid, op.weight, k, n))
+        elif op.phase == "grad" and op.weight == "routers":
+            from twin.program.moe import router_params
+            ops[i] = changed(op, bytes=GRAD_AR_BYTES * router_params(model, grid, range(model.layers)))
+        elif op.phase == "grad" and op.axis == "data" and op.weight != "norms":
             ops[i] = changed(op, bytes=GRAD_AR_BYTES * params[op.weight] // P)
         elif op.phase == "opt" and op.role in sizes:
             ops[i] = changed(op, **sizes[op.role])

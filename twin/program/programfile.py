@@ -65,7 +65,7 @@ _INT = Int(-1, 10 ** 15)  # -1: micro_batch of the end of the step
 _RULES = {"int": _INT, "float": Number(0.0, 1e30), "str": Text(), "bool": Flag(), "str | None": Nullable(Text()),
           "int | None": Nullable(_INT), "float | None": Nullable(Number(0.0, 1e30)),
           "tuple[int, ...]": ListOf(Int(0, 10 ** 15)), "tuple[str, ...]": ListOf(Text())}  # by the field's annotation
-_MODEL_ZERO = {"kv_heads", "ffn_size", "rope_scaling"}  # 0 means "none" in a spec, which model files leave out
+_MODEL_ZERO = {"kv_heads", "ffn_size", "rope_scaling", "experts", "top_k", "capacity_factor"}  # 0 means "none" in a spec, which model files leave out
 
 
 def _table(cls, rules: dict | None = None, extra: dict | None = None) -> Table:
@@ -249,7 +249,7 @@ def validate_program(program: Program, where: str = "program", progress: Callabl
         if _canonical_key(op) != want[op.name]:
             raise InputError(f"{where}: op {op.name} differs from the program of its model, grid and switches "
                              "(only the order of the ops and their deps may be edited)")
-        if op.stream not in STREAMS or (op.is_collective and op.stream != op.axis):
+        if op.stream not in STREAMS or (op.is_collective and op.stream != {"expert": "data", "edata": "data"}.get(op.axis, op.axis)):
             raise InputError(f"{where}: op {op.name} runs on stream {op.stream!r}: use compute or its axis")
         bad = [d for d in op.deps if not (isinstance(d, int) and 0 <= d < i)]
         if bad:
