@@ -4,7 +4,7 @@ Hugging Face Mixtral in and out with transformers' logits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
 import pytest
 
@@ -13,30 +13,14 @@ torch = pytest.importorskip("torch")
 from backend.models.llama import ReferenceLlama, hf_shapes  # noqa: E402
 from backend.models.moe import moe_forward  # noqa: E402
 from backend.models.reference import ReferenceGPT  # noqa: E402
-from backend.runtime.moe import (aux_grad, aux_loss, capacity, keep_mask, route,  # noqa: E402
+from backend.runtime.moe import (aux_grad, aux_loss, capacity, expert_counts, keep_mask, route,  # noqa: E402
                                  weights_grad_to_logits)
 from twin.program.model import ModelSpec, load_model  # noqa: E402
 
 
-@dataclass(frozen=True)
-class _MoESpec(ModelSpec):  # a stand-in where ModelSpec has no MoE fields yet (issue 43 adds them)
-    experts: int = 4
-    top_k: int = 2
-    moe_every: int = 1
-    capacity_factor: float = 0.0
-    router_aux_coef: float = 0.01
-
-
 def mixtral_tiny(**kw) -> ModelSpec:
-    """mixtral-tiny (or its stand-in: llama-tiny's sizes with 4 experts, top-2), changed by `kw`."""
-    if "experts" in {f.name for f in fields(ModelSpec)}:
-        try:
-            return replace(load_model("mixtral-tiny"), **kw)
-        except Exception:  # noqa: BLE001 - not shipped yet
-            pass
-    base = load_model("llama-tiny")
-    return _MoESpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, "name": "mixtral-tiny",
-                       "ffn_size": 128, "vocab": 256, "seq_len": 32, **kw})
+    """mixtral-tiny (4 SwiGLU experts, top-2, every block), changed by `kw`."""
+    return replace(load_model("mixtral-tiny"), **kw)
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -52,21 +36,22 @@ def test_routing_renormalises_the_top_k_and_capacity_keeps_the_first_tokens():
     assert keep_mask(idx, 3, None).all()
 
 
-def test_balanced_routing_has_aux_loss_one_and_the_hand_gradients_match_autograd():
+def test_balanced_routing_has_aux_loss_top_k_and_the_hand_gradients_match_autograd():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(12, 4, generator=g, requires_grad=True)
     probs, idx, w = route(logits, 2)
     balanced = torch.arange(8).view(4, 2) % 4
-    assert float(aux_loss(torch.full((4, 4), 0.25), balanced)) == pytest.approx(1.0)
+    assert float(aux_loss(torch.full((4, 4), 0.25), balanced)) == pytest.approx(2.0)  # balanced: top_k
     (want,) = torch.autograd.grad(0.3 * aux_loss(probs, idx), logits, retain_graph=True)
-    assert torch.allclose(aux_grad(probs.detach(), idx, 0.3), want, atol=1e-7)
+    assert torch.allclose(aux_grad(probs.detach(), expert_counts(idx, 4), 12, 0.3), want, atol=1e-7)
     dw = torch.randn(12, 2, generator=g)
     (want,) = torch.autograd.grad((w * dw).sum(), logits)
     assert torch.allclose(weights_grad_to_logits(probs.detach(), idx, dw), want, atol=1e-6)
 
 
 def test_capacity_and_aux_loss_are_per_group():
-    """Two groups with a capacity: each group is routed as if alone (what a rank's micro-batch is)."""
+    """Two groups with a capacity: each group is routed as if alone (what a rank's micro-batch is);
+    the auxiliary loss is over the micro-batch's groups together."""
     g = torch.Generator().manual_seed(1)
     x, wr = torch.randn(16, 8, generator=g), torch.randn(8, 4, generator=g)
     ups = [torch.randn(8, 8, generator=g) for _ in range(4)]
@@ -76,7 +61,10 @@ def test_capacity_and_aux_loss_are_per_group():
 
     y, aux = run(x, 2)
     (y0, a0), (y1, a1) = run(x[:8], 1), run(x[8:], 1)
-    assert torch.equal(y, torch.cat([y0, y1])) and float(aux) == pytest.approx(float(a0 + a1) / 2)
+    assert torch.equal(y, torch.cat([y0, y1])) and float(aux) != pytest.approx(float(a0 + a1) / 2)
+    # two micro-batches: the loss of each group alone, averaged
+    assert float(moe_forward(x, lambda u: u @ wr, lambda e, u: u, 4, 2, 0.5, 2, 2)[1]) == \
+        pytest.approx(float(a0 + a1) / 2)
     dropped = (run(x, 1)[0] - y).abs().max()
     assert dropped > 0  # grouping changes which tokens a capacity drops
 
@@ -91,7 +79,7 @@ def test_reference_models_with_moe_blocks_train():
             assert hasattr(ref.model.layers[1], "block_sparse_moe") and hasattr(ref.model.layers[0], "mlp")
         else:
             base = load_model("gpt-tiny")
-            spec = _MoESpec(**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, moe_every=2)
+            spec = replace(base, experts=4, top_k=2, moe_every=2)
             ref = ReferenceGPT(spec, seed=3)
             assert hasattr(ref.blocks[1], "moe") and not hasattr(ref.blocks[1], "mlp_up")
         tokens = torch.randint(0, spec.vocab, (4, spec.seq_len), generator=torch.Generator().manual_seed(0))

@@ -168,7 +168,7 @@ class ReferenceLlama(nn.Module):
                 if p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
-    def logits(self, tokens: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
         """Logits [batch, s, vocab] in fp32 of token ids [batch, s]. MoE layers (Mixtral): their mean
         auxiliary loss is left in `self.aux` (capacity and the loss per group of tokens:
         backend.models.moe)."""
@@ -192,7 +192,7 @@ class ReferenceLlama(nn.Module):
             x = x + a.o_proj(o)
             hn = layer.post_attention_layernorm(x)
             if hasattr(layer, "block_sparse_moe"):
-                y, aux = layer.block_sparse_moe(hn, groups)
+                y, aux = layer.block_sparse_moe(hn, groups, micro_batches)
                 x, auxes = x + y, auxes + [aux]
                 continue
             m = layer.mlp
@@ -200,10 +200,10 @@ class ReferenceLlama(nn.Module):
         self.aux = torch.stack(auxes).mean() if auxes else None
         return self.lm_head(self.model.norm(x)).float()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
         """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE, plus, for a MoE
-        model, router_aux_coef times the auxiliary loss (mean over MoE layers and `groups`)."""
-        logits = self.logits(tokens, groups)
+        model, router_aux_coef times the auxiliary loss (mean over MoE layers and micro-batches; `groups`: backend.models.moe)."""
+        logits = self.logits(tokens, groups, micro_batches)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
         return loss if self.aux is None else loss + aux_coef_of(self.spec) * self.aux
 

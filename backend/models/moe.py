@@ -10,15 +10,16 @@ A MoE block (the fields are ModelSpec's, pinned in docs/moe-backend.md):
 - capacity: with capacity_factor c > 0 each expert takes at most ceil(c * T * top_k / E) of the T
   tokens of a group (a rank's micro-batch), first come first served by the token's position; a
   dropped choice contributes zero (the residual carries the token). c = 0: dropless;
-- the load-balancing loss of a group, E * sum_i f_i * P_i, with f_i the fraction of the group's
-  T * top_k choices that picked expert i (before any drop; no gradient) and P_i the mean router
-  probability of expert i over the group's tokens. Balanced routing gives 1. The model adds
-  router_aux_coef times its mean over groups and MoE layers to the language-model loss.
+- the load-balancing loss of a micro-batch, E * sum_i f_i * P_i, with f_i the fraction of its T
+  tokens whose top-k include expert i (before any drop; no gradient) and P_i the mean router
+  probability of expert i over them (Mixtral's form: balanced routing gives top_k). The model adds
+  router_aux_coef times its mean over micro-batches and MoE layers to the language-model loss.
 
-`groups`: the reference computes over the whole batch, a 4D run over each rank's micro-batch; so
-capacity and the auxiliary loss are taken per group, the batch's tokens cut into `groups` equal
-contiguous chunks in batch order (G_z * G_data * micro-batches: a rank's shard of whole sequences,
-then its micro-batches), which gives the 4D run's numbers exactly.
+`groups`, `micro_batches`: the reference computes over the whole batch, a 4D run over each rank's
+micro-batch; so capacity is taken per group, the batch's tokens cut into `groups` equal contiguous
+chunks in batch order (G_z * G_data * micro-batches: a rank's shard of whole sequences, then its
+micro-batches), and the auxiliary loss per micro-batch (group g is in micro-batch g % micro_batches),
+which gives the 4D run's numbers exactly.
 """
 
 from __future__ import annotations
@@ -29,23 +30,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.runtime.moe import aux_loss, capacity, keep_mask, route
+from backend.runtime.moe import capacity, expert_counts, keep_mask, route
 
 
 # -- the reference block ---------------------------------------------------------------------------
 def moe_forward(x: torch.Tensor, router: Callable[[torch.Tensor], torch.Tensor],
                 expert: Callable[[int, torch.Tensor], torch.Tensor], experts: int, top_k: int,
-                capacity_factor: float = 0.0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A MoE block on tokens x [T, h] (autograd-friendly): (output [T, h], the mean over groups of the
-    auxiliary loss). router(x) -> logits [T, E]; expert(e, x_e) -> its MLP's output."""
+                capacity_factor: float = 0.0, groups: int = 1, micro_batches: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block on tokens x [T, h] (autograd-friendly): (output [T, h], auxiliary loss).
+    router(x) -> logits [T, E]; expert(e, x_e) -> its MLP's output.
+
+    The T tokens are `groups` equal contiguous groups (a rank's micro-batch each, in batch order:
+    shard-major, micro-batch minor): capacity applies per group. Group g belongs to micro-batch
+    g % micro_batches; the auxiliary loss is E * sum_i f_i P_i over each micro-batch's tokens (all
+    its groups), averaged over the micro-batches."""
     T = x.shape[0]
-    if T % groups:
-        raise ValueError(f"{T} tokens do not split into {groups} equal groups")
-    outs, aux = [], x.new_zeros((), dtype=torch.float32)
+    if T % groups or groups % micro_batches:
+        raise ValueError(f"{T} tokens do not split into {groups} equal groups of {micro_batches} micro-batches")
+    outs, counts, psums = [], [], []
     for chunk in x.split(T // groups):
         probs, idx, weights = route(router(chunk), top_k)
         keep = keep_mask(idx, experts, capacity(chunk.shape[0], top_k, experts, capacity_factor))
-        aux = aux + aux_loss(probs, idx)
+        counts.append(expert_counts(idx, experts))
+        psums.append(probs.sum(0))
         y = torch.zeros_like(chunk)
         for e in range(experts):
             tok, slot = torch.where((idx == e) & keep)
@@ -53,7 +61,13 @@ def moe_forward(x: torch.Tensor, router: Callable[[torch.Tensor], torch.Tensor],
                 ye = expert(e, chunk[tok]) * weights[tok, slot, None].to(chunk.dtype)
                 y = y.index_add(0, tok, ye.to(y.dtype))
         outs.append(y)
-    return torch.cat(outs), aux / groups
+    aux = x.new_zeros((), dtype=torch.float32)
+    tokens = T // micro_batches
+    for j in range(micro_batches):
+        f = sum(counts[g] for g in range(j, groups, micro_batches)) / tokens
+        p = sum(psums[g] for g in range(j, groups, micro_batches)) / tokens
+        aux = aux + experts * (f * p).sum()
+    return torch.cat(outs), aux / micro_batches
 
 
 class MixtralMoE(nn.Module):
@@ -76,10 +90,10 @@ class MixtralMoE(nn.Module):
         m = self.experts[e]
         return m.w2(F.silu(m.w1(x)) * m.w3(x))
 
-    def forward(self, x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., h] -> (output of the same shape, auxiliary loss)."""
+    def forward(self, x: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., h] -> (output of the same shape, auxiliary loss): moe_forward."""
         y, aux = moe_forward(x.reshape(-1, x.shape[-1]), self.gate, self._expert, self.n_experts, self.top_k,
-                             self.capacity_factor, groups)
+                             self.capacity_factor, groups, micro_batches)
         return y.view_as(x), aux
 
 
@@ -103,7 +117,7 @@ class GPTMoE(nn.Module):
         m = self.experts[e]
         return F.gelu(x @ m.mlp_up) @ m.mlp_down
 
-    def forward(self, x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         y, aux = moe_forward(x.reshape(-1, x.shape[-1]), lambda t: t @ self.router, self._expert,
-                             self.n_experts, self.top_k, self.capacity_factor, groups)
+                             self.n_experts, self.top_k, self.capacity_factor, groups, micro_batches)
         return y.view_as(x), aux

@@ -53,7 +53,7 @@ class ReferenceGPT(nn.Module):
             self.blocks.append(b)
         self.lnf = nn.LayerNorm(h)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
         """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE (plus, with MoE
         layers, router_aux_coef times their auxiliary loss, its mean over layers and `groups`:
         backend.models.moe)."""
@@ -66,7 +66,7 @@ class ReferenceGPT(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, s, -1)
             x = x + a @ b.attn_out
             if hasattr(b, "moe"):
-                y, aux = b.moe(b.ln2(x), groups)
+                y, aux = b.moe(b.ln2(x), groups, micro_batches)
                 x, auxes = x + y, auxes + [aux]
             else:
                 x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down

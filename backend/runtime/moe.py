@@ -4,8 +4,11 @@
 Router: softmax over the E experts in fp32, the top_k experts of each token, their probabilities
 renormalised over the k chosen (Mixtral's rule). Capacity (capacity_factor c > 0): each expert takes
 at most ceil(c * T * top_k / E) of the T tokens of a group, first come first served by position; c = 0
-is dropless. Load-balancing loss of a group: E * sum_i f_i P_i, f_i the fraction of the T * top_k
-choices that picked expert i (no gradient), P_i the mean router probability of expert i.
+is dropless. Load-balancing loss of a micro-batch (Mixtral's form, as transformers computes it):
+E * sum_i f_i P_i, f_i the fraction of the T tokens whose top-k include expert i (counted before any
+drop; no gradient), P_i the mean router probability of expert i over the T tokens. Balanced routing
+gives top_k. T is the micro-batch's tokens over all ranks: a rank adds its own tokens' share of P
+(the loss is linear in P given the global counts).
 """
 
 from __future__ import annotations
@@ -88,23 +91,24 @@ def keep_mask(idx: torch.Tensor, experts: int, cap: int | None) -> torch.Tensor:
     return before < cap
 
 
-def choice_fractions(idx: torch.Tensor, experts: int) -> torch.Tensor:
-    """f_i: the fraction of the T * k choices that picked expert i ([E], fp32, no gradient)."""
-    counts = torch.bincount(idx.reshape(-1), minlength=experts).float()
-    return counts / idx.numel()
+def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many tokens chose each expert ([E], fp32: what the counts' all-reduces sum)."""
+    return torch.bincount(idx.reshape(-1), minlength=experts).float()
 
 
 def aux_loss(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The load-balancing loss of one group: E * sum_i f_i * P_i (fp32 scalar; gradient through P)."""
-    experts = probs.shape[-1]
-    return experts * (choice_fractions(idx, experts) * probs.mean(0)).sum()
-
-
-def aux_grad(probs: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """d(scale * aux_loss)/d(router logits) [T, E] fp32: through the softmax of P_i's gradient
-    scale * E * f_i / T."""
+    """The load-balancing loss of one group of T tokens alone: E * sum_i f_i * P_i (fp32 scalar;
+    gradient through P)."""
     T, experts = probs.shape
-    dp = (scale * experts / T) * choice_fractions(idx, experts)[None, :].expand(T, -1)
+    return experts * (expert_counts(idx, experts) / T * probs.mean(0)).sum()
+
+
+def aux_grad(probs: torch.Tensor, counts: torch.Tensor, tokens: int, scale: float) -> torch.Tensor:
+    """d(scale * E * sum_i f_i P_i)/d(router logits) of this rank's tokens [t, E] fp32, where f_i =
+    counts_i / tokens and P_i sums over `tokens` tokens (these t and the other ranks'): through the
+    softmax of dP_i/dp_ti = 1/tokens."""
+    experts = probs.shape[-1]
+    dp = (scale * experts / tokens ** 2) * counts.float()[None, :].expand(probs.shape[0], -1)
     return probs * (dp - (dp * probs).sum(-1, keepdim=True))
 
 
