@@ -126,3 +126,183 @@ def weights_grad_to_logits(probs: torch.Tensor, idx: torch.Tensor, dweights: tor
         w = top / top.sum(-1, keepdim=True)
         (g,) = torch.autograd.grad(w, logits, dweights.float())
     return g
+
+
+# -- the executor's MoE kernels (twin/program/moe.py names the ops and their buffers) ----------------
+class Routing:
+    """The value of a block's `router.idx` buffer: this rank's routing of its m tokens and the layout
+    of the rows it sends and its experts receive.
+
+    Send order (the `moe.send` rows): kept choices sorted by expert, then by token position; expert e
+    lives on expert-group member e // n_local as its local expert e % n_local. Expert order (the rows
+    the local experts compute on): by local expert, then source member, then the source's order.
+    `recv` ([E_p, n_local] counts of rows from each source for each local expert) is learnt by the
+    dispatch's count exchange (all_to_all of ints); with E_p = 1 it is the send counts."""
+
+    def __init__(self, idx: torch.Tensor, keep: torch.Tensor, experts: int, members: int):
+        self.idx, self.keep, self.experts, self.members = idx, keep, experts, members
+        self.n_local = experts // members
+        flat_e = torch.where(keep, idx, experts).reshape(-1)   # dropped choices sort last
+        order = torch.sort(flat_e, stable=True).indices          # token-major flat order: by expert, then token
+        kept = int(keep.sum())
+        order = order[:kept]
+        k = idx.shape[1]
+        self.tok, self.slot = order // k, order % k
+        self.send_counts = torch.bincount(flat_e[order], minlength=experts)  # [E] rows sent to each expert
+        self.recv: torch.Tensor | None = None if members > 1 else self.send_counts.view(1, experts)
+        self._perm: torch.Tensor | None = None
+
+    def send_splits(self) -> list[int]:
+        """Rows sent to each member of the expert group."""
+        return self.send_counts.view(self.members, self.n_local).sum(1).tolist()
+
+    def recv_splits(self) -> list[int]:
+        """Rows received from each member."""
+        return self.recv.sum(1).tolist()
+
+    def expert_rows(self) -> list[int]:
+        """Rows of each local expert in expert order."""
+        return self.recv.sum(0).tolist()
+
+    def to_expert_order(self) -> torch.Tensor:
+        """Index: expert-order row i is received (source-major) row perm[i]."""
+        if self._perm is None:
+            counts = self.recv.reshape(-1)
+            starts = torch.cumsum(counts, 0) - counts
+            blocks = [torch.arange(int(starts[s * self.n_local + l]), int(starts[s * self.n_local + l] + counts[s * self.n_local + l]))
+                      for l in range(self.n_local) for s in range(self.members)]
+            self._perm = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
+        return self._perm
+
+
+def _router_weight(run, op) -> torch.Tensor:
+    return run.model.router_weight(op.weight)
+
+
+def router(run, op, x: torch.Tensor) -> torch.Tensor:
+    """Router logits of this rank's x-shard of features: [m, h/G_x] @ [h/G_x, E], fp32 (summed over x)."""
+    return x.float() @ _router_weight(run, op).float()
+
+
+def router_topk(run, op, logits: torch.Tensor):
+    """Softmax (fp32), top-k, renormalised gates; the Routing (capacity: per this rank's m tokens); this
+    rank's per-expert counts (summed over z and data by the counts' all-reduces). In the forward pass
+    the rank's share of the auxiliary loss's P is kept for the loss value."""
+    spec, members = run.model.spec, run.model.ctx.size("expert")
+    e, k = experts_of(spec), top_k_of(spec)
+    probs, idx, gates = route(logits, k)
+    keep = keep_mask(idx, e, capacity(idx.shape[0], k, e, capacity_factor_of(spec)))
+    counts = expert_counts(idx, e)
+    if op.phase == "fwd":
+        run.aux_parts.append((probs.sum(0), counts, idx.shape[0]))
+    return probs, gates, Routing(idx, keep, e, members), counts
+
+
+def moe_permute(run, op, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The rows this rank sends, in send order (kept choices only: the actual counts)."""
+    return x[routing.tok]
+
+
+def moe_unpermute(run, op, back: torch.Tensor, gates: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Each token's output: the sum of its kept rows (returned in send order) times their gates."""
+    m = routing.idx.shape[0]
+    out = torch.zeros((m, back.shape[1]), dtype=torch.float32, device=back.device)
+    out.index_add_(0, routing.tok, back.float() * gates[routing.tok, routing.slot, None])
+    return out.to(back.dtype)
+
+
+def moe_unpermute_bwd(run, op, dout: torch.Tensor, back: torch.Tensor, gates: torch.Tensor, routing: Routing):
+    """d(rows) = dout of the row's token times its gate; d(gates) partial over this rank's features."""
+    d = dout[routing.tok].float()
+    drows = (d * gates[routing.tok, routing.slot, None]).to(dout.dtype)
+    dgates = torch.zeros(gates.shape, dtype=torch.float32, device=dout.device)
+    dgates[routing.tok, routing.slot] = (d * back.float()).sum(-1)
+    return drows, dgates
+
+
+def router_topk_bwd(run, op, dgates: torch.Tensor, probs: torch.Tensor, routing: Routing, counts: torch.Tensor):
+    """d(logits): the renormalised top-k softmax's backward of d(gates), plus the auxiliary loss's
+    gradient (its f from the micro-batch's global counts, its P over the micro-batch's T tokens)."""
+    g = weights_grad_to_logits(probs, routing.idx, dgates)
+    tokens = probs.shape[0] * run.model.ctx.batch_shards
+    return g + aux_grad(probs, counts, tokens, run.dloss * run.aux_scale)
+
+
+def router_dgrad(run, op, dlogits: torch.Tensor) -> torch.Tensor:
+    """This rank's x-shard of the router's input gradient: d(logits) @ W^T (no reduction needed)."""
+    return (dlogits @ _router_weight(run, op).float().t()).to(run.model.ctx.compute_dtype)
+
+
+def router_wgrad(run, op, x: torch.Tensor, dlogits: torch.Tensor) -> torch.Tensor:
+    """The router's weight gradient x^T d(logits) [h/G_x, E] (fp32), accumulated into its parameter."""
+    return x.float().t() @ dlogits
+
+
+def moe_permute_bwd(run, op, drows: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """d(input) of the tokens: the scatter-add of their rows' gradients (send order)."""
+    m = routing.idx.shape[0]
+    out = torch.zeros((m, drows.shape[1]), dtype=torch.float32, device=drows.device)
+    out.index_add_(0, routing.tok, drows.float())
+    return out.to(drows.dtype)
+
+
+def grouped_gemm(run, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One GEMM per local expert on its rows (expert order), each with its own weight of the stack
+    [n_local, k, n]: NN rows @ W_e, NT rows @ W_e^T, TN (weight gradient) rows_a^T rows_b -> the stack."""
+    routing = run.routing_of(op)
+    rows = routing.expert_rows()
+    if op.layout == "TN":
+        out = torch.zeros((len(rows), a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
+        for e, (ra, rb) in enumerate(zip(a.split(rows), b.split(rows))):
+            if ra.shape[0]:
+                out[e] = ra.t() @ rb
+        return out
+    w = b if op.layout == "NN" else b.transpose(1, 2)
+    outs = [ra @ w[e] for e, ra in enumerate(a.split(rows))]
+    return torch.cat(outs) if outs else a.new_zeros((0, w.shape[2]))
+
+
+def aux_value(run, experts: int, shards: int) -> torch.Tensor:
+    """This rank's share of the micro-batch's load-balancing loss, times its coefficient and
+    1 / (MoE layers * micro-batches): sum over blocks of E * sum_i (counts_i / T) (P-sum_i / T), where the
+    counts are global (their all-reduces complete) and T = this rank's tokens * G_z * G_data."""
+    total = torch.zeros((), dtype=torch.float32)
+    for psum, counts, m in run.aux_parts:
+        t = m * shards
+        total = total + experts * (counts.float().cpu() / t * psum.float().cpu() / t).sum()
+    return total.to(run.aux_parts[0][0].device) * run.aux_scale
+
+
+def routing_sources(program) -> dict[int, tuple[str, int]]:
+    """For every all-to-all and grouped GEMM of an MoE program: (the `router.idx` buffer whose
+    routing it follows, how many all-to-alls lie between it and where its rows were laid out). Found
+    by walking each op's first input back through the ops that wrote it to the block's moe_permute
+    (forward) or moe_unpermute_bwd (backward); an even count means the rows travel toward the experts."""
+    writer: dict[str, int] = {}
+    source: dict[int, dict[str, int]] = {}
+    routings = set()  # the buffers router_topk writes its Routing to (its third output)
+    for op in program.ops:
+        source[op.index] = {name: writer[name] for name in op.reads if name in writer}
+        for name in op.writes:
+            writer[name] = op.index
+        if op.role == "router_topk":
+            routings.add(op.writes[2])
+    ops = program.ops
+    out = {}
+    for op in ops:
+        if op.kind != "all_to_all" and op.role != "grouped_gemm":
+            continue
+        cur, crossed = op, 0
+        while cur.role not in ("moe_permute", "moe_unpermute_bwd"):
+            prev = ops[source[cur.index][cur.reads[0]]]
+            crossed += prev.kind == "all_to_all"
+            cur = prev
+        idx = [name for name in cur.reads if name in routings]
+        out[op.index] = (idx[0], crossed)
+    return out
+
+
+MOE_COMPUTE = {"router": router, "router_topk": router_topk, "moe_permute": moe_permute,
+               "moe_unpermute": moe_unpermute, "moe_unpermute_bwd": moe_unpermute_bwd,
+               "router_topk_bwd": router_topk_bwd, "router_dgrad": router_dgrad, "router_wgrad": router_wgrad,
+               "moe_permute_bwd": moe_permute_bwd, "grouped_gemm": grouped_gemm}
