@@ -161,3 +161,52 @@ def test_reference_mixtral_reads_transformers_files_and_gives_its_logits(hf_mixt
     assert type(back).__name__ == "MixtralForCausalLM"
     with torch.no_grad():
         assert torch.equal(back(hf_mixtral["tokens"]).logits.float(), hf_mixtral["logits"])
+
+
+def _import_on_grid(ctx, model_dir: str, tokens, targets, ckpt_dir: str) -> dict:
+    from backend.hf.load import HFCheckpoint, load_into
+    from backend.models.llama import Llama, gather_hf
+    from backend.runtime import checkpoint
+
+    spec = HFCheckpoint(model_dir).spec(seq_len=tokens.shape[1])
+    model = Llama(spec, ctx)
+    load_into(model, model_dir)
+    with torch.no_grad():
+        loss = float(model(tokens.chunk(ctx.batch_shards)[ctx.batch_shard], targets.chunk(ctx.batch_shards)[ctx.batch_shard]))
+    same = all(torch.equal(v, _files_state_dir(model_dir)[k]) for k, v in gather_hf(model).items())
+    checkpoint.save(ckpt_dir, 1, ctx.rank, {"model": model.state_dict()}, checkpoint.make_meta(1, ctx.grid, spec))
+    return {"loss": loss, "same": same, "experts": spec.experts}
+
+
+def _files_state_dir(folder: str) -> dict:
+    from pathlib import Path
+
+    return _files_state(Path(folder))
+
+
+def test_mixtral_import_on_an_expert_grid_and_export_back_give_transformers_logits(hf_mixtral, tmp_path):
+    """A transformers Mixtral imported on 2x1x1x2e2 (experts over 2 ranks, features over x): every
+    tensor gathers back bit for bit, the loss is the reference's on the same files (transformers'
+    logits), and `export` of the run's checkpoint loads into transformers with identical logits."""
+    from backend_helpers import run_on_grid
+
+    from backend.hf.export import export
+    from backend.hf.load import HFCheckpoint
+
+    transformers = pytest.importorskip("transformers")
+    tokens = hf_mixtral["tokens"]
+    targets = torch.roll(tokens, -1, 1)
+    results = run_on_grid("2x1x1x2e2", _import_on_grid, str(hf_mixtral["dir"]), tokens, targets, str(tmp_path / "ckpt"))
+    spec = HFCheckpoint(hf_mixtral["dir"]).spec(seq_len=32)
+    ref = ReferenceLlama(spec)
+    ref.load_state_dict(_files_state(hf_mixtral["dir"]))
+    with torch.no_grad():
+        want = float(ref(tokens, targets, groups=2))
+    for rank, r in enumerate(results):
+        assert r["same"] and r["experts"] == 4, rank
+        assert r["loss"] == pytest.approx(want, rel=1e-5), rank
+    export(tmp_path / "ckpt", tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert type(back).__name__ == "MixtralForCausalLM" and back.config.num_local_experts == 4
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits.float(), hf_mixtral["logits"])
