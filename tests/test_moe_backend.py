@@ -210,3 +210,27 @@ def test_mixtral_import_on_an_expert_grid_and_export_back_give_transformers_logi
     assert type(back).__name__ == "MixtralForCausalLM" and back.config.num_local_experts == 4
     with torch.no_grad():
         assert torch.equal(back(tokens).logits.float(), hf_mixtral["logits"])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "mixtral-tiny", "--grid", "1x1x1x6e3", "--batch", "6"], ("4 experts", "E_p=3")),
+    (["--model", "mixtral-tiny", "--grid", "1x1x1x4e3"], ("E_p=3", "G_data=4")),
+    (["--model", "{dir}/topk.toml", "--grid", "1x1x1x2e2"], ("top_k 5",)),
+    (["--model", "{dir}/cf.toml", "--grid", "1x1x1x2e2"], ("capacity_factor",)),
+])
+def test_bad_moe_input_to_backend_run_is_one_line_exit_2(tmp_path, args, words):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from backend.cli.main import app
+    from twin.program.model import MODELS_DIR
+
+    text = (Path(MODELS_DIR) / "mixtral-tiny.toml").read_text()
+    (tmp_path / "topk.toml").write_text(text.replace("top_k = 2", "top_k = 5"))
+    (tmp_path / "cf.toml").write_text(text.replace("top_k = 2", "top_k = 2\ncapacity_factor = -1.0"))
+    args = [a.replace("{dir}", str(tmp_path)) for a in args]
+    r = CliRunner().invoke(app, ["run", *args, "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.output
