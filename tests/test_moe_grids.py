@@ -111,3 +111,35 @@ def test_moe_grid_matches_reference(grid: str, cf: float, options: Options, batc
         for stream in STREAMS:
             assert [o for o in got if o[2] == stream] == [o for o in want if o[2] == stream], \
                 f"rank {rank}: recorded {stream} ops differ from the program"
+
+
+def _compare_gpt(ctx, batch: int) -> dict:
+    from backend.models.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference
+
+    spec = replace(load_model("gpt-tiny"), experts=4, top_k=2, moe_every=2, capacity_factor=1.5, router_aux_coef=0.05)
+    ref = ReferenceGPT(spec, seed=5)
+    with torch.no_grad():
+        ref.blocks[1].moe.router.mul_(30)
+    model = make_model(spec, ctx)
+    load_from_reference(model, ref.state_dict())
+    back = gather_full(model)
+    same = all(torch.equal(back[k], v) for k, v in ref.state_dict().items() if k in back) and \
+        set(back) == {k for k, _ in ref.named_parameters()}
+    tokens = torch.randint(0, spec.vocab, (batch, spec.seq_len), generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(tokens, -1, 1)
+    ref_loss = ref(tokens, targets, groups=ctx.batch_shards)
+    ref_loss.backward()
+    loss = model(local_batch(tokens, model), local_batch(targets, model))
+    loss.backward()
+    reduce_gradients(model)
+    full = gather_full_grads(model)
+    err = max(float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12) for k, p in ref.named_parameters())
+    return {"same": same, "loss": float(loss), "ref_loss": float(ref_loss), "err": err}
+
+
+def test_gpt_moe_on_2x1x2x2e2_matches_reference_gpt() -> None:
+    """A GPT with GELU experts on every second block (capacity 1.5) on x, z and E_p = 2."""
+    for rank, r in enumerate(run_on_grid("2x1x2x2e2", _compare_gpt, 8)):
+        assert r["same"], rank
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), rank
+        assert r["err"] < 1e-4, (rank, r["err"])

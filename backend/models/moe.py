@@ -98,8 +98,8 @@ class MixtralMoE(nn.Module):
 
 
 class GPTMoE(nn.Module):
-    """A GPT's MoE block in ReferenceGPT's layout (y = x @ W): `router` [h, E], `experts.<e>.mlp_up`
-    [h, F] and `experts.<e>.mlp_down` [F, h], GELU between."""
+    """A GPT's MoE block in ReferenceGPT's layout (y = x @ W): `router` [h, E], the experts stacked,
+    `mlp_up` [E, h, F] and `mlp_down` [E, F, h], GELU between."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, capacity_factor: float = 0.0,
                  init: Callable[..., nn.Parameter] | None = None):
@@ -107,15 +107,10 @@ class GPTMoE(nn.Module):
         init = init or (lambda *shape: nn.Parameter(torch.randn(shape) * 0.02))
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, experts
         self.router = init(hidden, experts)
-        self.experts = nn.ModuleList()
-        for _ in range(experts):
-            e = nn.Module()
-            e.mlp_up, e.mlp_down = init(hidden, ffn), init(ffn, hidden)
-            self.experts.append(e)
+        self.mlp_up, self.mlp_down = init(experts, hidden, ffn), init(experts, ffn, hidden)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        m = self.experts[e]
-        return F.gelu(x @ m.mlp_up) @ m.mlp_down
+        return F.gelu(x @ self.mlp_up[e]) @ self.mlp_down[e]
 
     def forward(self, x: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         y, aux = moe_forward(x.reshape(-1, x.shape[-1]), lambda t: t @ self.router, self._expert,
