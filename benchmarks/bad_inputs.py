@@ -127,6 +127,26 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str, dict]]:
     model("layers=true", "layers", "true")
     model("tied_embeddings='no'", "tied_embeddings", '"no"')
     model("hidden=1.5", "hidden", "1.5")
+    # mixture of experts (docs/moe.md)
+    moe = ["--model", "mixtral-tiny", "--gpus", "8"]
+    out.append(("twin moe: E_p does not divide the experts", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                                    "--grid", "1x1x1x8e8"], "error", {}))
+    out.append(("twin moe: E_p does not divide G_data", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                              "--grid", "1x1x1x8e3"], "error", {}))
+    out.append(("twin moe: e0", twin + ["program", "--model", "mixtral-tiny", "--grid", "1x1x1x8e0"], "error", {}))
+    out.append(("twin moe: --moe-imbalance 9", twin + ["simulate", "--system", "perlmutter", *moe, "--grid",
+                                                      "1x1x1x8e2", "--moe-imbalance", "9"], "error", {}))
+    out.append(("twin moe: --moe-imbalance nan", twin + ["simulate", "--system", "perlmutter", *moe, "--grid",
+                                                        "1x1x1x8e2", "--moe-imbalance", "nan"], "error", {}))
+    out.append(("twin moe: --moe-imbalance on a dense model", twin + ["simulate", "--system", "perlmutter", *small,
+                                                                     "--moe-imbalance", "2"], "error", {}))
+    for name, extra in (("top_k > experts", "experts = 4\ntop_k = 5\n"), ("capacity_factor=0", "experts = 4\ntop_k = 2\ncapacity_factor = 0\n"),
+                        ("capacity_factor=-1", "experts = 4\ntop_k = 2\ncapacity_factor = -1\n"),
+                        ("top_k without experts", "top_k = 2\n")):
+        path = file(f"moe-{name}.toml", TINY + "\n" + extra)
+        out.append((f"twin moe model {name}", twin + ["program", "--model", path, "--grid", "1x1x1x1"], "error", {}))
+    out.append(("twin good: simulate mixtral-tiny 1x1x1x8e4", twin + ["simulate", "--system", "perlmutter", *moe,
+                                                                     "--grid", "1x1x1x8e4", "--json"], "ok", {}))
     # usage errors
     out.append(("twin usage: unknown option", twin + ["simulate", "--system", "cpu", "--bogus"], "error", {}))
     out.append(("twin usage: --gpus abc", twin + ["simulate", "--system", "cpu", "--gpus", "abc"], "error", {}))

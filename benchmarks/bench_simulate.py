@@ -7,6 +7,7 @@ Each figure is a whole `twin` process (imports included), as a user runs it:
 2. `twin search --system frontier --model gpt-320b --gpus 32768 --top 10` (every grid ranked, top 10
    simulated and any other that could beat them);
 3. full mode: gpt-5b on 4,096 GCDs (grid 2x2x2x512), simulated ops per second of the whole process;
+6. mixture of experts: mixtral-8x7b on 1,024 Frontier GCDs, grid auto (E_p among the searched axes);
 4. CPU: gpt-small on 8 ranks of the 2-core CPU system with a grid (1x1x4x2) and with grid auto, both
    with this checkout's twin/profiles/cpu.toml (so that both checkouts read the same figures):
    a grid's stretch is a fixed point of simulations, each the mean of twin.host.spread's drawn runs;
@@ -60,6 +61,8 @@ CASES = [
      ">= 1 M ops/s"),
     ("cpu: gpt-small on 8 ranks --grid 1x1x4x2", CPU + ["--grid", "1x1x4x2", "--json"], "< 1 s"),
     ("cpu: gpt-small on 8 ranks (grid auto)", CPU + ["--json"], "< 4 s"),
+    ("moe: mixtral-8x7b on 1,024 GCDs (grid auto, E_p searched)", ["simulate", "--system", "frontier", "--model",
+                                                                   "mixtral-8x7b", "--gpus", "1024", "--json"], "< 2 s"),
 ]
 MACHINE = ("full: gpt-320b on 32,768 GCDs 2x32x64x8", ["simulate", "--system", "frontier", "--grid", "2x32x64x8",
                                                       "--full", "--json"], "< 300 s, < 12 GB")

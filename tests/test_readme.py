@@ -83,6 +83,12 @@ TWIN.update({  # docs/pipeline.md
     "twin simulate --system frontier --model gpt-320b --gpus 32768 --grid auto":
         ["simulate", "--system", "frontier", *SMALL, "--simulate-top", "1"],
 })
+TWIN.update({  # docs/moe.md: mixtral-8x7b's grid auto on 128 GCDs in place of 1,024
+    "twin simulate --system frontier --model mixtral-8x7b --gpus 1024":
+        ["simulate", "--system", "frontier", "--model", "mixtral-8x7b", "--gpus", "128", "--batch", "128",
+         "--simulate-top", "1"],
+    "twin simulate --system perlmutter --model mixtral-tiny --gpus 8 --grid 2x1x1x4e2 --moe-imbalance 1.5": None,
+})
 # scripts of benchmarks/ that a page shows: example -> the arguments run instead (None: as written), from the root
 SCRIPTS = {"python benchmarks/axonn_comm_model.py": None,
            "python benchmarks/bench_measured_collectives.py --summary": None}

@@ -3,6 +3,7 @@ grid is best, how it scales and what the prediction hangs on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -93,6 +94,7 @@ def simulate_cmd(
     chunks: ChunksOpt = 1,
     gemm_tuning: Annotated[bool, typer.Option("--gemm-tuning/--no-gemm-tuning", help="Run each GEMM in its fastest layout (NN/NT/TN).")] = True,
     profile: ProfileOpt = None,
+    moe_imbalance: Annotated[float, typer.Option(help="Mixture of experts: the busiest expert's tokens over a balanced share (1 to experts/top_k); stretches its rank's expert GEMMs and all-to-alls (docs/moe.md).")] = 1.0,
     full: FullOpt = False,
     slowdown: SlowdownOpt = None,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
@@ -107,6 +109,8 @@ def simulate_cmd(
     from twin.predict.simulate import SimulationConfig, simulate
 
     opts = options_from_flags(oar, ors, oag, cache_layers, recompute, micro_batches, schedule=schedule, chunks=chunks)
+    if moe_imbalance != 1.0:  # a mixture-of-experts option (twin/program/moe.py); checked against the model in prepare
+        opts = replace(opts, moe_imbalance=moe_imbalance)
     if simulate_top < 1:
         raise TwinError(f"--simulate-top must be at least 1, got {simulate_top}")
     prog = None
@@ -307,6 +311,7 @@ def sensitivity_cmd(
     seq: SeqOpt = None,
     placement: PlacementOpt = "contiguous",
     step: Annotated[float, typer.Option(help="Relative move of each parameter (0.1 = +-10%).")] = 0.1,
+    moe_imbalance: Annotated[float, typer.Option(help="Mixture of experts: the base routing imbalance (the busiest expert's tokens over balanced), moved by the step as one row.")] = 1.0,
     simulate_top: Annotated[int, typer.Option(help="With --grid auto: look at this many of the analytical best and 16 more; each is simulated unless its lower bound rules it out.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.")] = False,
     quiet: QuietOpt = False,
@@ -319,7 +324,8 @@ def sensitivity_cmd(
     from twin.present.progress import Steps, quiet_default
     with Steps(quiet_default(json_out, quiet)) as steps:
         r = sensitivity(system, model, gpus, grid, batch, seq, placement=placement, step=step,
-                        simulate_top=simulate_top, progress=steps)
+                        simulate_top=simulate_top, progress=steps,
+                        options=None if moe_imbalance == 1.0 else replace(options_from_flags(), moe_imbalance=moe_imbalance))
     if json_out:
         typer.echo(r.to_json())
         return

@@ -69,6 +69,7 @@ from topologies.memo import array_key, digest, remember_key
 from topologies.routing import MODES, Routes, network_key, route
 from topologies.system import SystemSpec
 from topologies.common import TwinError
+from twin.costs.alltoall import EXPERT_AXES, expert_time
 from twin.costs.flows import max_min_rates
 from twin.costs.flowsets import FLOWS, FlowSet, link_counts, sharing_links
 from twin.program.grid import AXES, Grid
@@ -378,6 +379,8 @@ class CollectiveModel:
         all-reduce, unless the system file makes it ring-only, takes the fastest of that, the
         hierarchical ring and a tree (2 ceil(log2 p) steps, the buffer sent twice at the ring's rate),
         as NCCL's tuner picks among ring and tree by size."""
+        if axis in EXPERT_AXES:  # an MoE block's all-to-alls, the experts' gradients (twin/costs/alltoall.py)
+            return expert_time(self, kind, axis, nbytes)
         key = (kind, axis, nbytes, concurrent)
         t = self._times.get(key)
         if t is not None:

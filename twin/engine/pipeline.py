@@ -121,13 +121,13 @@ def simulate_pipeline(programs: list[Program], compute_s: list[list[float]],
                 st.exposed[PIPE] += t2 - t0
                 st.bubble += t0 - t1
                 return
-            if op.axis not in AXES:
+            if op.stream not in AXES:
                 return  # a compute op of its own: idle
             start = st.start[op.index]
             if start <= t1:
-                st.exposed[op.axis] += t2 - t1
+                st.exposed[op.stream] += t2 - t1
                 return
-            st.exposed[op.axis] += t2 - start
+            st.exposed[op.stream] += t2 - start
             t2 = start
             before = [d for d in op.deps] + ([st.prev[op.index]] if st.prev[op.index] >= 0 else [])
             if not before:

@@ -32,7 +32,8 @@ class Plan:
         for stream_ops in by_stream.values():
             for k, i in enumerate(stream_ops):
                 pos[i] = k
-        self.axis_of = [op.axis for op in ops]
+        # the axis whose stream a collective runs on (the expert axes' collectives: the data stream's)
+        self.axis_of = [op.stream if op.axis in ("expert", "edata") else op.axis for op in ops]
         self.cross = cross = []
         dependents = [0] * n
         for op, s in zip(ops, streams):

@@ -79,7 +79,7 @@ def program_class(grid: Grid) -> tuple[int, int, bool, bool]:
     same size except the data all-reduces of gradient shards (bytes = b // (G_x G_y G_z)) and the
     optimizer's ops (the parameters of a shard), which only shrink as G_z grows
     (tests/test_solobound.py checks it op by op)."""
-    return grid.x, grid.y, grid.z > 1, grid.data > 1
+    return grid.x, grid.y, grid.z > 1, grid.data > 1, grid.expert, grid.edata > 1  # the expert axes: twin/program/moe.py
 
 
 def quick_bounds(study: Study, grids: list[Grid]) -> list[float]:
@@ -153,7 +153,7 @@ class _RoutedOrSolo:
         self.routed = {a: a in route or self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
-        return (self.model if self.routed.get(axis) else self.solo).time(kind, axis, nbytes)
+        return (self.model if self.routed.get(axis) or axis in ("expert", "edata") else self.solo).time(kind, axis, nbytes)
 
 
 # (study_key, grid) -> routed_bound (s): the last 4,096
@@ -216,7 +216,7 @@ def _compute_ns(study: Study, grid: Grid, prog) -> tuple[list[int], list[tuple],
     # where ranks share their cores, an op's least time is the host model's (twin.host.sharing)
     ns = [0 if op.is_collective else int(slow * least_compute_s(p.host, km.kernel_time(op)) * NS + 0.5)
           for op in prog.ops]
-    colls = [(op.index, op.kind, op.axis, op.bytes, op.axis == "data" and op.weight != "norms")
+    colls = [(op.index, op.kind, op.axis, op.bytes, op.axis in ("data", "edata") and op.weight not in ("norms", "routers"))
              for op in prog.ops if op.is_collective]
     optimizer = [op.index for op in prog.ops if op.phase == "opt" and not op.is_collective]
     _COMPUTE[key] = (prog, ns, colls, optimizer)

@@ -37,6 +37,7 @@ from topologies.common import TwinError
 from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 from twin.program.program import ACT_BYTES, Options, local_params
+from twin.predict.moe_memory import block_weights as moe_block_weights, moe_activation_extra
 
 GIB = 1024**3
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12  # bf16 mixed precision (Megatron-LM)
@@ -94,12 +95,14 @@ def memory_per_gpu(model: ModelSpec, grid: Grid, options: Options | None = None,
         per_block = activation_bytes * m * (4 * h // gx + (2 * q + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    extra = moe_activation_extra(model, grid, options, m, activation_bytes)  # an MoE block's (moe_memory.py)
+    per_block, working = per_block + extra[0], working + extra[1]
     if options.recompute:
         activations = model.layers * block_input + per_block + working
     else:
         activations = model.layers * per_block + working + block_input
 
-    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    block_weights = moe_block_weights(model, grid)
     wgrad = block_weights[-1] * (2 if gloo else 1)  # mlp_down's full wgrad (and gloo's copy) before its reduce-scatter
     in_flight = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)
@@ -216,13 +219,15 @@ def stage_memory(model: ModelSpec, grid: Grid, options: Options, batch: int, s: 
         per_block = activation_bytes * m * (4 * h // gx + (2 * model.qkv_width + h + 3 * model.ffn) // gy) \
             + 4 * (m // s) * (model.heads // gy) * s
         working = activation_bytes * m * 2 * model.ffn // gy
+    extra = moe_activation_extra(model, grid, options, m, activation_bytes)  # an MoE block's (moe_memory.py)
+    per_block, working = per_block + extra[0], working + extra[1]
     block_input = activation_bytes * m * h // gx
     chunk = len(chunk_layers(model, grid, options, stage, 0))
     units = in_flight(schedule(options.schedule, grid.pipe, options.micro_batches, options.chunks, stage))
     saved = block_input if options.recompute else per_block
     activations = units * chunk * saved + per_block + working + 2 * block_input  # + a unit's received input and gradient
     n_local = stage_params(model, grid, options, stage, model.padded_vocab(gy))
-    block_weights = [k * n // (gx * gy) for _, k, n, _ in model.linear_shapes()]
+    block_weights = moe_block_weights(model, grid)
     wgrad = block_weights[-1] * (2 if gloo else 1)
     in_fl = sum(block_weights[:-1]) + (1 if options.oag else 0) * max(block_weights) + wgrad
     cached = min(options.cache_layers, model.layers) * sum(block_weights)

@@ -71,7 +71,7 @@ def simulate_pipelined(study: Study, grid: Grid, *, record: bool = False, collec
                              for k, (c, b, i) in enumerate(res.stage_s)]}
     result = SimulationResult(
         system=study.system.name, model=study.model.name, gpus=grid.size,
-        grid={**{a: grid.axis_size(a) for a in AXES}, "pipe": P}, global_batch=study.batch,
+        grid={**{a: grid.axis_size(a) for a in AXES}, "pipe": P, **({"expert": grid.expert} if grid.expert > 1 else {})}, global_batch=study.batch,
         seq_len=study.seq_len, iteration_time_s=it, flops_per_iteration=flops, flops_per_s=fps,
         flops_per_s_per_gpu=fps / grid.size,
         percent_of_peak=100.0 * fps / (grid.size * study.system.gpu.peak_flops), breakdown_s=breakdown,

@@ -79,6 +79,7 @@ class SimulationResult:
     @property
     def grid_str(self) -> str:
         g = self.grid
+        e = f"e{g['expert']}" if g.get("expert", 1) > 1 else ""  # the expert axis (twin/program/moe_grid.py)
         if g.get("pipe", 1) > 1:
-            return f"{g['x']}x{g['y']}x{g['z']}x{g['pipe']}x{g['data']}"
-        return f"{g['x']}x{g['y']}x{g['z']}x{g['data']}"
+            return f"{g['x']}x{g['y']}x{g['z']}x{g['pipe']}x{g['data']}{e}"
+        return f"{g['x']}x{g['y']}x{g['z']}x{g['data']}{e}"

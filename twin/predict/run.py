@@ -149,7 +149,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
                  "idle": res.idle_s}
     result = SimulationResult(
         system=study.system.name, model=study.model.name, gpus=grid.size,
-        grid={a: grid.axis_size(a) for a in AXES}, global_batch=study.batch, seq_len=study.seq_len,
+        grid={a: grid.axis_size(a) for a in AXES} | ({"expert": grid.expert} if grid.expert > 1 else {}), global_batch=study.batch, seq_len=study.seq_len,
         iteration_time_s=it, flops_per_iteration=flops, flops_per_s=fps, flops_per_s_per_gpu=fps / grid.size,
         percent_of_peak=100.0 * fps / (grid.size * study.system.gpu.peak_flops), breakdown_s=breakdown,
         memory_per_gpu_bytes=mem.total, simulated_ops=res.simulated_ops,

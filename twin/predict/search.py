@@ -45,6 +45,7 @@ from twin.predict.memory import memory_per_gpu
 from twin.program.program import ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, linear_dims
 from twin.predict.study import Study, check_grid, collective_model
 from twin.predict.study_cache import SOLO_PHASES, machine_key
+from twin.predict.moe_search import axis_key, block_linears, expert_variants, moe_terms
 
 
 PROBE_BYTES = 256 * 2**20  # all-gather payload used to measure a group's bandwidth (bytes)
@@ -152,23 +153,25 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
     count: dict[tuple[str, str, bool], int] = {}
     compute = wgrad = 0.0
 
-    def ring(axis: str, nbytes: float, all_reduce: bool, times: int = 1, how: str = "exposed") -> None:
+    def ring(axis: str, nbytes: float, all_reduce: bool, times: float = 1, how: str = "exposed") -> None:
         p = grid.axis_size(axis)
         if p > 1:
             key = (axis, how, all_reduce)
             vol[key] = vol.get(key, 0.0) + times * (2.0 if all_reduce else 1.0) * (p - 1) / p * nbytes
             count[key] = count.get(key, 0) + times
 
-    for _, k, n, transposed in model.linear_shapes():
+    # (an MoE block's expert linears: rows R_x, `copies` local experts, gradients over edata; moe_search.py)
+    for _, k, n, transposed, rows, copies, gaxis, wt in block_linears(study, grid, m):
         kl, nl, in_axis, out_axis = linear_dims(grid, k, n, transposed)
-        w = km.gemm_time(kl, nl, m, "TN")
+        w = wt * km.gemm_time(kl, nl, rows, "TN")
         wgrad += w
-        compute += fwd_passes * km.gemm_time(m, nl, kl, "NN") + km.gemm_time(m, kl, nl, "NT") + w
-        ring(in_axis, ACT_BYTES * m * nl, True, fwd_passes)     # forward (and recomputed) output
-        ring(out_axis, ACT_BYTES * m * kl, True, how="oar" if opt.oar else "exposed")  # backward input gradient
-        ring("z", ACT_BYTES * kl * nl, False, 2, how="z" if opt.oag else "exposed")  # two gathers
-        ring("z", ACT_BYTES * kl * nl, False, 1, how="z" if opt.ors else "exposed")  # one reduce-scatter
-        ring("data", GRAD_AR_BYTES * k * n / grid.tensor_size, True)
+        compute += wt * (fwd_passes * km.gemm_time(rows, nl, kl, "NN") + km.gemm_time(rows, kl, nl, "NT")) + w
+        ring(in_axis, ACT_BYTES * rows * nl, True, wt * fwd_passes)     # forward (and recomputed) output
+        ring(out_axis, ACT_BYTES * rows * kl, True, wt, how="oar" if opt.oar else "exposed")  # backward input gradient
+        ring("z", ACT_BYTES * copies * kl * nl, False, 2 * wt, how="z" if opt.oag else "exposed")  # two gathers
+        ring("z", ACT_BYTES * copies * kl * nl, False, wt, how="z" if opt.ors else "exposed")  # one reduce-scatter
+        ring(gaxis, GRAD_AR_BYTES * copies * k * n / grid.tensor_size, True, wt)
+    compute += moe_terms(study, grid, m, fwd_passes, ring)  # the router and the all-to-alls
     ring("x", STAT_BYTES * 2 * m, True, 2 * (fwd_passes + 1))   # layer-norm statistics
     seqs = m // study.seq_len
     attn_flops = 4.0 * seqs * study.seq_len ** 2 * h / grid.y
@@ -187,8 +190,8 @@ def analytical(study: Study, grid: Grid, bandwidth: Bandwidth) -> Candidate:
         bw = bandwidth.all_reduce(size, stride) if all_reduce else bandwidth(size, stride)
         t = v / bw + count[a, how, all_reduce] * bandwidth.latency(size, stride)
         per_block[how] += t
-        by_how[how][a] += t
-        comm[a] += model.layers * t
+        by_how[how][axis_key(a)] += t
+        comm[axis_key(a)] += model.layers * t
     # what each hiding place cannot hide, shared among its axes in proportion to their time
     left = {"exposed": 1.0, "oar": max(0.0, per_block["oar"] - wgrad), "z": max(0.0, per_block["z"] - block)}
     share = {how: 1.0 if how == "exposed" else (left[how] / per_block[how] if per_block[how] else 0.0) for how in left}
@@ -222,14 +225,14 @@ def _probe_all(bandwidth: Bandwidth, pairs) -> None:
 
 
 def _pairs(grids) -> set[tuple[int, int]]:
-    return {(g.axis_size(a), g.stride(a)) for g in grids for a in AXES if g.axis_size(a) > 1}
+    return {(g.axis_size(a), g.stride(a)) for g in grids for a in AXES + ("expert", "edata") if g.axis_size(a) > 1}
 
 
 def valid_grids(study: Study) -> list[Grid]:
     """The grids that run the study (candidate_grids that check_grid accepts). Raises TwinError, saying
     why, when none does."""
     valid, reasons = [], []
-    for grid in candidate_grids(study.gpus):
+    for grid in expert_variants(study.model, candidate_grids(study.gpus)):
         try:
             check_grid(study, grid)
         except TwinError as e:

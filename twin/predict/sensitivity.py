@@ -134,6 +134,17 @@ def _profile_variants(study: Study, step: float):
     return out
 
 
+def _moe_variants(study: Study, step: float):
+    """A mixture-of-experts model's routing imbalance (the busiest expert's tokens over balanced,
+    Options.moe_imbalance, docs/moe.md), moved by +-step within [1, experts / top_k]."""
+    m = study.model
+    if not m.is_moe or m.capacity_factor > 0:  # with a capacity the buffers are padded: no effect
+        return []
+    v = study.options.moe_imbalance
+    lo, hi = max(1.0, v * (1 - step)), min(m.experts / m.top_k, v * (1 + step))
+    return [("moe.imbalance", v, lambda f: dc.replace(study, options=dc.replace(study.options, moe_imbalance=f)), lo, hi)]
+
+
 def _alternatives(study: Study, g: Grid) -> list[tuple]:
     """(parameter, base, alternative, make() -> (Study, collective model or None)) of each documented
     alternative that applies to the study: routing, placement, the rules that extrapolate the
@@ -181,7 +192,7 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         g = choose_grid(study, simulate_top=simulate_top)[0].grid
     else:
         g = Grid.parse(grid) if isinstance(grid, str) else grid
-    variants = _system_variants(study, step) + _profile_variants(study, step)
+    variants = _system_variants(study, step) + _profile_variants(study, step) + _moe_variants(study, step)
     total = 1 + 2 * len(variants) + (len(_alternatives(study, g)) if alternatives else 0)
     done = 0
 
@@ -199,7 +210,7 @@ def sensitivity(system, model=None, gpus: int | None = None, grid: str | Grid = 
         lo, hi = item[3:] if len(item) == 5 else (v * (1 - step), v * (1 + step))
         if "efficiency" in name:
             hi = min(hi, 1.0)
-        kind = "profile" if name.startswith("profile.") else "system"
+        kind = "profile" if name.startswith("profile.") else "model" if name.startswith("moe.") else "system"
         rows.append(Row(name, kind, _fmt(v), _fmt(lo), _fmt(hi),
                         run(make(lo), what=name) if lo != v else None, run(make(hi), what=name) if hi != v else None))
     if alternatives:

@@ -66,6 +66,9 @@ def prepare(system: str | SystemSpec, model: str | ModelSpec | None = None, gpus
         raise TwinError(f"batch ({batch}) and sequence length ({seq_len}) must be positive")
     if options is not None and options.micro_batches < 1:
         raise TwinError(f"--micro-batches must be at least 1, got {options.micro_batches}")
+    if options is not None and options.moe_imbalance != 1.0:  # mixture of experts (twin/program/moe_spec.py)
+        from twin.program.moe_spec import check_imbalance
+        check_imbalance(m, options.moe_imbalance)
     return Study(spec, m, gpus, batch, seq_len, options or Options(), placement, prof,
                  KernelModel(prof, tuning=gemm_tuning), notes)
 

@@ -39,7 +39,10 @@ actual counts, the twin stretches expert time and the all-to-alls by an imbalanc
 
 from __future__ import annotations
 
-from twin.program.moe_spec import local_experts, mlp_params, moe_local_params, router_params, routed_rows
+import math
+
+from twin.program.moe_spec import (check_imbalance, local_experts, mlp_params, moe_local_params, router_params,
+                                   routed_rows, stretch)
 from twin.program.ops import (ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, Builder, grad_buffer as D, linear_dims,
                               weight_buffer as W)
 
@@ -81,6 +84,9 @@ class MoE:
         self.m, self.h, self.gx, self.gy, self.E, self.k = b.tokens, model.hidden, grid.x, grid.y, model.experts, model.top_k
         self.ep = grid.expert
         self.R = routed_rows(model, b.tokens)
+        check_imbalance(model, b.opt.moe_imbalance)
+        # rows on the side of the busiest expert's rank (the twin's imbalance; = R when balanced)
+        self.Rx = math.ceil(self.R * stretch(model, local_experts(model, grid), b.opt.moe_imbalance) - 1e-9)
         lin = {ln: (k, n, t) for ln, k, n, t in model.linear_shapes()}
         self.up = linear_dims(grid, *lin["mlp_up"])
         self.down = linear_dims(grid, *lin["mlp_down"])
@@ -105,7 +111,7 @@ class MoE:
         if self.ep == 1:
             return None
         b = self.b
-        return b._add(name, ALL_TO_ALL, "data", deps, {"bytes": int(ACT_BYTES * self.R * self.h // self.gx),
+        return b._add(name, ALL_TO_ALL, "data", deps, {"bytes": int(ACT_BYTES * self.Rx * self.h // self.gx),
                                                       "axis": "expert", "role": "moe_rows",
                                                       "reads": (reads,), "writes": (writes,)})
 
@@ -153,7 +159,7 @@ class MoE:
         self.counts[i] = [c for c in (cz, cd) if c is not None]
 
     def expert_fwd(self, i: int, n: dict) -> None:
-        b, R, L, ph = self.b, self.R, f"L{i}", self.b.phase
+        b, R, L, ph = self.b, self.Rx, f"L{i}", self.b.phase
         kl, nl, in_axis, _ = self.up
         ag = b.gather(f"{L}.expert_up")
         b.main(self.expert_gemm(f"{L}.expert_up.{ph}.gemm", f"{L}.expert_up", R, nl, kl, "NN", n["recv"],
@@ -179,6 +185,7 @@ class MoE:
         b, blk, n, m, h, gx, gy, E, R = self.b, self.blk, self.names(i), self.m, self.h, self.gx, self.gy, self.E, self.R
         L = f"L{i}"
         gathered = b.opt.recompute
+        R = self.Rx  # the rows on the experts' side
         unperm = b.elementwise(f"{L}.moe.bwd.unpermute", m * self.k * h // gx, 4, 3, replicas=gy,
                                role="moe_unpermute_bwd", reads=(D(n["out"]), n["back"], n["gates"], n["idx"]),
                                writes=(D(n["back"]), n["dgates"]))
@@ -237,7 +244,7 @@ class MoE:
             "flops": 2.0 * (h // gx) * E * m, "bytes": ACT_BYTES * (m * h // gx + m * E + h // gx * E), "m": h // gx,
             "n": E, "k": m, "layout": "TN", "replicas": gy, "role": "router_wgrad", "weight": f"{L}.router",
             "reads": (n["in"], D(n["logits"])), "writes": (f"g:{L}.router",), "accumulate": f"{L}.router"})
-        b.elementwise(f"{L}.moe.bwd.permute", R * h // gx, 1, 2, replicas=gy, role="moe_permute_bwd",
+        b.elementwise(f"{L}.moe.bwd.permute", self.R * h // gx, 1, 2, replicas=gy, role="moe_permute_bwd",
                       reads=(D(n["send"]), n["idx"]), writes=(D(n["in"]),), add=n["dx_router"])
         if disp is not None:
             b.ops[-1] = _with_deps(b.ops[-1], [disp])

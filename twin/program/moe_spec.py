@@ -4,7 +4,7 @@ An MoE block replaces the MLP of layer i when (i + 1) % moe_every == 0: a router
 bias; softmax over the E experts in fp32; the top_k largest kept and renormalised over the k, as
 Mixtral does), E experts each the model's own MLP (Llama: SwiGLU h -> 2 ffn_size fused, ffn_size -> h;
 GPT: GELU h -> ffn, ffn -> h), and the load-balancing loss router_aux_coef * E * sum_i f_i P_i (f_i the
-share of routed token slots that chose expert i, P_i the mean router probability of expert i; Switch
+fraction of the tokens that chose expert i among their top_k, so sum_i f_i = top_k, as in Mixtral's Hugging Face code; P_i the mean router probability of expert i over the tokens; Switch
 Transformer, Fedus et al. 2022, eq. 4; Mixtral's Hugging Face implementation) averaged over MoE layers.
 
 Counts per MoE block (h hidden, f the MLP width, E experts, k top_k):
@@ -61,6 +61,32 @@ def moe_block_extra(m: "ModelSpec", active: bool) -> int:
     `active`, top_k - 1 more)."""
     n = m.top_k if active else m.experts
     return m.hidden * m.experts + (n - 1) * mlp_params(m)
+
+
+def check_imbalance(m: "ModelSpec", f: float) -> None:
+    """Raise TwinError (one line) unless `f` is a routing imbalance the model can have: 1 (balanced)
+    up to experts / top_k (every token chooses the busiest expert); 1 for a dense model."""
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f):
+        raise TwinError(f"--moe-imbalance must be a finite number, got {f!r}")
+    if not m.is_moe:
+        if f != 1:
+            raise TwinError(f"--moe-imbalance {f:g} is for mixture-of-experts models; {m.name} has no experts")
+        return
+    top = m.experts / m.top_k
+    if not 1 <= f <= top:
+        raise TwinError(f"--moe-imbalance {f:g} must be between 1 (balanced) and {top:g} (experts / top_k: every "
+                        f"token of {m.name} routed to the busiest expert)")
+
+
+def stretch(m: "ModelSpec", local: int, f: float) -> float:
+    """Rows the rank of the busiest expert receives, over balanced, when that expert takes f times its
+    balanced share and the other experts share the rest evenly: (f + (n - 1)(E - f)/(E - 1)) / n with
+    n = local experts per rank (1 with E_p = E: f; E_p = 1: 1, the rank holds every expert). With a
+    capacity factor the buffers are padded to capacity: 1."""
+    E = m.experts
+    if f == 1 or m.capacity_factor > 0 or E == 1:
+        return 1.0
+    return (f + (local - 1) * (E - f) / (E - 1)) / local
 
 
 def capacity(m: "ModelSpec", tokens: int) -> int:

@@ -39,6 +39,8 @@ class Options:
     goldfish_h: int = 0       # goldfish loss: tokens hashed per target to mask it (0: off)
     schedule: str = "1f1b"    # pipeline schedule with G_pipe > 1: gpipe, 1f1b or interleaved (twin/program/pipeline.py)
     chunks: int = 1           # model chunks (virtual stages) per pipeline stage; > 1 with the interleaved schedule
+    moe_imbalance: float = 1.0  # MoE (twin only): the busiest expert's tokens over balanced; stretches the rows its rank's
+    # experts and all-to-alls carry (twin/program/moe.py); the backend routes for real and ignores it
 
 
 @dataclass(frozen=True)

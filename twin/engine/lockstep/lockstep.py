@@ -67,7 +67,7 @@ class _Lockstep:
         self.base = [t * NS for t in compute_s]
         self.f1 = np.asarray(slow, dtype=np.float64) * 1.0
         self.fo = self.f1 * overlap
-        self.ax = [AXES.index(op.axis) if op.stream != "compute" else -1 for op in ops]
+        self.ax = [AXES.index(op.stream) if op.stream != "compute" else -1 for op in ops]  # an expert axis: data's
         self.cross = [tuple(d for d in op.deps if ops[d].stream != op.stream) for op in ops]
         self.axes = sorted({k for k in self.ax if k >= 0})
         self.members, self.gid = {}, {}
