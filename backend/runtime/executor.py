@@ -71,14 +71,14 @@ class Run:
         self.max_norm = 1.0       # clipping threshold of the global gradient norm
         self.grad_norm = None     # the norm before clipping, once computed
         self.optimizer = None
-        self.env: dict = {}       # the executor's buffers (an MoE kernel finds its routing there)
+        self.executor = None      # the executor (an MoE kernel finds its routing in its buffers)
         self.routing_buffer: dict[int, str] = {}  # MoE: op index -> the `router.idx` buffer it follows
         self.aux_parts: list = []  # MoE: (sum of P over this rank's tokens, counts, tokens) per block, fwd
         self.aux_scale = 0.0      # MoE: router_aux_coef / (MoE layers * micro-batches)
 
     def routing_of(self, op):
         """The Routing (backend.runtime.moe) of the MoE block op belongs to."""
-        return self.env[self.routing_buffer[op.index]]
+        return self.executor.env[self.routing_buffer[op.index]]
 
 
 class Executor:
@@ -96,7 +96,11 @@ class Executor:
         self.pending: dict[int, object] = {}          # op index -> Pending collective
         self.by_stream: dict[str, list[int]] = defaultdict(list)  # pending indices per stream, in order
         self.loss_ops = {op.micro_batch: op for op in program.ops if op.kind == "loss" and op.phase == "bwd"}
-        self.run.env = self.env
+        # buffers a collective writes and a compute op writes again (an MoE block's counts, reduced in
+        # the forward and recomputed): the compute op waits for the collective, not to lose its value
+        by_collective = {n for op in program.ops if op.is_collective for n in op.writes}
+        self.rewritten = {n for op in program.ops if not op.is_collective for n in op.writes} & by_collective
+        self.run.executor = self
         if is_moe(program.model):  # which routing each all-to-all and grouped GEMM follows, and its direction
             self.a2a_to_experts = {}
             for index, (buffer, crossed) in routing_sources(program).items():
@@ -176,6 +180,9 @@ class Executor:
             self.pending[op.index] = self._issue(op)
             self.by_stream[op.stream].append(op.index)
             return
+        for name in op.writes:  # a collective of an earlier pass still writing this buffer completes first
+            if name in self.rewritten:
+                self._wait_writer_of(name, op.micro_batch)
         args = [self.read(n) for n in op.reads]
         rec = self.recorder.begin_op(op)
         self.run.record = rec
@@ -241,6 +248,12 @@ class Executor:
                         self.wait(o.index)
                 value = value + aux_value(self.run, experts_of(self.program.model), self.ctx.batch_shards)
             return value
+
+    def _wait_writer_of(self, name: str, micro_batch: int) -> None:
+        for index in sorted(self.pending):
+            p = self.pending.get(index)
+            if p is not None and name in p.op.writes and p.op.micro_batch == micro_batch:
+                self.wait(index)
 
     def _wait_writer(self, name: str) -> None:
         for index in sorted(self.pending):
