@@ -47,7 +47,7 @@ from torch import nn
 from backend.runtime.layers import IGNORE, rope_tables
 from backend.runtime.pipeline import owner_stage
 from backend.models.gpt import GPT, Params, add_linears, routers
-from backend.models.moe import MixtralMoE
+from backend.models.moe import MixtralMoE, moe_hf_layout
 from backend.runtime.moe import aux_coef_of, capacity_factor_of, experts_of, is_moe, moe_layer, top_k_of
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
@@ -313,7 +313,7 @@ def hf_layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter,
             "mlp_down": ([(down, *part("x", h))], part("y", f)),
         }
         if moe_layer(spec, i):
-            out += _moe_layout(model, b, pre, coords, part)
+            out += moe_hf_layout(model, b, pre, coords, part)
         for name, *_ in spec.linear_shapes():
             if name not in lins or not hasattr(b, name):
                 continue
@@ -323,41 +323,6 @@ def hf_layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter,
             out.append(((pre + f"{hf}.weight",), getattr(b, ln).weight, _norm_reader(pre + f"{hf}.weight", part(NORM_AXIS, h))))
     out.append((("model.norm.weight",), model.lnf.weight, _norm_reader("model.norm.weight", part(NORM_AXIS, h))))
     return out
-
-
-def _moe_layout(model: Llama, b, pre: str, coords, part) -> list[tuple[tuple[str, ...], nn.Parameter, Reader]]:
-    """(HF names, parameter, reader) of an MoE block's router and stacked experts (Mixtral's names).
-
-    router [h/G_x, E] = gate.weight^T's x-rows, not cut over z. expert_up: local expert l (global
-    e = (d % E_p) * E/E_p + l) is w1|w3 as mlp_up is gate|up; expert_down: w2 as down_proj; the
-    rank's experts' blocks stacked, flattened, cut over z. Names list every expert (the same on every
-    rank, for the export); a rank reads only its own experts' blocks."""
-    spec, g = model.spec, model.ctx.grid
-    h, f, E = spec.hidden, spec.ffn, spec.experts
-    n_local = E // g.expert
-    first = coords[AXES.index("data")] % g.expert * n_local
-    q = pre + "block_sparse_moe."
-    gate = q + "gate.weight"
-    xs = part("x", h)
-    out = [((gate,), b.router.weight, lambda get, xs=xs: get(gate)[0:E, xs[0]:xs[1]].t())]
-    w = {n: [q + f"experts.{e}.{n}.weight" for e in range(E)] for n in ("w1", "w2", "w3")}
-    mine = range(first, first + n_local)
-    up = [[(w["w1"][e], *part("y", f)), (w["w3"][e], *part("y", f))] for e in mine]
-    down = [[(w["w2"][e], *part("x", h))] for e in mine]
-    names_up = tuple(n for e in range(E) for n in (w["w1"][e], w["w3"][e]))
-    out.append((names_up, b.expert_up.weight, _stacked_reader(up, xs, coords, g.z)))
-    out.append((tuple(w["w2"]), b.expert_down.weight, _stacked_reader(down, part("y", f), coords, g.z)))
-    return out
-
-
-def _stacked_reader(blocks: list[list[tuple[str, int, int]]], cols: tuple[int, int], coords, gz: int) -> Reader:
-    """The local experts' W blocks (each cat(HF rows of its parts)[:, cols]^T) stacked, flattened, z-chunk."""
-    def reader(get):
-        flat = torch.cat([torch.cat([get(name)[r0:r1, cols[0]:cols[1]] for name, r0, r1 in parts], 0).t().reshape(-1)
-                          for parts in blocks])
-        zs, ze = _z_range(flat.numel(), coords, gz)
-        return flat[zs:ze]
-    return reader
 
 
 def _norm_reader(name: str, cols: tuple[int, int]) -> Reader:

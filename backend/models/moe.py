@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.runtime.moe import capacity, expert_counts, keep_mask, route
+from twin.program.grid import AXES
 
 
 # -- the reference block ---------------------------------------------------------------------------
@@ -116,3 +117,40 @@ class GPTMoE(nn.Module):
         y, aux = moe_forward(x.reshape(-1, x.shape[-1]), lambda t: t @ self.router, self._expert,
                              self.n_experts, self.top_k, self.capacity_factor, groups, micro_batches)
         return y.view_as(x), aux
+
+
+# -- Hugging Face Mixtral tensors <-> the 4D model's shards ----------------------------------------
+def moe_hf_layout(model, b, pre: str, coords, part) -> list:
+    """backend.models.llama.hf_layout's entries (HF names, parameter, reader) of an MoE block's router
+    and stacked experts (Mixtral's names); part(axis, total) -> this rank's (start, end).
+
+    router [h/G_x, E] = gate.weight^T's x-rows, not cut over z. expert_up: local expert l (global
+    e = (d % E_p) * E/E_p + l) is w1|w3 as mlp_up is gate|up; expert_down: w2 as down_proj; the
+    rank's experts' blocks stacked, flattened, cut over z. Names list every expert (the same on every
+    rank, for the export); a rank reads only its own experts' blocks."""
+    spec, g = model.spec, model.ctx.grid
+    h, f, E = spec.hidden, spec.ffn, spec.experts
+    n_local = E // g.expert
+    first = coords[AXES.index("data")] % g.expert * n_local
+    q = pre + "block_sparse_moe."
+    gate = q + "gate.weight"
+    xs = part("x", h)
+    out = [((gate,), b.router.weight, lambda get, xs=xs: get(gate)[0:E, xs[0]:xs[1]].t())]
+    w = {n: [q + f"experts.{e}.{n}.weight" for e in range(E)] for n in ("w1", "w2", "w3")}
+    mine = range(first, first + n_local)
+    up = [[(w["w1"][e], *part("y", f)), (w["w3"][e], *part("y", f))] for e in mine]
+    down = [[(w["w2"][e], *part("x", h))] for e in mine]
+    names_up = tuple(n for e in range(E) for n in (w["w1"][e], w["w3"][e]))
+    out.append((names_up, b.expert_up.weight, _stacked_reader(up, xs, coords, g.z)))
+    out.append((tuple(w["w2"]), b.expert_down.weight, _stacked_reader(down, part("y", f), coords, g.z)))
+    return out
+
+
+def _stacked_reader(blocks: list[list[tuple[str, int, int]]], cols: tuple[int, int], coords, gz: int):
+    """The local experts' W blocks (each cat(HF rows of its parts)[:, cols]^T) stacked, flattened, z-chunk."""
+    def reader(get):
+        flat = torch.cat([torch.cat([get(name)[r0:r1, cols[0]:cols[1]] for name, r0, r1 in parts], 0).t().reshape(-1)
+                          for parts in blocks])
+        n, z = flat.numel() // gz, coords[AXES.index("z")]
+        return flat[z * n:(z + 1) * n]
+    return reader
