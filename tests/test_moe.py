@@ -152,6 +152,11 @@ def test_all_to_all_on_an_idle_network_against_a_hand_computed_value():
     assert t2 - t1 == pytest.approx(B / 2 / (0.65 * 25e9), rel=1e-9)
     assert 4e-6 < t1 - B / 2 / (0.65 * 25e9) < 10e-6  # step latency and the path's latency
     assert CollectiveModel(sysm, Grid.parse("4x1x1x2")).time("all_to_all", "expert", B) == 0.0  # E_p = 1
+    # a group of 8 on two nodes: the 3 flows inside a node finish first; the 4 that leave each GPU share its
+    # 25 GB/s NIC (below the channel cap), so the transfer ends at B/8 / 6.25 GB/s
+    cm = CollectiveModel(sysm, Grid.parse("1x1x1x8e8"))
+    t1, t2 = all_to_all_time(cm, B), all_to_all_time(cm, 2 * B)
+    assert t2 - t1 == pytest.approx(B / 8 / (25e9 / 4), rel=1e-9)
 
 
 def test_imbalance_stretches_expert_rows_and_all_to_alls_as_stated():
@@ -263,3 +268,15 @@ def test_moe_variants_build_checked_programs(variant, tmp_path):
     if m.moe_every == 2:
         names = {op.name for op in p.ops}
         assert "L0.mlp_up.fwd.gemm" in names and "L1.expert_up.fwd.gemm" in names and "L1.mlp_up.fwd.gemm" not in names
+
+
+def test_grid_auto_splits_mixtrals_experts_where_that_is_faster():
+    from dataclasses import replace
+    from twin.predict.auto import choose_grid
+    from twin.predict.run import simulate_grid
+    from twin.predict.study import prepare
+    study = prepare("frontier", "mixtral-8x7b", 128, 128)
+    best, how = choose_grid(study, simulate_top=1, pipelines=False)
+    assert best.grid.expert > 1, how
+    dense_axis = simulate_grid(study, replace(best.grid, expert=1))
+    assert best.simulated_s < dense_axis.iteration_time_s

@@ -12,11 +12,12 @@ travels as `spread` sub-flows under adaptive routing, routed on the job's placem
 members share a node, a switch or a dragonfly group, and the global links between groups, decide
 the rates). The rates are max-min fair over all those flows (twin.costs.flows), and
 
-    time = step latency + the largest path latency + (nbytes / p) / (the slowest flow's rate)
+    time = step latency + the largest path latency + the time until the last flow of nbytes / p ends,
 
-(the slowest flow finishes last; taking its rate for the whole transfer ignores that it speeds up
-once the others finish, so this errs long where flows are unequal, and is exact where they are alike,
-as on one node's symmetric links). The all-to-all is timed alone: flows of other axes in flight at
+the flows' rates max-min fair among those still running, worked out again whenever some complete
+(flows inside a node often finish first, and those across nodes then speed up: `seconds_per_byte`).
+Where the flows are alike (one node's symmetric links, one flow per NIC) that is (nbytes / p) / their
+rate. The all-to-all is timed alone: flows of other axes in flight at
 the same time do not slow it (the expert group's collectives run on the data stream, which is idle
 during the blocks' passes but for them).
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topologies.routing import route
+from topologies.routing import Routes, route
 from twin.costs.flows import max_min_rates
 
 EXPERT_AXES = ("expert", "edata")
@@ -73,18 +74,55 @@ def _path_latency(routes, latency: np.ndarray) -> float:
     return float(np.add.reduceat(latency[routes.links], routes.ptr[:-1][np.diff(routes.ptr) > 0]).max())
 
 
+MAX_ROUNDS = 32  # rounds of completions followed; the flows left then finish at their rates of that round
+
+
+def _subset(routes: Routes, mask: np.ndarray) -> Routes:
+    """The routes of the flows where `mask` is set, in order (CSR rows gathered)."""
+    lens = np.diff(routes.ptr)
+    sel = np.flatnonzero(mask)
+    n = lens[sel]
+    ptr = np.zeros(len(sel) + 1, dtype=np.int64)
+    np.cumsum(n, out=ptr[1:])
+    idx = np.repeat(routes.ptr[:-1][sel] - ptr[:-1], n) + np.arange(ptr[-1], dtype=np.int64)
+    return Routes(ptr, routes.links[idx])
+
+
+def seconds_per_byte(cm, routes: Routes, parent: np.ndarray, caps: np.ndarray, n: int) -> float:
+    """Seconds until the last of n equal flows (each of one byte, carried by its sub-flows: `parent`)
+    completes, the rates max-min fair among the flows still running and worked out again each time
+    some complete. Flows of equal size finish in the same order whatever their size, so the time of
+    a transfer of c bytes per flow is c times this."""
+    remaining = np.ones(n)
+    active = np.ones(n, dtype=bool)
+    t = 0.0
+    for _ in range(MAX_ROUNDS):
+        sub = active[parent]
+        part = routes if sub.all() else _subset(routes, sub)
+        rates = max_min_rates(part, cm.capacity, caps[sub])
+        flow = np.bincount(parent[sub], weights=rates, minlength=n)
+        run = np.flatnonzero(active)
+        step = float((remaining[run] / flow[run]).min())
+        t += step
+        remaining[run] -= step * flow[run]
+        active[run[remaining[run] <= 1e-9]] = False
+        if not active.any():
+            return t
+    run = np.flatnonzero(active)
+    return t + float((remaining[run] / flow[run]).max())
+
+
 def all_to_all_rate(cm, axis: str = "expert") -> tuple[float, float]:
-    """(latency s, the slowest pair's rate bytes/s) of an all-to-all over every group of `axis` at once."""
+    """(latency s, effective rate bytes/s: one flow's bytes over the time until the last flow ends) of
+    an all-to-all over every group of `axis` at once."""
     store = _store(cm)
     key = ("a2a", axis)
     hit = store.get(key)
     if hit is None:
         gpus = expert_gpus(cm, axis)
         routes, parent, caps, n = pair_flows(cm, gpus)
-        rates = max_min_rates(routes, cm.capacity, caps)
-        flow = np.bincount(parent, weights=rates, minlength=n)
         latency = cm.system.collectives.step_latency + _path_latency(routes, cm.net.latency)
-        hit = store[key] = (latency, float(flow.min()))
+        hit = store[key] = (latency, 1.0 / seconds_per_byte(cm, routes, parent, caps, n))
     return hit
 
 
@@ -123,6 +161,13 @@ def ring_time(cm, kind: str, axis: str, nbytes: float) -> float:
     rate, alpha, floor = _ring(cm, axis)
     steps = (2 if kind == "all_reduce" else 1) * (p - 1)
     return steps * max(floor, alpha + nbytes / p / rate)
+
+
+def laid_out(cm, kind: str, axis: str) -> bool:
+    """Whether `expert_time` of this kind and axis routes nothing on `cm` (its flows are laid out and
+    rated already, or a measured table answers): lower bounds use the exact time only then."""
+    store = cm.__dict__.get("_expert_times") or {}
+    return cm.measured is not None or (("a2a" if kind == "all_to_all" else "ring"), axis) in store
 
 
 def expert_time(cm, kind: str, axis: str, nbytes: float) -> float:

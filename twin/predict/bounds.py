@@ -153,7 +153,10 @@ class _RoutedOrSolo:
         self.routed = {a: a in route or self.model.routed(a) for a in AXES if grid.axis_size(a) > 1}
 
     def time(self, kind: str, axis: str, nbytes: int, concurrent: frozenset = frozenset()) -> float:
-        return (self.model if self.routed.get(axis) or axis in ("expert", "edata") else self.solo).time(kind, axis, nbytes)
+        if axis in ("expert", "edata"):  # the MoE collectives: exact where laid out already, else 0 (solo bound)
+            from twin.costs.alltoall import laid_out
+            return (self.model if laid_out(self.model, kind, axis) else self.solo).time(kind, axis, nbytes)
+        return (self.model if self.routed.get(axis) else self.solo).time(kind, axis, nbytes)
 
 
 # (study_key, grid) -> routed_bound (s): the last 4,096

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import math
 
-from twin.program.moe_spec import (check_imbalance, local_experts, mlp_params, moe_local_params, router_params,
-                                   routed_rows, stretch)
+from twin.program.moe_spec import check_imbalance, local_experts, router_params, routed_rows, stretch
 from twin.program.ops import (ACT_BYTES, GRAD_AR_BYTES, STAT_BYTES, Builder, grad_buffer as D, linear_dims,
                               weight_buffer as W)
 
@@ -63,11 +62,6 @@ def layer_linears(model, i: int) -> list[tuple[str, int, int, bool]]:
     if not model.moe_layer(i):
         return lin
     return lin[:2] + [("expert_up",) + lin[2][1:], ("expert_down",) + lin[3][1:]]
-
-
-def linear_count(model, grid, ln: str) -> int:
-    """How many copies of linear `ln`'s shard a rank holds (its local experts for an expert linear)."""
-    return local_experts(model, grid) if ln in EXPERT_LINEARS else 1
 
 
 def expert_grad_bytes(model, grid, ln: str, k: int, n: int) -> int:
