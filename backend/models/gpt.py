@@ -23,7 +23,8 @@ from backend.runtime.recorder import NULL_RECORDER, Recorder
 from backend.runtime.moe import is_moe, moe_layer
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
-from twin.program.moe import layer_linears, linear_count
+from twin.program.moe import layer_linears
+from twin.program.moe_spec import local_experts
 from twin.program.program import (EMBEDDING_AXES, NORM_AXIS, Options, Program, build_program, embedding_dims,
                           linear_dims, weight_buffer)
 
@@ -289,7 +290,7 @@ def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[
     out = {}
     for name, k, n, transposed in layer_linears(spec, layer):
         kl, nl, _, _ = linear_dims(grid, k, n, transposed)
-        count = linear_count(spec, grid, name)
+        count = local_experts(spec, grid) if name.startswith("expert_") else 1  # a rank's experts, stacked
         shapes[f"L{layer}.{name}"] = (count, kl, nl) if name.startswith("expert_") else (kl, nl)
         lin = Params()
         lin.weight = nn.Parameter(torch.zeros(count * kl * nl // grid.z, device=device))
