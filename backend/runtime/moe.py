@@ -167,11 +167,12 @@ class Routing:
     def to_expert_order(self) -> torch.Tensor:
         """Index: expert-order row i is received (source-major) row perm[i]."""
         if self._perm is None:
-            counts = self.recv.reshape(-1)
+            counts = self.recv.reshape(-1).cpu()  # a few ints: the index is built on the host
             starts = torch.cumsum(counts, 0) - counts
             blocks = [torch.arange(int(starts[s * self.n_local + l]), int(starts[s * self.n_local + l] + counts[s * self.n_local + l]))
                       for l in range(self.n_local) for s in range(self.members)]
-            self._perm = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
+            perm = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
+            self._perm = perm.to(self.idx.device)
         return self._perm
 
 
