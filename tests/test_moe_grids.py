@@ -198,3 +198,32 @@ def test_pipeline_stages_with_experts_match_reference() -> None:
     for rank, r in enumerate(run_on_grid("1x1x1x2x2e2", _compare_pipeline, 8)):
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), rank
         assert r["err"] < 1e-4, (rank, r["err"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_experts_one_rank() -> None:
+    """mixtral-tiny on one GPU (NCCL, bf16, capacity 1.0): the MoE kernels on CUDA, close to the fp32
+    reference, and training lowers the loss."""
+    import torch.distributed as dist
+
+    from backend.runtime.dist import ParallelContext
+    from backend_helpers import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ctx = ParallelContext.build(Grid.parse("1x1x1x1"))
+        assert ctx.device.type == "cuda" and ctx.compute_dtype == torch.bfloat16
+        spec = _spec(1.0)
+        ref, groups = _reference(spec, ctx.grid, 1)
+        model = make_model(spec, ctx)
+        load_hf(model, ref.state_dict().__getitem__)
+        tokens, targets = _batch(spec, 8, 0)
+        loss = model(tokens, targets)
+        loss.backward()
+        assert float(loss) == pytest.approx(float(ref(tokens, targets, groups=groups)), rel=2e-2)
+        opt = make_optimizer(model, lr=LR)
+        losses = [train_step(model, opt, [(tokens, targets)], max_norm=MAX_NORM) for _ in range(4)]
+        assert losses[-1] < losses[0]
+    finally:
+        dist.destroy_process_group()
