@@ -20,8 +20,8 @@ gloo has no reduce-scatter: on CPU it is an all-reduce followed by taking this r
 the traffic, same result); NCCL (and the fake test backend) use the native one.
 
 All-to-all (the MoE dispatch and combine): `all_to_all_single` with the actual rows per member
-(split sizes), on NCCL and on gloo alike (torch's gloo has had a native all-to-all with splits,
-alltoallv, for CPU tensors since 1.x: checked with torch 2.13 on two and four ranks). The counts
+(split sizes), on NCCL and on gloo alike (torch's gloo has a native all-to-all with splits,
+alltoallv, for CPU tensors: checked with torch 2.13 on groups of two and four ranks). The counts
 behind the splits are exchanged first by `exchange_counts`, a small synchronous all-to-all of ints.
 """
 
