@@ -57,7 +57,7 @@ fi
 
 if [ "$DEVICE" = cuda ]; then
   echo "== 0. GPU tests"
-  timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_backend_grads.py 2>&1 | tee "$WORK/pytest_gpu.log"
+  timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_backend_grads.py tests/test_moe_grids.py 2>&1 | tee "$WORK/pytest_gpu.log"
   echo "${PIPESTATUS[0]}" > "$WORK/pytest_gpu.rc"
 fi
 

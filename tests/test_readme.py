@@ -164,6 +164,9 @@ BACKEND = [
     ("backend export --checkpoint ckpt/ft --out tiny-llama-tuned-bf16 --dtype bf16", None),
     ("backend run --init-from tiny-llama --grid 1x2x1x1 --steps 10 --data README.md",
      "backend run --init-from tiny-llama --grid 1x2x1x1 --steps 2 --data {root}/README.md --out runs/llama"),
+    # docs/moe-backend.md
+    ("backend run --model mixtral-tiny --grid 1x1x1x4e2 --steps 20 --out runs/moe",
+     "backend run --model mixtral-tiny --grid 1x1x1x4e2 --steps 2 --out runs/moe"),
     # these run in this process (no ranks): after every command that starts ranks
     ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --tokens 64', None),
     ('backend generate --checkpoint ckpt/goldfish --prompt "Once upon a time" --temperature 0.8 --top-k 40', None),

@@ -88,6 +88,9 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
     if getattr(spec, "is_llama", False):
         raise TwinError(f"checkpoint {ckpt} is of a Llama ({spec.name}): backend generate decodes GPT checkpoints; "
                         "write it as a Hugging Face directory with `backend export` and decode it with transformers")
+    if getattr(spec, "is_moe", False):
+        raise TwinError(f"checkpoint {ckpt} is of a mixture-of-experts GPT ({spec.name}): backend generate decodes "
+                        "dense GPT checkpoints only")
     if model is not None:
         want = load_model(model)
         if want != spec:

@@ -20,8 +20,11 @@ from backend.runtime.dist import ParallelContext
 from backend.runtime.executor import Executor
 from backend.runtime.pipeline import make_executor
 from backend.runtime.recorder import NULL_RECORDER, Recorder
+from backend.runtime.moe import is_moe, moe_layer
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
+from twin.program.moe import layer_linears
+from twin.program.moe_spec import local_experts
 from twin.program.program import (EMBEDDING_AXES, NORM_AXIS, Options, Program, build_program, embedding_dims,
                           linear_dims, weight_buffer)
 
@@ -55,6 +58,13 @@ class GPT(nn.Module):
         with torch.no_grad():
             for p in self.sharded_parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            if is_moe(spec):  # experts differ over the expert group; a router is one over y, z and data
+                gen.manual_seed(seed * 1_000_003 + ctx.rank % ctx.grid.tensor_size + 7_919 * (1 + ctx.coord("expert")))
+                for p in expert_parameters(self):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                gen.manual_seed(seed * 1_000_003 + 104_729 + ctx.coord("x"))
+                for p in self.keys["routers"]:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         self.buffers_of = {weight_buffer(k): k for k in self.keys}
         self._recorder, self._tune, self.program = recorder, tune_gemms, None
         self.executor: Executor | None = None
@@ -81,16 +91,19 @@ class GPT(nn.Module):
                 setattr(blk, ln, _norm(features, dev))
             add_linears(blk, spec, grid, i, self.shapes, dev)
             self.blocks.append(blk)
+
         self.lnf = _norm(features, dev)
         # weight keys of the program -> parameters
         self.keys: dict[str, list[nn.Parameter]] = {"emb": [self.emb.wte, self.emb.wpe], "head": [self.emb.wte],
                                                     "norms": self.norm_parameters(), "lnf": [self.lnf.weight, self.lnf.bias]}
         for i, blk in enumerate(self.blocks):
-            for name, *_ in spec.linear_shapes():
-                self.keys[f"L{i}.{name}"] = [getattr(blk, name).weight]
+            for key, weight in block_linears(blk, spec, i).items():
+                self.keys[key] = [weight]
             for ln in ("ln1", "ln2"):
                 norm = getattr(blk, ln)
                 self.keys[f"L{i}.{ln}"] = [norm.weight, norm.bias]
+        if is_moe(spec):
+            self.keys["routers"] = routers(self.blocks)
 
     # -- the program -------------------------------------------------------------------------------
     def use_program(self, program: Program) -> None:
@@ -131,7 +144,8 @@ class GPT(nn.Module):
     # -- parameters by the program's weight keys -----------------------------------------------------
     def linears(self) -> list[nn.Parameter]:
         """The linear layers' weights in the model's order (L0.qkv, L0.attn_out, ..., L1.qkv, ...)."""
-        return [getattr(b, ln).weight for b in self.blocks for ln, *_ in self.spec.linear_shapes()]
+        return [w for i, b in enumerate(self.blocks) for key, w in block_linears(b, self.spec, i).items()
+                if not key.endswith(".router")]
 
     def sharded_parameters(self) -> list[nn.Parameter]:
         """Parameters split over x, y and z (one copy per tensor-parallel rank): linears, wte, wpe."""
@@ -152,10 +166,20 @@ class GPT(nn.Module):
         mine = self.sharded_parameters()
         if self.ctx.stage > 0:  # a pipeline's tied table: counted on the first stage (its copy on the last)
             mine = [p for p in mine if p is not self.emb.wte]
-        return mine + (self.norm_parameters() if first else [])
+        mine = mine + (self.norm_parameters() if first else [])
+        if is_moe(self.spec):  # split like the norms; the norm is also summed over the expert group,
+            mine += self.keys["routers"] if first else []  # where only the experts differ
+            experts = set(map(id, expert_parameters(self)))
+            lead = self.ctx.coord("expert") == 0
+            mine = [p for p in mine if id(p) in experts or lead]
+        return mine
 
     def norm_params(self, key: str) -> list[nn.Parameter]:
         return self.keys[key]
+
+    def router_weight(self, key: str) -> torch.Tensor:
+        """The router of an MoE block, [h/G_x, E] (split over x only)."""
+        return self.keys[key][0]
 
     def flat_shard(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """The z-shards of weight `key`, concatenated, in `dtype` (what its all-gather sends)."""
@@ -261,16 +285,41 @@ def add_linears(blk: nn.Module, spec: ModelSpec, grid, layer: int, shapes: dict[
                 device) -> dict[str, nn.Parameter]:
     """Give block `blk` this rank's zero shards of layer `layer`'s linear weights (the k/G_x x n/G_y
     block, or its transposed split, flattened and cut over z); records each weight key's local (k, n)
-    in `shapes` and returns weight key -> parameter."""
+    in `shapes` and returns weight key -> parameter. An MoE block (backend.models.moe) has its experts'
+    stacked shards and a router in place of the MLP's weights."""
     out = {}
-    for name, k, n, transposed in spec.linear_shapes():
+    for name, k, n, transposed in layer_linears(spec, layer):
         kl, nl, _, _ = linear_dims(grid, k, n, transposed)
-        shapes[f"L{layer}.{name}"] = (kl, nl)
+        count = local_experts(spec, grid) if name.startswith("expert_") else 1  # a rank's experts, stacked
+        shapes[f"L{layer}.{name}"] = (count, kl, nl) if name.startswith("expert_") else (kl, nl)
         lin = Params()
-        lin.weight = nn.Parameter(torch.zeros(kl * nl // grid.z, device=device))
+        lin.weight = nn.Parameter(torch.zeros(count * kl * nl // grid.z, device=device))
         setattr(blk, name, lin)
         out[f"L{layer}.{name}"] = lin.weight
+    if moe_layer(spec, layer):
+        blk.router = Params()
+        blk.router.weight = nn.Parameter(torch.zeros(spec.hidden // grid.x, spec.experts, device=device))
+        out[f"L{layer}.router"] = blk.router.weight
     return out
+
+
+def block_linears(blk: nn.Module, spec: ModelSpec, layer: int) -> dict[str, nn.Parameter]:
+    """Weight key -> parameter of block `layer`'s linears (and router), as add_linears made them."""
+    out = {f"L{layer}.{name}": getattr(blk, name).weight for name, *_ in layer_linears(spec, layer)}
+    if moe_layer(spec, layer):
+        out[f"L{layer}.router"] = blk.router.weight
+    return out
+
+
+def routers(blocks) -> list[nn.Parameter]:
+    """Every MoE block's router, in layer order (the program's weight "routers")."""
+    return [b.router.weight for b in blocks if hasattr(b, "router")]
+
+
+def expert_parameters(model) -> list[nn.Parameter]:
+    """The experts' stacked shards of every MoE block (they differ across the expert group)."""
+    return [b_lin.weight for b in model.blocks for name in ("expert_up", "expert_down")
+            if (b_lin := getattr(b, name, None)) is not None]
 
 
 def _norm(features: int, device) -> nn.Module:

@@ -46,7 +46,9 @@ from torch import nn
 
 from backend.runtime.layers import IGNORE, rope_tables
 from backend.runtime.pipeline import owner_stage
-from backend.models.gpt import GPT, Params, add_linears
+from backend.models.gpt import GPT, Params, add_linears, routers
+from backend.models.moe import MixtralMoE, moe_hf_layout
+from backend.runtime.moe import aux_coef_of, capacity_factor_of, experts_of, is_moe, moe_layer, top_k_of
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
 from twin.program.program import EMBEDDING_AXES, NORM_AXIS, embedding_dims
@@ -80,6 +82,8 @@ class Llama(GPT):
             self.blocks.append(blk)
         self.lnf = _rms(features, dev)
         self.keys["lnf"] = [self.lnf.weight]
+        if is_moe(spec):
+            self.keys["routers"] = routers(self.blocks)
         self.keys["norms"] = self.norm_parameters()
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -151,8 +155,11 @@ class ReferenceLlama(nn.Module):
                               ("v_proj", spec.n_kv_heads * d)):
                 setattr(layer.self_attn, name, _linear(h, out))
             layer.self_attn.o_proj = _linear(spec.heads * d, h)
-            layer.mlp = nn.Module()
-            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj = _linear(h, f), _linear(h, f), _linear(f, h)
+            if moe_layer(spec, len(self.model.layers)):  # Mixtral's sparse MoE block in place of the MLP
+                layer.block_sparse_moe = MixtralMoE(h, f, experts_of(spec), top_k_of(spec), capacity_factor_of(spec))
+            else:
+                layer.mlp = nn.Module()
+                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj = _linear(h, f), _linear(h, f), _linear(f, h)
             layer.input_layernorm, layer.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
             self.model.layers.append(layer)
         self.model.norm = RMSNorm(h, eps)
@@ -163,9 +170,12 @@ class ReferenceLlama(nn.Module):
                 if p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, s, vocab] in fp32 of token ids [batch, s]."""
+    def logits(self, tokens: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
+        """Logits [batch, s, vocab] in fp32 of token ids [batch, s]. MoE layers (Mixtral): their mean
+        auxiliary loss is left in `self.aux` (capacity and the loss per group of tokens:
+        backend.models.moe)."""
         B, s = tokens.shape
+        auxes = []
         nh, kv, d = self.spec.heads, self.spec.n_kv_heads, self.spec.head_dim
         cos, sin = rope_tables(self.spec, s, tokens.device)
 
@@ -182,14 +192,22 @@ class ReferenceLlama(nn.Module):
             k, v = k.repeat_interleave(nh // kv, 1), v.repeat_interleave(nh // kv, 1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, s, nh * d)
             x = x + a.o_proj(o)
-            m, hn = layer.mlp, layer.post_attention_layernorm(x)
+            hn = layer.post_attention_layernorm(x)
+            if hasattr(layer, "block_sparse_moe"):
+                y, aux = layer.block_sparse_moe(hn, groups, micro_batches)
+                x, auxes = x + y, auxes + [aux]
+                continue
+            m = layer.mlp
             x = x + m.down_proj(F.silu(m.gate_proj(hn)) * m.up_proj(hn))
+        self.aux = torch.stack(auxes).mean() if auxes else None
         return self.lm_head(self.model.norm(x)).float()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE."""
-        logits = self.logits(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
+        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE, plus, for a MoE
+        model, router_aux_coef times the auxiliary loss (mean over MoE layers and micro-batches; `groups`: backend.models.moe)."""
+        logits = self.logits(tokens, groups, micro_batches)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+        return loss if self.aux is None else loss + aux_coef_of(self.spec) * self.aux
 
 
 # -- Hugging Face tensors <-> shards --------------------------------------------------------------
@@ -198,7 +216,8 @@ Reader = Callable[[Callable[[str], View]], torch.Tensor]
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Shapes of LlamaForCausalLM's tensors for `spec`, by Hugging Face name (real vocabulary)."""
+    """Shapes of LlamaForCausalLM's (MixtralForCausalLM's) tensors for `spec`, by Hugging Face name as
+    the safetensors files hold them (real vocabulary)."""
     h, f, d, V = spec.hidden, spec.ffn, spec.head_dim, spec.vocab
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, h)}
     for i in range(spec.layers):
@@ -207,9 +226,15 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.k_proj.weight": (spec.n_kv_heads * d, h),
                     p + "self_attn.v_proj.weight": (spec.n_kv_heads * d, h),
                     p + "self_attn.o_proj.weight": (h, spec.heads * d),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f),
                     p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if moe_layer(spec, i):  # Mixtral's names as its files hold them (w1 gate, w3 up, w2 down)
+            out[p + "block_sparse_moe.gate.weight"] = (experts_of(spec), h)
+            for e in range(experts_of(spec)):
+                q = p + f"block_sparse_moe.experts.{e}."
+                out.update({q + "w1.weight": (f, h), q + "w2.weight": (h, f), q + "w3.weight": (f, h)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f)})
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (V, h)
     return out
@@ -287,7 +312,11 @@ def hf_layout(model: Llama, coords) -> list[tuple[tuple[str, ...], nn.Parameter,
             "mlp_up": ([(gate, *part("y", f)), (up, *part("y", f))], part("x", h)),
             "mlp_down": ([(down, *part("x", h))], part("y", f)),
         }
+        if moe_layer(spec, i):
+            out += moe_hf_layout(model, b, pre, coords, part)
         for name, *_ in spec.linear_shapes():
+            if name not in lins or not hasattr(b, name):
+                continue
             parts, cols = lins[name]
             out.append((tuple(p[0] for p in parts), getattr(b, name).weight, _linear_reader(parts, cols, coords, gz)))
         for ln, hf in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):

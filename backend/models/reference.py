@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from backend.models.moe import GPTMoE
 from backend.runtime.layers import IGNORE
+from backend.runtime.moe import aux_coef_of, capacity_factor_of, experts_of, moe_layer, top_k_of
 from backend.runtime.pipeline import owner_stage
 from twin.program.grid import AXES
 from twin.program.model import ModelSpec
@@ -40,26 +42,37 @@ class ReferenceGPT(nn.Module):
 
         self.wte, self.wpe = w(self.vocab, h), w(spec.seq_len, h)
         self.blocks = nn.ModuleList()
-        for _ in range(spec.layers):
+        for i in range(spec.layers):
             b = nn.Module()
             b.ln1, b.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
             for name, k, n, _ in spec.linear_shapes():
-                setattr(b, name, w(k, n))
+                if not (moe_layer(spec, i) and name.startswith("mlp")):
+                    setattr(b, name, w(k, n))
+            if moe_layer(spec, i):  # experts (each this MLP) and a router in place of the MLP
+                b.moe = GPTMoE(h, spec.ffn, experts_of(spec), top_k_of(spec), capacity_factor_of(spec), init=w)
             self.blocks.append(b)
         self.lnf = nn.LayerNorm(h)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, groups: int = 1, micro_batches: int = 1) -> torch.Tensor:
+        """Mean cross-entropy over all tokens [batch, s] whose target is not IGNORE (plus, with MoE
+        layers, router_aux_coef times their auxiliary loss, its mean over layers and `groups`:
+        backend.models.moe)."""
         B, s = tokens.shape
+        auxes = []
         nh, hd = self.spec.heads, self.spec.head_dim
         x = self.wte[tokens] + self.wpe[:s]
         for b in self.blocks:
             q, k, v = (b.ln1(x) @ b.qkv).view(B, s, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, s, -1)
             x = x + a @ b.attn_out
-            x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down
+            if hasattr(b, "moe"):
+                y, aux = b.moe(b.ln2(x), groups, micro_batches)
+                x, auxes = x + y, auxes + [aux]
+            else:
+                x = x + F.gelu(b.ln2(x) @ b.mlp_up) @ b.mlp_down
         logits = self.lnf(x) @ self.wte.t()
-        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1), ignore_index=IGNORE)
+        loss = F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1), ignore_index=IGNORE)
+        return loss + aux_coef_of(self.spec) * torch.stack(auxes).mean() if auxes else loss
 
 
 # -- reference <-> shards ---------------------------------------------------------------------------
@@ -96,7 +109,11 @@ def shard_map(model: GPT) -> list[tuple[str, nn.Parameter, callable]]:
     out.append(("wpe", model.emb.wpe, emb))
     perm = _qkv_perm(h, g.y)  # heads split over y: the qkv layer's outputs, a normal layer's
     for i, b in enumerate(model.blocks):
+        if moe_layer(model.spec, i):
+            out += _moe_map(model, b, i, split)
         for name, k, n, transposed in model.spec.linear_shapes():
+            if not hasattr(b, name):
+                continue
             _, _, in_axis, out_axis = linear_dims(g, k, n, transposed)
 
             def fn(t, c, name=name, in_axis=in_axis, out_axis=out_axis):
@@ -109,6 +126,29 @@ def shard_map(model: GPT) -> list[tuple[str, nn.Parameter, callable]]:
     norms += [("lnf.weight", model.lnf.weight), ("lnf.bias", model.lnf.bias)]
     for ref_name, p in norms:
         out.append((ref_name, p, lambda t, c: t.view(g.axis_size(NORM_AXIS), -1)[c[AXES.index(NORM_AXIS)]]))
+    return out
+
+
+def _moe_map(model: GPT, b, i: int, split) -> list[tuple[str, nn.Parameter, callable]]:
+    """shard_map's entries of an MoE block: the router [h, E] (rows over x, not cut over z) and the
+    stacked experts [E, k, n] (the rank's E/E_p experts, each split as the MLP's layer, stacked,
+    flattened, cut over z)."""
+    g, spec = model.ctx.grid, model.spec
+    n_local = spec.experts // g.expert
+    out = [(f"blocks.{i}.moe.router", b.router.weight,
+            lambda t, c: t.view(g.x, -1, t.shape[1])[c[AXES.index("x")]])]
+    lin = {name: (k, n, tr) for name, k, n, tr in spec.linear_shapes()}
+    for name, ref in (("expert_up", "mlp_up"), ("expert_down", "mlp_down")):
+        _, _, in_axis, out_axis = linear_dims(g, *lin[ref])
+
+        def fn(t, c, in_axis=in_axis, out_axis=out_axis):
+            first = c[AXES.index("data")] % g.expert * n_local
+            flat = torch.cat([_block_shard(t[e], split(c, in_axis), split(c, out_axis), (0, 1))
+                              for e in range(first, first + n_local)])
+            zi, zn = split(c, "z")
+            n = flat.numel() // zn
+            return flat[zi * n:(zi + 1) * n]
+        out.append((f"blocks.{i}.moe.{ref}", getattr(b, name).weight, fn))
     return out
 
 
@@ -126,7 +166,11 @@ def full_shapes(model: GPT) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"wte": (model.vocab, h), "wpe": (spec.seq_len, h)}
     for i in range(spec.layers):
         for name, k, n, _ in spec.linear_shapes():
-            out[f"blocks.{i}.{name}"] = (k, n)
+            if moe_layer(spec, i) and name.startswith("mlp"):  # stacked experts and the router
+                out[f"blocks.{i}.moe.{name}"] = (spec.experts, k, n)
+                out[f"blocks.{i}.moe.router"] = (h, spec.experts)
+            else:
+                out[f"blocks.{i}.{name}"] = (k, n)
         for ln in ("ln1", "ln2"):
             out[f"blocks.{i}.{ln}.weight"] = out[f"blocks.{i}.{ln}.bias"] = (h,)
     out["lnf.weight"] = out["lnf.bias"] = (h,)

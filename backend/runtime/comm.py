@@ -18,10 +18,16 @@ gradients); the size that travelled and its dtype go into the record's args.
 
 gloo has no reduce-scatter: on CPU it is an all-reduce followed by taking this rank's chunk (twice
 the traffic, same result); NCCL (and the fake test backend) use the native one.
+
+All-to-all (the MoE dispatch and combine): `all_to_all_single` with the actual rows per member
+(split sizes), on NCCL and on gloo alike (torch's gloo has a native all-to-all with splits,
+alltoallv, for CPU tensors: checked with torch 2.13 on groups of two and four ranks). The counts
+behind the splits are exchanged first by `exchange_counts`, a small synchronous all-to-all of ints.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -40,16 +46,18 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class Pending:
     """A collective in flight: wait() blocks until it is complete and returns its result."""
 
-    __slots__ = ("op", "work", "result", "chunk", "done")
+    __slots__ = ("op", "work", "result", "chunk", "done", "post")
 
-    def __init__(self, op, work, result: torch.Tensor, chunk: slice | None = None):
-        self.op, self.work, self.result, self.chunk, self.done = op, work, result, chunk, False
+    def __init__(self, op, work, result: torch.Tensor, chunk: slice | None = None, post=None):
+        self.op, self.work, self.result, self.chunk, self.done, self.post = op, work, result, chunk, False, post
 
     def wait(self) -> torch.Tensor:
         if not self.done:
             self.work.wait()
             if self.chunk is not None:
                 self.result = self.result[self.chunk]
+            if self.post is not None:  # an all-to-all's rows put in the order their reader wants
+                self.result = self.post(self.result)
             self.done = True
         return self.result
 
@@ -67,15 +75,23 @@ class Comm:
             return torch.zeros(numel, dtype=like.dtype, device=like.device)
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
-    def issue(self, op, t: torch.Tensor, started: float | None = None) -> Pending:
+    def issue(self, op, t: torch.Tensor, started: float | None = None,
+              splits: tuple[list[int], list[int]] | None = None, post=None) -> Pending:
         """Start collective `op` on tensor `t` (an all-reduce reduces `t` in place). started: the
         time.perf_counter() at which the caller began preparing `t` (default: now), the start of the
-        record's `issue_us`."""
+        record's `issue_us`. An all-to-all: `splits` = (rows sent to, rows received from each member
+        of the group), `post` applied to the received rows on completion."""
         started = time.perf_counter() if started is None else started
         group = self.ctx.groups[op.axis]
         t = t.contiguous()
         chunk = None
-        if op.kind == "all_reduce":
+        if op.kind == "all_to_all":
+            ins, outs = splits
+            out, sent = self._out(sum(outs) * math.prod(t.shape[1:]), t), t
+            out = out.view(sum(outs), *t.shape[1:])
+            issue = lambda: dist.all_to_all_single(out, t, output_split_sizes=outs, input_split_sizes=ins,  # noqa: E731
+                                                   group=group, async_op=True)
+        elif op.kind == "all_reduce":
             out, sent = t, t
             issue = lambda: dist.all_reduce(t, op=OPS.get(op.role, dist.ReduceOp.SUM), group=group, async_op=True)  # noqa: E731
         elif op.kind == "all_gather":
@@ -96,7 +112,14 @@ class Comm:
         if rec is not None:
             rec.args["issue_us"] = round((time.perf_counter() - started) * 1e6, 3)
             self.recorder.end_on_completion(rec, work)
-        return Pending(op, work, out, chunk)
+        return Pending(op, work, out, chunk, post)
+
+    def exchange_counts(self, axis: str, counts: torch.Tensor) -> torch.Tensor:
+        """counts [members * c] (c per member, this rank's rows for each) -> what each member has
+        for this rank, [members * c] in member order (a synchronous all-to-all of ints)."""
+        out = torch.zeros_like(counts)
+        dist.all_to_all_single(out, counts.contiguous(), group=self.ctx.groups[axis])
+        return out
 
     # -- one collective outside a program (microbenchmarks), through the same path ------------------
     def _call(self, kind: str, t: torch.Tensor, axis: str, name: str, async_op: bool, role: str = "") -> Pending:

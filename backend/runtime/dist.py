@@ -109,8 +109,8 @@ class ParallelContext:
             on_gpu = "nccl" in str(backend)
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         groups: dict[str, dist.ProcessGroup | None] = {}
-        for axis in AXES + ("pipe",):  # "pipe": the stages' all-reduce (the clipping norm)
-            groups[axis] = None
+        for axis in AXES + ("pipe", "expert", "edata"):  # "pipe": the stages' all-reduce (the clipping norm);
+            groups[axis] = None                            # expert, edata: mixture of experts (a data subgroup)
             if grid.axis_size(axis) == 1:
                 continue
             for members in grid.groups(axis):  # the same calls in the same order on every rank
@@ -136,6 +136,9 @@ class ParallelContext:
     def coord(self, axis: str) -> int:
         if axis == "pipe":
             return self.stage
+        if axis in ("expert", "edata"):  # the place in the expert group (d % E_p), in the edata group (d // E_p)
+            d, e = self.coords[AXES.index("data")], self.grid.expert
+            return d % e if axis == "expert" else d // e
         return self.coords[AXES.index(axis)]
 
     @property

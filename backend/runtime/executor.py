@@ -28,6 +28,7 @@ import torch
 from backend.runtime.comm import Comm
 from backend.runtime.gemm import GemmTuner
 from backend.runtime.layers import COMPUTE, PAYLOADS, loss_value
+from backend.runtime.moe import aux_coef_of, aux_value, experts_of, is_moe, moe_layers, routing_sources
 from backend.runtime.recorder import NULL_RECORDER, Recorder
 from twin.program.program import Program
 
@@ -70,6 +71,14 @@ class Run:
         self.max_norm = 1.0       # clipping threshold of the global gradient norm
         self.grad_norm = None     # the norm before clipping, once computed
         self.optimizer = None
+        self.executor = None      # the executor (an MoE kernel finds its routing in its buffers)
+        self.routing_buffer: dict[int, str] = {}  # MoE: op index -> the `router.idx` buffer it follows
+        self.aux_parts: list = []  # MoE: (sum of P over this rank's tokens, counts, tokens) per block, fwd
+        self.aux_scale = 0.0      # MoE: router_aux_coef / (MoE layers * micro-batches)
+
+    def routing_of(self, op):
+        """The Routing (backend.runtime.moe) of the MoE block op belongs to."""
+        return self.executor.env[self.routing_buffer[op.index]]
 
 
 class Executor:
@@ -87,6 +96,18 @@ class Executor:
         self.pending: dict[int, object] = {}          # op index -> Pending collective
         self.by_stream: dict[str, list[int]] = defaultdict(list)  # pending indices per stream, in order
         self.loss_ops = {op.micro_batch: op for op in program.ops if op.kind == "loss" and op.phase == "bwd"}
+        # buffers a collective writes and a compute op writes again (an MoE block's counts, reduced in
+        # the forward and recomputed): the compute op waits for the collective, not to lose its value
+        by_collective = {n for op in program.ops if op.is_collective for n in op.writes}
+        self.rewritten = {n for op in program.ops if not op.is_collective for n in op.writes} & by_collective
+        self.run.executor = self
+        if is_moe(program.model):  # which routing each all-to-all and grouped GEMM follows, and its direction
+            self.a2a_to_experts = {}
+            for index, (buffer, crossed) in routing_sources(program).items():
+                self.run.routing_buffer[index] = buffer
+                self.a2a_to_experts[index] = crossed % 2 == 0
+            self.run.aux_scale = aux_coef_of(program.model) / (len(moe_layers(program.model))
+                                                               * program.options.micro_batches)
 
     @property
     def recorder(self) -> Recorder:
@@ -159,6 +180,9 @@ class Executor:
             self.pending[op.index] = self._issue(op)
             self.by_stream[op.stream].append(op.index)
             return
+        for name in op.writes:  # a collective of an earlier pass still writing this buffer completes first
+            if name in self.rewritten:
+                self._wait_writer_of(name, op.micro_batch)
         args = [self.read(n) for n in op.reads]
         rec = self.recorder.begin_op(op)
         self.run.record = rec
@@ -176,9 +200,27 @@ class Executor:
             return self.comm.issue(op, self.read(op.reads[0]).reshape(-1), started)
         if op.role == "grad":
             return self.comm.issue(op, self.model.flat_grads(op.weight), started)
+        if op.kind == "all_to_all":
+            return self._issue_all_to_all(op, started)
         if op.role in PAYLOADS:  # computed here, before the issue (not part of the collective's time)
             return self.comm.issue(op, PAYLOADS[op.role](self.run, op, *[self.read(n) for n in op.reads]))
         return self.comm.issue(op, self.read(op.reads[0]), started)
+
+    def _issue_all_to_all(self, op, started: float):
+        """An MoE all-to-all with the actual rows: toward the experts (dispatch, and the combine's
+        backward) the rows go in send order and arrive in expert order; back toward the tokens the
+        reverse. The first dispatch of a routing exchanges its counts."""
+        routing = self.run.routing_of(op)
+        rows = self.read(op.reads[0])
+        if self.a2a_to_experts[op.index]:
+            if routing.recv is None:
+                recv = self.comm.exchange_counts(op.axis, routing.send_counts)
+                routing.recv = recv.view(routing.members, routing.n_local)
+            splits = (routing.send_splits(), routing.recv_splits())
+            return self.comm.issue(op, rows, started, splits, post=lambda r: r[routing.to_expert_order()])
+        source_major = torch.empty_like(rows)
+        source_major[routing.to_expert_order()] = rows
+        return self.comm.issue(op, source_major, started, (routing.recv_splits(), routing.send_splits()))
 
     @torch.no_grad()  # kernels that need a local graph enable it themselves
     def run_segment(self, key: tuple[str, int]) -> None:
@@ -193,12 +235,25 @@ class Executor:
             self.wait_all()
             self.env.clear()
         self.env["tokens"], self.env["targets"] = tokens, targets
+        self.run.aux_parts = []
         self.run_segment(("fwd", micro_batch))
         op = self.loss_ops[micro_batch]
         for name in op.reads:  # the loss needs its reductions complete
             self._wait_writer(name)
         with torch.no_grad():
-            return loss_value(self.run, *[self.env[n] for n in op.reads])
+            value = loss_value(self.run, *[self.env[n] for n in op.reads])
+            if self.run.aux_parts:  # MoE: this rank's share of the load-balancing loss (its counts summed first)
+                for o in self.segments[("fwd", micro_batch)]:
+                    if o.role == "expert_counts":
+                        self.wait(o.index)
+                value = value + aux_value(self.run, experts_of(self.program.model), self.ctx.batch_shards)
+            return value
+
+    def _wait_writer_of(self, name: str, micro_batch: int) -> None:
+        for index in sorted(self.pending):
+            p = self.pending.get(index)
+            if p is not None and name in p.op.writes and p.op.micro_batch == micro_batch:
+                self.wait(index)
 
     def _wait_writer(self, name: str) -> None:
         for index in sorted(self.pending):

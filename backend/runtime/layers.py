@@ -343,3 +343,7 @@ COMPUTE = {"": gemm, "layer_norm": layer_norm, "layer_norm_bwd": layer_norm_bwd,
            "swiglu": swiglu, "swiglu_bwd": local_bwd}
 PAYLOADS = {"ln_stats": ln_stats, "ln_grad_stats": ln_grad_stats, "loss_sums": loss_sums,
             "rms_stats": rms_stats, "rms_grad_stats": rms_grad_stats}
+
+from backend.runtime.moe import MOE_COMPUTE  # noqa: E402 - the MoE block's kernels (mixture of experts)
+
+COMPUTE.update(MOE_COMPUTE)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from backend.runtime.comm import Pending
 from backend.runtime.executor import Executor
+from backend.runtime.moe import aux_value
 from backend.runtime.layers import loss_value
 from twin.program.ops import ACT_BYTES, Program
 from twin.program.pipeline import chunk_layers
@@ -185,6 +186,7 @@ class PipelineExecutor(Executor):
         self.envs.clear()
         self.losses.clear()
         self.run.scale, self.run.dloss = scale, 1.0
+        self.run.aux_parts = []
         for j, (tokens, targets) in enumerate(batches):
             env = self._env(j)
             env["tokens"], env["targets"] = tokens, targets
@@ -195,6 +197,8 @@ class PipelineExecutor(Executor):
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for v in self.losses.values():
             total += v
+        if self.run.aux_parts:  # MoE: this stage's blocks' share of the load-balancing loss
+            total += aux_value(self.run, self.program.model.experts, self.ctx.batch_shards).to(total.device)
         return total
 
     def optimizer_step(self, optimizer, max_norm: float) -> float | None:

@@ -14,6 +14,7 @@ import torch
 
 from backend.models.gpt import GPT, sum_over_batch_shards
 from backend.models.reference import ReferenceGPT
+from backend.runtime.moe import is_moe
 from backend.runtime.recorder import Recorder
 
 
@@ -78,6 +79,9 @@ def step_gradients(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]])
     device = model.ctx.device
     exe = model._executor_for(*batches[0][0].shape)
     all_tokens = sum(t.numel() for t, _ in batches) * model.ctx.batch_shards
+    if is_moe(model.spec):  # the load-balancing loss is not a sum over counted tokens: scale exactly
+        counted = sum((y >= 0).sum() for _, y in batches).to(device, torch.float32).reshape(1)
+        all_tokens = max(float(sum_over_batch_shards(counted, model.ctx)), 1.0)
     sums = torch.zeros(2, dtype=torch.float32, device=device)  # loss sum, counted tokens
     if model.ctx.grid.pipe > 1:  # a pipeline stage: its program runs the schedule's units in order
         batches = [(t.to(device), y.to(device)) for t, y in batches]
