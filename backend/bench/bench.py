@@ -102,8 +102,11 @@ def _cpu_model() -> str:
     return ""
 
 
+VERBOSE = [True]  # a line per timed entry (off under `backend bench --for-twin`, which prints one per grid)
+
+
 def _say(rank: int, text: str) -> None:
-    if rank == 0:
+    if rank == 0 and VERBOSE[0]:
         print(text, flush=True)
 
 
@@ -115,6 +118,7 @@ def main(config: dict) -> None:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import env_rank
     rank, local_rank, world = env_rank()
+    VERBOSE[0] = bool(config.get("verbose", True))
     grid = Grid.parse(config["grid"])
     device = torch.device("cpu")
     if config["device"] == "cuda":
@@ -187,7 +191,7 @@ def main(config: dict) -> None:
             out = Path(config["out"])
             out.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(out, finite_json(result, indent=1))
-            print(f"wrote {out}", flush=True)
+            _say(rank, f"wrote {out}")
     finally:
         destroy()
         sys.stdout.flush()
