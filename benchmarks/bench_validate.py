@@ -130,7 +130,7 @@ def main() -> int:
         runs = sorted(f.parent for f in Path(a.runs).rglob("log.jsonl"))  # runs/<grid>/ or runs/<grid>/r<k>/
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
-    from backend.bench.micro import grids_of
+    from backend.bench.shapes import grids_of
     grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
     if a.grids:
         grids = [g for g in grids if g in a.grids.split(",")]

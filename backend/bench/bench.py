@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from backend.bench.micro import (bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap,
-                                 program_attention_shapes, program_gemm_shapes)
+from backend.bench.micro import bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap
+from backend.bench.shapes import program_attention_shapes, program_gemm_shapes
 from backend.bench.steps import bench_steps
 from topologies.common import finite_json, write_atomic
 from topologies.common import TwinError

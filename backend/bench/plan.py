@@ -66,7 +66,7 @@ def first_grid(candidates: list[Grid]) -> Grid:
 
 def bench_plan(model: str, grids: list[Grid], per_node: int | None = None, batch: int | None = None) -> list[BenchGrid]:
     """The grids to bench for a study of `grids` (see the module docstring), rank count by rank count."""
-    from backend.bench.micro import grids_of
+    from backend.bench.shapes import grids_of
     by_size: dict[int, list[Grid]] = {}
     for g in grids:
         by_size.setdefault(g.size, []).append(g)
@@ -92,13 +92,15 @@ def bench_plan(model: str, grids: list[Grid], per_node: int | None = None, batch
     return plan
 
 
-def entries(step: BenchGrid, model: str, squares: int, sizes: int, batch: int | None) -> dict[str, int]:
-    """How many things `backend bench` times for one benched grid: GEMM shapes and attention shapes
-    (first only), small ops, collectives (3 kinds x sizes per split axis), overlap rows."""
-    from backend.bench.micro import OP_SIZES, program_attention_shapes, program_gemm_shapes
+def entries(step: BenchGrid, model: str, squares: list[int], sizes: int, batch: int | None) -> dict:
+    """What `backend bench` times for one benched grid: the GEMM shapes' flops (first only: the
+    program's of every grid with its rank count, and the squares in 3 layouts), the count of attention
+    shapes (first only), small ops, collectives (3 kinds x sizes per split axis), overlap rows."""
+    from backend.bench.shapes import OP_SIZES, program_attention_shapes, program_gemm_shapes
     g = Grid.parse(step.grid)
     axes = sum(g.axis_size(a) > 1 for a in AXES)
-    gemm = (len(program_gemm_shapes(model, g, True, batch)) + 3 * squares) if step.first else 0
+    gemm = ([2.0 * m * n * k for m, n, k, _ in program_gemm_shapes(model, g, True, batch)]
+            + [2.0 * q ** 3 for q in squares for _ in range(3)]) if step.first else []
     attn = len(program_attention_shapes(model, g, True, batch)) if step.first else 0
     return {"gemm": gemm, "attention": attn, "ops": len(OP_SIZES) + 1 if step.first else 0,
             "collectives": 3 * sizes * axes, "overlap": axes if step.first else 0}
@@ -109,16 +111,19 @@ def entries(step: BenchGrid, model: str, squares: int, sizes: int, batch: int | 
 ENTRY_OVERHEAD_S = 0.05   # the warm-up and sizing calls of each timed entry
 LAUNCH_S = 4.0            # starting a grid's ranks, their process groups and the model
 STEP_FLOP_RATE = 2e10     # flop/s of a recorded training step, per core (fp32 on a CPU core)
+MIN_CALLS = 8             # a timed entry calls its function at least this often (backend.bench.timing.time_fn)
 
 
 def estimate_s(step: BenchGrid, model: str, cfg: dict) -> float:
     """Seconds one benched grid should take: its entries at --min-time each (attention twice: forward,
     backward), the recorded steps (the model's flops of a step over the cores), the launch."""
-    n = entries(step, model, len(cfg["squares"]), len(cfg["sizes_mib"]), cfg.get("batch"))
-    timed = n["gemm"] + 2 * n["attention"] + n["ops"] + n["collectives"] + 2 * n["overlap"]
+    n = entries(step, model, list(cfg["squares"]), len(cfg["sizes_mib"]), cfg.get("batch"))
+    timed = 2 * n["attention"] + n["ops"] + n["collectives"] + 2 * n["overlap"]
     steps = int(cfg.get("steps", 0)) + 2  # warm-up steps too
     cores = os.cpu_count() or 1
-    return (LAUNCH_S * (1 + step.ranks / cores) + timed * (cfg["min_time_s"] + ENTRY_OVERHEAD_S)
+    rate = STEP_FLOP_RATE * min(1.0, cores / step.ranks) if cfg.get("device", "cpu") == "cpu" else 1e13
+    gemm = sum(max(cfg["min_time_s"], MIN_CALLS * f / rate) + ENTRY_OVERHEAD_S for f in n["gemm"])
+    return (LAUNCH_S * (1 + step.ranks / cores) + gemm + timed * (cfg["min_time_s"] + ENTRY_OVERHEAD_S)
             + steps * step_seconds(model, cfg))
 
 

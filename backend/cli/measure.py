@@ -115,7 +115,7 @@ def bench_cmd(
 
 def study_grids(model: str, ranks: str | None, grids: str | None, batch: int | None = None) -> list[Grid]:
     """The grids of a study: --grids as given, else every valid grid of each of --ranks (TwinError on bad input)."""
-    from backend.bench.micro import grids_of
+    from backend.bench.shapes import grids_of
     if grids:
         out = [Grid.parse(g.strip()) for g in grids.split(",") if g.strip()]
         spec = load_model(model)
