@@ -193,5 +193,6 @@ def main(config: dict) -> None:
             write_atomic(out, finite_json(result, indent=1))
             _say(rank, f"wrote {out}")
     finally:
-        destroy()
+        if not config.get("keep_process_group"):  # `--for-twin` under a launcher: its next grid reuses it
+            destroy()
         sys.stdout.flush()

@@ -190,8 +190,12 @@ def bench_for_twin(cfg: dict, grids: list[Grid], out_dir: str, say=print, plan_o
     t0, done_est = time.perf_counter(), 0.0
     for k, (s, e, f) in enumerate(zip(plan, est, files), 1):
         t1 = time.perf_counter()
+        # under a launcher every grid runs in this process on the launcher's process group: tearing it
+        # down and initializing it again on the same rendezvous hung under torchrun (its store keeps the
+        # first initialization's keys), so the group stays up until the last grid
         step_cfg = {**cfg, "grid": s.grid, "out": str(f), "all_grids": True, "gemm": s.first and cfg["gemm"],
-                    "ops": s.first and cfg["ops"], "squares": cfg["squares"] if s.first else [], "verbose": False}
+                    "ops": s.first and cfg["ops"], "squares": cfg["squares"] if s.first else [], "verbose": False,
+                    "keep_process_group": bool(world) and k < len(plan)}
         code = launch("bench", step_cfg, s.ranks)
         if code:
             say(f"bench of {s.grid} failed (exit {code}); the files of the grids before it are in {out}")
@@ -204,4 +208,9 @@ def bench_for_twin(cfg: dict, grids: list[Grid], out_dir: str, say=print, plan_o
                 f"{_minutes(spent)} so far, about {_minutes(left)} left")
     if rank == 0:
         say(f"wrote {len(files)} measurement file(s) to {out}: fit them with `twin calibrate {out}/bench-*.json --out P.toml`")
+    if world:  # the groups of the grids before the last one abort the interpreter's teardown of torch under
+        import sys  # torchrun ("terminate called without an active exception"): skip it, as spawned ranks do
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
