@@ -383,7 +383,7 @@ def test_calibrate_cli_one_line_errors(tmp_path):
 
 def test_the_loop_end_to_end(tmp_path):
     """`twin calibrate --run`, small: bench what 2x1x1x1 of gpt-tiny needs, fit, run it twice, validate,
-    write the page (about 30 s on the loaded 2-core development VM).
+    write the page (21 s on the 2-core development VM at load 4.6, 80-115 s at load 15-19).
 
     What it asserts, measured on the 2-core development VM while other jobs loaded it (load average
     14-20): memory, which does not depend on the load, came out -0.1 % (1x1x1x2) and -0.2 % (2x1x1x1)
