@@ -46,6 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from calibration.loop import issue_line, kinds_line, loop_plan, pass_orders, summary_line  # noqa: E402 (shared with `twin calibrate --run`)
+
 # (grid, what to measure) per rank count: the first of each count measures GEMMs (of every grid with
 # that many ranks) and small ops; the others add collectives over the remaining group sizes and
 # strides. Every one records a few training steps (what ops and collectives cost inside training):
@@ -79,43 +81,6 @@ def sh(cmd: list[str], timeout: float) -> str:
         sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{tail}")
     print(f"  {time.perf_counter() - t0:6.1f} s  {' '.join(cmd[3:9])} ...", flush=True)
     return r.stdout
-
-
-def summary_line(label: str, runs: list[dict]) -> str:
-    """The issue's measures over some runs: iteration |error| (median, count within 15 %), per-op
-    median error (median over the runs, count within 20 %), worst memory error."""
-    import statistics
-    its = [abs(r["iteration"]["error"]) for r in runs]
-    ops = [r["ops"]["median_abs_error"] for r in runs]
-    mem = [abs(r["memory"]["error"]) for r in runs if r["memory"]["error"] is not None]
-    spread = [r["iteration"].get("spread", 0.0) for r in runs]
-    repeats = sum(r.get("repeats", 1) for r in runs)
-    return (f"{label}, {len(runs)} grids ({repeats} runs): iteration median |error| {100 * statistics.median(its):.1f} %, "
-            f"{sum(e <= 0.15 for e in its)} within 15 % (spread of the repeats: median {100 * statistics.median(spread):.0f} %, "
-            f"worst {100 * max(spread):.0f} %); per-op median {100 * statistics.median(ops):.0f} %, "
-            f"{sum(o <= 0.2 for o in ops)} within 20 %; memory worst {100 * max(mem) if mem else float('nan'):.1f} %")
-
-
-def kinds_line(runs: list[dict]) -> str:
-    """Which op kinds carry the per-op error: per kind, the median over runs of the kind's median
-    signed error (+: the twin slower) and of its median |error|; for collectives, the share of their
-    measured spans spent waiting for the group's last member, the median |error| from the last
-    member's arrival, and the largest share of its collectives that completed with the one issued
-    before them on their stream (two in flight at once; calibration/validate.py)."""
-    import statistics
-    kinds = sorted({k for r in runs for k in r["ops"]["by_kind"]})
-    parts = []
-    for k in kinds:
-        rows = [r["ops"]["by_kind"][k] for r in runs if k in r["ops"]["by_kind"]]
-        part = (f"{k} {100 * statistics.median(x.get('median_error', float('nan')) for x in rows):+.0f} % "
-                f"(|{100 * statistics.median(x['median_abs_error'] for x in rows):.0f} %|")
-        waits = [x["peer_wait_share"] for x in rows if "peer_wait_share" in x]
-        after = [x["median_abs_error_from_last_arrival"] for x in rows if "median_abs_error_from_last_arrival" in x]
-        along = [x["completed_with_previous_share"] for x in rows if "completed_with_previous_share" in x]
-        parts.append(part + (f", {100 * statistics.median(waits):.0f} % peer wait" if waits else "")
-                     + (f", |{100 * statistics.median(after):.0f} %| from the last arrival" if after else "")
-                     + (f", up to {100 * max(along):.0f} % completed with the one before" if along else "") + ")")
-    return "per kind: " + "; ".join(parts)
 
 
 def load() -> str:
@@ -165,7 +130,7 @@ def main() -> int:
         runs = sorted(f.parent for f in Path(a.runs).rglob("log.jsonl"))  # runs/<grid>/ or runs/<grid>/r<k>/
         return validate(runs, profile, out, work, a, t_start, 0.0, ranks)
 
-    from backend.bench.micro import grids_of
+    from backend.bench.shapes import grids_of
     grids = [str(g) for r in ranks for g in grids_of(a.model, r)]
     if a.grids:
         grids = [g for g in grids if g in a.grids.split(",")]
@@ -204,51 +169,6 @@ def main() -> int:
     if a.calibrate_only:
         return 0
     return validate(runs, profile, out, work, a, t_start, t_bench, ranks)
-
-
-def loop_plan(repeats: int, bench_passes: int) -> list[str]:
-    """The order of the loop's passes: bench passes "B1".."Bn" spread evenly among the run passes
-    "R1".."Rm", each bench pass at the middle of its share of them (R1 B1 R2 R3 B2 R4 for 4 and 2;
-    R1 B1 R2 R3 for 3 and 1), so that the profile is fitted from the same stretch of the machine's time
-    as the runs it is validated against: this VM's speed drifts by 10-30 % over tens of minutes, and a
-    profile benched before the runs carried that drift into every grid's error (loops 01g-01i: mean
-    error -1 %, -2 %, -7 %)."""
-    plan = [f"R{k + 1}" for k in range(repeats)]
-    for j in reversed(range(bench_passes)):
-        plan.insert(min(repeats, int((j + 0.5) * repeats / bench_passes)), f"B{j + 1}")
-    return plan
-
-
-def pass_orders(grids: list[str], repeats: int) -> list[list[str]]:
-    """The order of the grids in each of `repeats` passes: rotated by an equal share of the grids from
-    pass to pass and every other pass reversed, so that no grid always runs early, late, or after the
-    same neighbour (a drift of the machine during the loop spreads over the grids)."""
-    orders = []
-    for k in range(repeats):
-        shift = (k * len(grids)) // repeats
-        order = grids[shift:] + grids[:shift]
-        orders.append(order[::-1] if k % 2 else order)
-    return orders
-
-
-def issue_line(runs: list[dict]) -> str:
-    """The host's wall time per collective issue (the trace's issue_us: preparing the buffers and the
-    asynchronous call), per rank count: the median over the grids of each grid's mean over its
-    collectives (repeats pooled), beside what the twin charges (the profile's host_issue_s, to the
-    compute op after the issue)."""
-    import statistics
-    by: dict[int, tuple[list[float], list[float]]] = {}
-    for r in runs:
-        issued = [o["issue_s"] for o in r.get("per_op", []) if "issue_s" in o]
-        if issued:
-            m, c = by.setdefault(r["ranks"], ([], []))
-            m.append(statistics.fmean(issued))
-            c.append(r["iteration"].get("host_issue_predicted_s", 0.0))
-    if not by:
-        return "host time per collective issue: not recorded (traces before issue_us)"
-    return "host time per collective issue, measured (the twin charges): " + ", ".join(
-        f"{n} ranks {1e3 * statistics.median(m):.2f} ms ({1e3 * statistics.median(c):.2f})"
-        for n, (m, c) in sorted(by.items()))
 
 
 def validate(runs: list[Path], profile: Path, out: Path, work: Path, a, t_start: float, t_bench: float,

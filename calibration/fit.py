@@ -233,8 +233,36 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
     out.append("")
     costs = in_training(by_ranks, "\n".join(out + shares + gemms + colls), shares, share_at, fit.residuals,
                         gemms, out)
-    fit.toml = "\n".join(out + shares + gemms + colls + costs)
+    fit.toml = "\n".join(out + shares + gemms + colls + costs + fitted_from(runs))
     return fit
+
+
+def fitted_from(runs: list[dict]) -> list[str]:
+    """The `[fitted_from]` table: what the measurements covered (the ranks per node, each benched grid,
+    the collective payloads, the models, the machines and dates), which `twin simulate`, `search` and
+    `validate` read to say when a study lies outside it (twin.costs.profile_types.Profile.coverage)."""
+    def strings(values) -> str:
+        return "[" + ", ".join(f'"{quoted(v)}"' for v in values) + "]"
+
+    machines = sorted({f"{r['machine'].get('cpu') or r['machine'].get('gpu') or r['machine']['device']}"
+                       f" ({r['machine'].get('cores') or '?'} cores)" for r in runs})
+    sizes = sorted({row["bytes"] for r in runs for row in r["collectives"]})
+    dates = sorted(r["machine"]["date"] for r in runs)
+    benched = sorted({(r["ranks_per_node"], r["grid"], bool(r.get("steps"))) for r in runs})
+    out = ["[fitted_from]",
+           'source = "what the measurement files this profile was fitted from covered (twin calibrate)"',
+           f"files = {len(runs)}",
+           f"machines = {strings(machines)}",
+           f"hosts = {strings(sorted({r['machine']['host'] for r in runs}))}",
+           f'device = "{quoted(runs[0]["machine"]["device"].split(":")[0])}"',
+           f"models = {strings(sorted({r.get('model') or '' for r in runs} - {''}))}",
+           f"dates = {strings([dates[0][:10], dates[-1][:10]])}",
+           f"ranks = [{', '.join(str(n) for n in sorted({r['ranks_per_node'] for r in runs}))}]"]
+    if sizes:
+        out.append(f"collective_bytes = [{sizes[0]}, {sizes[-1]}]")
+    out += ["benched = ["] + [f'  {{ grid = "{quoted(grid)}", ranks = {ranks}, training_steps = {str(steps).lower()} }},'
+                              for ranks, grid, steps in benched] + ["]", ""]
+    return out
 
 
 def calibrate(paths: list[str | Path], out: str | Path, base: str | None = None) -> Fit:

@@ -186,7 +186,7 @@ def validate_run(run_dir: str | Path, system: str = "cpu", profile: str | None =
     return {
         "run": run["dir"], "model": spec.name, "grid": str(grid), "ranks": grid.size, "batch": batch,
         "options": meta["options"], "profile": study.profile.name, "system": study.system.name,
-        "notes": list(study.notes),  # what the prediction extrapolates (twin.predict.study.prepare)
+        "notes": list(res.notes),  # what the prediction extrapolates (twin.predict.study.coverage_notes)
         "iteration": {"measured_s": measured_it, "predicted_s": res.iteration_time_s,
                       "error": res.iteration_time_s / measured_it - 1, "steps_used": len(warm),
                       # time of the traced step outside every recorded op (host work between ops),
@@ -236,8 +236,36 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
     runs = [pool_repeats(rs) for rs in groups.values()]
     pred = [r["iteration"]["predicted_s"] for r in runs]
     meas = [r["iteration"]["measured_s"] for r in runs]
-    return {"runs": runs, "notes": sorted({n for r in runs for n in r.get("notes", [])}),
+    machine = machine_note(system, profile)
+    return {"runs": runs, "notes": sorted({n for r in runs for n in r.get("notes", [])}) + ([machine] if machine else []),
             "spearman": spearman(pred, meas) if len(runs) >= 3 else None,
             "worst_iteration_error": max(abs(r["iteration"]["error"]) for r in runs),
             "repeats": sum(r["repeats"] for r in runs),
             "noise": noise_floor([r["iteration"]["measured_each_s"] for r in runs], targets_for({"runs": runs}).iteration)}
+
+
+def this_cpu() -> str:
+    """This machine's CPU model as bench records it (backend.bench.bench.machine_info), "" where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_note(system: str, profile: str | None) -> str | None:
+    """One line when a CPU profile was fitted on another kind of CPU than this machine's (its
+    [fitted_from] machines; where `twin validate` runs is taken as where the runs ran), else None."""
+    from topologies.system import load_system
+    from twin.costs.profile import load_profile, profile_for_gpu
+    if system != "cpu":
+        return None
+    prof = load_profile(profile) if profile else profile_for_gpu(load_system(system).gpu.name)
+    machines = prof.fitted_from.get("machines", [])
+    cpu = this_cpu()
+    if not machines or not cpu or any(m.startswith(cpu) for m in machines):
+        return None
+    return (f"kernel profile {prof.name} was fitted on {', '.join(machines)}, not this machine's {cpu}: its "
+            f"rates are another machine's (fit this one's with `twin calibrate --run`)")

@@ -127,9 +127,10 @@ BACKEND = [
     ("backend replay --model gpt-tiny --grid 2x1x2x1 --out runs/replay", None),
     ("backend bench --grid 1x1x2x2", "backend bench --grid 1x1x2x2 " + " ".join(TINY_BENCH) + " --out bench.json"),
     # docs/calibration.md
-    ("backend bench --model gpt-small --grid 2x2x2x1 --all-grids --out m.json",
-     "backend bench --model gpt-tiny --grid 2x1x1x1 --all-grids --out m.json " + " ".join(TINY_BENCH)),
-    ("twin calibrate m.json --out twin/profiles/mycpu.toml", "twin calibrate m.json --out mycpu.toml"),
+    ("backend bench --for-twin --model gpt-small --ranks 1,2,4,8 --out bench",
+     "backend bench --for-twin --model gpt-tiny --grids 2x1x1x1 --min-time 0.01 --train-steps 2 --out bench"),
+    ("twin calibrate bench/bench-*.json --out twin/profiles/mycpu.toml",
+     "twin calibrate bench/bench-2x1x1x1.json --out mycpu.toml"),
     ("backend run --model gpt-small --grid 2x2x2x1 --steps 6 --out runs/small",
      "backend run --model gpt-tiny --grid 2x1x1x1 --steps 4 --out runs/small"),
     ("twin validate runs/small --profile mycpu --json-out v.json --html v.html",
@@ -176,7 +177,11 @@ BACKEND = [
 ]
 ELSEWHERE = {
     "python benchmarks/bench_validate.py --out loops/cpu-$(date +%F) --profile twin/profiles/cpu.toml":
-        "tests/test_calibration.py::test_the_loop_end_to_end runs benchmarks/bench_validate.py (--ci: 2 grids)",
+        "the developers' 35-grid loop (27-47 minutes); its passes and summaries are calibration.loop's, which "
+        "tests/test_calibration.py::test_the_loop_end_to_end runs through `twin calibrate --run`",
+    "twin calibrate --run --model gpt-small --grids 1x1x1x1,2x1x1x1,1x1x1x2,2x2x1x1,1x1x4x1,2x2x2x1,1x1x1x8 "
+    "--out mycpu.toml": "the whole loop (about 20 minutes on 2 cores); tests/test_calibration.py::"
+                        "test_the_loop_end_to_end runs it small (gpt-tiny, one grid of 2 ranks, 2 runs)",
     "python benchmarks/bench_published.py": "a benchmark run on demand (every published row: 13 s to a minute); "
                                             "tests/test_fidelity.py checks the parts it uses",
     "python benchmarks/bench_published.py --rows megatron":
@@ -310,7 +315,7 @@ def test_backend_examples(tmp_path):
     assert log == [1, 2, 3], log  # the rerun resumed after step 2 (its checkpoint) and logged each step once
     print("\n".join(f"{d['seconds']:6.2f} s  {d['run']}" for d in done))
     assert "val_loss" in (tmp_path / "runs/goldfish/log.jsonl").read_text()
-    for f in ("bench.json", "m.json", "mycpu.toml", "v.json", "v.html", "mem.json", "runs/replay/rank0.json"):
+    for f in ("bench.json", "bench/bench-2x1x1x1.json", "mycpu.toml", "v.json", "v.html", "mem.json", "runs/replay/rank0.json"):
         assert (tmp_path / f).is_file(), f
     greedy = next(d["out"] for d in done if d["run"].startswith("backend generate"))
     assert greedy.startswith("Once upon a time"), greedy

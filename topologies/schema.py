@@ -333,7 +333,14 @@ PROFILE = Table(
               "collective_table": ListOf(COLLECTIVE_ROW), "activation_bytes": Int(1, 8),
               "op_cost": ListOf(OP_COST_ROW), "collective_training": ListOf(COLLECTIVE_ROW),
               "host_op_s": Sourced(Positive(1.0)), "host_ordered": Sourced(Flag()),
-              "node_cores": Sourced(Int(1, 1 << 20)), "collective_core_load": Sourced(Number(0.0, 100.0))})
+              "node_cores": Sourced(Int(1, 1 << 20)), "collective_core_load": Sourced(Number(0.0, 100.0)),
+              "fitted_from": Table(  # what a fitted profile's measurements covered (calibration.fit.fitted_from)
+                  required={"ranks": ListOf(Int(1, 1 << 16)), "benched": ListOf(Table(
+                      required={"grid": Text(nonempty=True), "ranks": Int(1, 1 << 16)},
+                      optional={"training_steps": Flag()}))},
+                  optional={"source": Text(), "files": Int(1, 1 << 30), "machines": ListOf(Text()),
+                            "hosts": ListOf(Text()), "device": Text(), "models": ListOf(Text()),
+                            "dates": ListOf(Text()), "collective_bytes": ListOf(Int(0, 1 << 50))})})
 
 # ---- measurement files (`backend bench`, read by `twin calibrate`) and run files (read by `twin validate`)
 

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from backend.bench.micro import (bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap,
-                                 program_attention_shapes, program_gemm_shapes)
+from backend.bench.micro import bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap
+from backend.bench.shapes import program_attention_shapes, program_gemm_shapes
 from backend.bench.steps import bench_steps
 from topologies.common import finite_json, write_atomic
 from topologies.common import TwinError
@@ -102,8 +102,11 @@ def _cpu_model() -> str:
     return ""
 
 
+VERBOSE = [True]  # a line per timed entry (off under `backend bench --for-twin`, which prints one per grid)
+
+
 def _say(rank: int, text: str) -> None:
-    if rank == 0:
+    if rank == 0 and VERBOSE[0]:
         print(text, flush=True)
 
 
@@ -115,6 +118,7 @@ def main(config: dict) -> None:
     from backend.runtime.dist import ParallelContext, destroy
     from backend.launch.env import env_rank
     rank, local_rank, world = env_rank()
+    VERBOSE[0] = bool(config.get("verbose", True))
     grid = Grid.parse(config["grid"])
     device = torch.device("cpu")
     if config["device"] == "cuda":
@@ -187,7 +191,8 @@ def main(config: dict) -> None:
             out = Path(config["out"])
             out.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(out, finite_json(result, indent=1))
-            print(f"wrote {out}", flush=True)
+            _say(rank, f"wrote {out}")
     finally:
-        destroy()
+        if not config.get("keep_process_group"):  # `--for-twin` under a launcher: its next grid reuses it
+            destroy()
         sys.stdout.flush()

@@ -1,6 +1,6 @@
 """The microbenchmarks of backend.bench.bench, every rank at once: GEMMs by shape and layout, causal attention,
-eager per-op cost, collectives per axis, a GEMM under an all-reduce; and the shapes of a model's
-program that they time."""
+eager per-op cost, collectives per axis, a GEMM under an all-reduce. The shapes of a model's program
+that they time: backend.bench.shapes (no torch)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from backend.bench.shapes import OP_SIZES
 from backend.bench.timing import agree, mean_over_ranks, synchronize, time_fn, world_group
-from topologies.common import TwinError
-from twin.program.grid import Grid
-from twin.program.model import load_model
-from twin.program.program import Options, build_program
-
-OP_SIZES = (1, 4096, 65536, 1 << 20)  # elements of the elementwise-op benchmark
 
 
 def gemm_operands(m: int, n: int, k: int, layout: str, dtype: torch.dtype, device: torch.device):
@@ -77,19 +72,6 @@ def bench_attention(m: int, n: int, k: int, fwd_flops: float, bwd_flops: float, 
     fb = mean_over_ranks(time_fn(fwd_bwd, device, min_time_s, group=world_group()))
     return {"m": m, "n": n, "k": k, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "fwd_s": f,
             "bwd_s": max(fb - f, 1e-9)}
-
-
-def program_attention_shapes(model: str, grid: Grid, all_grids: bool = False,
-                             batch: int | None = None) -> list[tuple[int, int, int, float, float]]:
-    """The distinct attention ops (m, n, k, forward flops, backward flops) of the program(s)."""
-    seen: dict[tuple, None] = {}
-    for g in grids_of(model, grid.size, batch) if all_grids else [grid]:
-        ops = build_program(load_model(model), g, Options(recompute=False), batch=batch).ops
-        fwd = next((op for op in ops if op.kind == "attention" and not op.name.endswith(".bwd")), None)
-        bwd = next((op for op in ops if op.kind == "attention" and op.name.endswith(".bwd")), None)
-        if fwd is not None and bwd is not None:
-            seen[(fwd.m, fwd.n, fwd.k, fwd.flops, bwd.flops)] = None
-    return list(seen)
 
 
 def bench_collective(comm, kind: str, axis: str, nbytes: int, dtype: torch.dtype, device: torch.device,
@@ -158,34 +140,3 @@ def bench_overlap(comm, axis: str, m: int, n: int, k: int, dtype: torch.dtype, d
     beside = comm_s[len(comm_s) // 2] if comm_s else with_comm
     row.update(comm_alone_s=mean_over_ranks(comm_alone), comm_overlapped_s=mean_over_ranks(beside))
     return row
-
-
-def grids_of(model: str, ranks: int, batch: int | None = None) -> list[Grid]:
-    """Every grid with `ranks` ranks that runs `model` (at `batch` sequences)."""
-    spec = load_model(model)
-    out = []
-    for x in range(1, ranks + 1):
-        for y in range(1, ranks // x + 1):
-            for z in range(1, ranks // (x * y) + 1):
-                if ranks % (x * y * z):
-                    continue
-                g = Grid(x, y, z, ranks // (x * y * z))
-                try:
-                    g.validate(spec, gpus=ranks, batch=batch)
-                except TwinError:
-                    continue
-                out.append(g)
-    return out
-
-
-def program_gemm_shapes(model: str, grid: Grid, all_grids: bool = False,
-                        batch: int | None = None) -> list[tuple[int, int, int, str]]:
-    """The distinct local GEMM shapes (m, n, k, layout) of the program of `model` on `grid` (or on
-    every valid grid with as many ranks)."""
-    seen: dict[tuple, None] = {}
-    for g in grids_of(model, grid.size, batch) if all_grids else [grid]:
-        prog = build_program(load_model(model), g, Options(), batch=batch)
-        for op in prog.ops:
-            if op.kind == "gemm":
-                seen[(op.m, op.n, op.k, op.layout)] = None
-    return list(seen)

@@ -72,9 +72,18 @@ def bench_cmd(
     out: Annotated[Optional[str], typer.Option(help="JSON table to write (default: bench-<host>-<device>-<date>.json in this folder).")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "fp32",
+    for_twin: Annotated[bool, typer.Option("--for-twin", help="Bench what the twin needs for a study: every rank count and axis of --ranks or --grids, one file per benched grid in the folder --out (says the plan and its estimate first).")] = False,
+    ranks: Annotated[Optional[str], typer.Option(help="With --for-twin: the study's rank counts, comma-separated (every valid grid of each).")] = None,
+    grids: Annotated[Optional[str], typer.Option(help="With --for-twin: the study's grids, comma-separated (instead of every grid of --ranks).")] = None,
+    plan_only: Annotated[bool, typer.Option("--plan-only", help="With --for-twin: print the plan and its estimate, bench nothing (--json: as JSON).")] = False,
+    json_print: Annotated[bool, typer.Option("--json", help="With --plan-only: print the plan as one JSON object.")] = False,
+    ctx: typer.Context = None,
 ) -> int:
     """Microbenchmarks: GEMM flop/s by shape and layout; collective bandwidth by size per axis."""
     from backend.launch.launcher import launch
+
+    if for_twin or ranks or grids or plan_only or json_print:
+        return _bench_for_twin(ctx, for_twin, ranks, grids)
 
     g = Grid.parse(grid)
     if model:
@@ -102,3 +111,65 @@ def bench_cmd(
            "min_time_s": min_time, "out": out or default_bench_out(device), "device": device, "dtype": dtype}
     check_output(cfg["out"], "--out")  # before the work, not after it
     return launch("bench", cfg, g.size)
+
+
+def study_grids(model: str, ranks: str | None, grids: str | None, batch: int | None = None) -> list[Grid]:
+    """The grids of a study: --grids as given, else every valid grid of each of --ranks (TwinError on bad input)."""
+    from backend.bench.shapes import grids_of
+    if grids:
+        out = [Grid.parse(g.strip()) for g in grids.split(",") if g.strip()]
+        spec = load_model(model)
+        for g in out:
+            g.validate(spec, gpus=g.size, batch=batch)
+    else:
+        try:
+            counts = [int(r) for r in (ranks or "").split(",") if r.strip()]
+        except ValueError:
+            raise TwinError(f"--ranks takes rank counts, comma-separated (1,2,4,8), got {ranks!r}") from None
+        if not counts or not all(1 <= r <= 4096 for r in counts):
+            raise TwinError(f"--ranks takes rank counts in 1..4096, comma-separated (1,2,4,8), got {ranks!r}")
+        out = [g for r in dict.fromkeys(counts) for g in grids_of(model, r, batch)]
+    if not out:
+        raise TwinError("the study has no grid: give --ranks or --grids (with a grid that runs the model)")
+    return out
+
+
+def _bench_for_twin(ctx, for_twin: bool, ranks: str | None, grids: str | None) -> int:
+    """`backend bench --for-twin`: the study's grids, the loops' defaults where the command line left
+    bench's own, then backend.bench.plan."""
+    from backend.bench.plan import FOR_TWIN_DEFAULTS, bench_for_twin
+    p = dict(ctx.params)
+    if not for_twin:
+        raise TwinError("--ranks, --grids, --plan-only and --json go with --for-twin (bench what the twin needs for a study)")
+    if p["json_print"] and not p["plan_only"]:
+        raise TwinError("--json goes with --plan-only (the plan as JSON)")
+    if not p.get("model"):
+        raise TwinError("--for-twin needs --model (the model the study trains)")
+    given = {k for k in p if getattr(ctx.get_parameter_source(k), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+    if "grid" in given:
+        raise TwinError("--for-twin benches the grids it plans from --ranks or --grids: leave out --grid")
+    for k, v in FOR_TWIN_DEFAULTS.items():
+        if k not in given:
+            p[k] = v
+    if not p.get("out") and not p["plan_only"]:
+        raise TwinError("--for-twin writes one file per benched grid: give the folder with --out DIR")
+    load_model(p["model"])
+    if p["device"] not in ("cpu", "cuda") or p["dtype"] not in ("fp32", "bf16", "fp16") or p["layouts"] not in ("all", "program"):
+        raise TwinError("--device must be cpu or cuda, --dtype fp32, bf16 or fp16, --layouts all or program")
+    if not 0 <= p["train_steps"] <= 100 or not 0 < p["min_time"] < 3600:
+        raise TwinError("--train-steps must be in 0..100 and --min-time positive, under an hour")
+    try:
+        sq = [int(s) for s in str(p["squares"]).split(",") if s.strip()]
+        sizes = [float(s) for s in str(p["sizes_mib"]).split(",") if s.strip()]
+    except ValueError:
+        raise TwinError("--squares takes integers and --sizes-mib numbers, comma-separated") from None
+    if not all(0 < n <= 65536 for n in sq) or not sizes or not all(0 < m <= 65536 for m in sizes):
+        raise TwinError("--squares must be sizes in 1..65536 and --sizes-mib payloads in (0, 65536] MiB")
+    study = study_grids(p["model"], ranks or (None if grids else "1,2,4,8"), grids, p["batch"])
+    if not p["plan_only"]:
+        check_output(p["out"], "--out", folder=True)
+    cfg = {"model": p["model"], "squares": sq, "sizes_mib": sizes, "gemm": p["gemm"], "comm": p["comm"],
+           "ops": p["ops"], "overlap": p["overlap"], "steps": p["train_steps"], "layouts": p["layouts"],
+           "batch": p["batch"], "min_time_s": p["min_time"], "device": p["device"], "dtype": p["dtype"]}
+    return bench_for_twin(cfg, study, p["out"] or ".", say=lambda line: typer.echo(line), plan_only=p["plan_only"],
+                          as_json=p["json_print"])

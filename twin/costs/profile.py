@@ -140,7 +140,8 @@ def _parsed(path: Path, text: str) -> Profile:
     return Profile(name=data.get("name", path.stem), gpus=tuple(g.lower() for g in data.get("gpus", [])),
                    gemm_table=tuple(table), activation_bytes=act, node_share=tuple(shares),
                    collective_table=tuple(colls["collective_table"]),
-                   collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources, **kw)
+                   collective_training=tuple(colls["collective_training"]), op_cost=tuple(costs), sources=sources,
+                   fitted_from=data.get("fitted_from", {}), **kw)
 
 
 

@@ -192,6 +192,8 @@ class Profile:
     host: HostSharing | None = None
     ranks: int = 0                  # the rank count for_ranks() chose (0: not chosen)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # what a fitted profile's measurements covered ([fitted_from]: ranks, benched grids, machines, ...)
+    fitted_from: dict = field(default_factory=dict, compare=False, hash=False)
 
     def measured_ranks(self) -> list[int]:
         """The counts of ranks sharing a node that the profile's measurements were taken with (none for
@@ -208,8 +210,33 @@ class Profile:
             return None
         r = min(counts, key=lambda c: (abs(math.log(c / max(ranks, 1))), -c))
         return (f"kernel profile {self.name} was measured with {', '.join(map(str, counts))} rank(s) per node, not "
-                f"{ranks}: it uses the figures of {r} rank(s), the nearest measured count (extrapolated; measure "
-                f"{ranks} with `backend bench` and `twin calibrate` to cover it)")
+                f"{ranks}: it uses the figures of {r} rank(s), the nearest measured count (extrapolated; "
+                f"`backend bench --for-twin --ranks {ranks}` and `twin calibrate` cover it)")
+
+    def grid_coverage(self, sizes: dict[str, int]) -> str | None:
+        """One line when a split axis of a grid (`sizes`: axis -> group size) runs collectives of a group
+        size that this profile (after for_ranks) recorded no line of inside training for that axis (or,
+        for x, y and z, another tensor axis: CollectiveTable.time's rule), naming the rule it then
+        falls back on; None where every axis is covered or the profile measured no collectives."""
+        if not self.collective_table and not self.collective_training:
+            return None
+        alone, network = [], []
+        for axis, p in sizes.items():
+            if p < 2:
+                continue
+            tensor = axis != "data"
+            if any(c.group_size == p and ((c.axis in ("x", "y", "z", "")) if tensor else c.axis in ("data", ""))
+                   for c in self.collective_training):
+                continue
+            (alone if any(c.group_size == p for c in self.collective_table) else network).append(f"{axis} = {p}")
+        if not alone and not network:
+            return None
+        where = f" with {self.ranks} rank(s) per node" if self.ranks else ""
+        rules = ([f"over {' and '.join(alone)} it uses the line measured alone x the axis' slowdown"] if alone else []) \
+            + ([f"over {' and '.join(network)} the system's network model"] if network else [])
+        return (f"kernel profile {self.name} recorded no collective of these group sizes inside training{where}: "
+                f"{'; '.join(rules)} (extrapolated; `backend bench --for-twin` on grids with them and "
+                f"`twin calibrate` cover them)")
 
     def for_ranks(self, ranks: int) -> "Profile":
         """This profile as one rank sees it while `ranks` ranks share its node: the measured node-share

@@ -22,7 +22,7 @@ from twin.host import sharing as shared_host
 from twin.predict.bounds import tail_ns
 from twin.predict.memory import memory_per_gpu
 from twin.predict.result import LLAMA_FLOPS_CONVENTION, SimulationResult
-from twin.predict.study import Study, check_grid
+from twin.predict.study import Study, check_grid, coverage_notes
 from twin.predict.study_cache import model_for, program_for, study_key
 from twin.program.grid import AXES, Grid
 from twin.program.program import Program, build_program
@@ -155,7 +155,7 @@ def _simulate_grid(study: Study, grid: Grid, *, full: bool, slowdown: dict[int, 
         memory_per_gpu_bytes=mem.total, simulated_ops=res.simulated_ops,
         mode="full" if full else "symmetric", simulated_ranks=res.ranks, placement=study.placement,
         profile=study.profile.name, options={**asdict(study.options), "gemm_tuning": km.tuning},
-        grid_choice=grid_choice, notes=list(study.notes))
+        grid_choice=grid_choice, notes=coverage_notes(study, grid))
     if study.model.is_llama:
         result.flops_convention = LLAMA_FLOPS_CONVENTION
     if record:

@@ -92,3 +92,14 @@ def collective_model(study: Study, grid: Grid):
         from twin.costs.p2p import PipelineModel
         return PipelineModel(study.system, grid, placement=study.placement, measured=study.profile.collectives())
     return CollectiveModel(study.system, grid, placement=study.placement, measured=study.profile.collectives())
+
+
+def coverage_notes(study: Study, grid: Grid) -> list[str]:
+    """What a prediction of `grid` extrapolates, one line at most: the profile's rank-count note where
+    the study lies outside its measured counts (prepare), else where the grid's collectives run over
+    group sizes it recorded no line of inside training (Profile.grid_coverage)."""
+    if study.notes:
+        return list(study.notes)
+    from twin.program.grid import AXES
+    line = study.profile.grid_coverage({a: grid.axis_size(a) for a in AXES})
+    return [line] if line else []
