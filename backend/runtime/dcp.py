@@ -116,9 +116,15 @@ def keys(folder: Path) -> set[str]:
 def read(state: dict, folder: Path) -> dict:
     """Read a DCP checkpoint into `state` (collective when torch.distributed is initialized, else
     in this process): Boxes are filled in place, other entries replaced by the saved objects."""
+    import warnings
+
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=FileSystemReader(folder), planner=_LoadPlanner())
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that a process without a process group loads alone
+        dcp.load(state, storage_reader=FileSystemReader(folder), planner=_LoadPlanner(), no_dist=alone)
     return state
 
 
