@@ -48,6 +48,8 @@ from twin.program.model import ModelSpec
 FORMAT = "axonn-twin-backend-checkpoint/3"      # torch.distributed.checkpoint files (backend.runtime.dcp)
 OLD_FORMAT = "axonn-twin-backend-checkpoint/2"  # one torch.save file per rank: read on its own grid only
 LATEST = "latest"
+CRASH_IN_SAVE_ENV = "BACKEND_TEST_CRASH_IN_SAVE"  # tests: rank 0 SIGKILLs itself in the save of this step,
+# after every rank wrote its files and before meta.json, the rename and `latest`
 META_KEYS = {"format": str, "step": int, "grid": str, "world_size": int, "model": dict, "files": dict,
              "checksum": str}
 
@@ -154,6 +156,9 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
     else:
         _write_rank_file(tmp, rank, state)
     _barrier()
+    if rank == 0 and os.environ.get(CRASH_IN_SAVE_ENV) == str(step):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         _publish(root, tmp, final, name, {**meta, "format": FORMAT if sharded else OLD_FORMAT}, keep)
     _barrier()

@@ -89,11 +89,17 @@ class _LoadPlanner(DefaultLoadPlanner):
 def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     """Collectively write `state` into `folder` (every rank calls it; fsynced). Returns this rank's
     files: name -> (SHA-256, bytes) (rank 0's include the metadata file)."""
+    import warnings
+
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, storage_writer=FileSystemWriter(folder, single_file_per_rank=True, sync_files=True,
-                                                    thread_count=1),
-             planner=_SavePlanner())
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that a process without a process group saves alone
+        dcp.save(state, storage_writer=FileSystemWriter(folder, single_file_per_rank=True, sync_files=True,
+                                                        thread_count=1),
+                 planner=_SavePlanner(), no_dist=alone)
     mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / METADATA] if rank == 0 else [])
     return {f.name: hash_file(f) for f in mine}
 
@@ -126,6 +132,11 @@ def read(state: dict, folder: Path) -> dict:
         warnings.simplefilter("ignore")  # DCP warns that a process without a process group loads alone
         dcp.load(state, storage_reader=FileSystemReader(folder), planner=_LoadPlanner(), no_dist=alone)
     return state
+
+
+def read_objects(folder: Path, names) -> dict:
+    """The pickled (non-tensor) entries `names` of a DCP checkpoint, read in this process."""
+    return read({n: None for n in names}, folder)
 
 
 def read_full(folder: Path, names=None) -> dict:
