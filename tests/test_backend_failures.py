@@ -314,7 +314,7 @@ def test_a_checkpoint_with_nan_weights_is_not_resumed(tmp_path):
     from backend.runtime import dcp
     path = checkpoint.latest(ckpt)
     state = {**dcp.read_full(path), **dcp.read_objects(path, ["train", "rng/rank_00000"])}  # full tensors
-    state["blocks.0.qkv"].view(-1)[0] = float("nan")
+    state["blocks.0.qkv"][0].view(-1)[0] = float("nan")  # [weight, exp_avg, exp_avg_sq]: the weight
     meta = {k: v for k, v in checkpoint.read_meta(path).items() if k not in ("files", "checksum")}
     checkpoint.save(ckpt, 2, 0, state, meta, sharded=True)  # plain tensors: one chunk each, any grid reads them
     name = "blocks.0.qkv.weight"

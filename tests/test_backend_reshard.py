@@ -95,13 +95,13 @@ def test_plain_dcp_loads_a_checkpoint_into_full_tensors(gpt_saved, tmp_path):
     step = ckpt / (ckpt / "latest").read_text().strip()
     dcp_to_torch_save(step, tmp_path / "full.pt")
     saved = torch.load(tmp_path / "full.pt", weights_only=False)
-    weights = {k: v for k, v in saved.items() if "/" not in k and k != "train"}
+    weights = {k: v[0] for k, v in saved.items() if isinstance(v, torch.Tensor)}  # [weight, exp_avg, exp_avg_sq]
     spec = load_model("gpt-tiny")
     ref = ReferenceGPT(spec, vocab=weights["wte"].shape[0])
     ref.load_state_dict(weights)  # strict: every tensor, with the reference's shapes
     assert saved["train"]["step"] == 2 and saved["train"]["data"]["step"] == 2
-    assert saved["optimizer/exp_avg/blocks.0.qkv"].shape == weights["blocks.0.qkv"].shape
-    assert float(saved["optimizer/exp_avg_sq/blocks.0.qkv"].abs().sum()) > 0
+    assert saved["train"]["optimizer_steps"] == 2
+    assert float(saved["blocks.0.qkv"][1].abs().sum()) > 0 and float(saved["blocks.0.qkv"][2].min()) >= 0
     gathered = load_weights(ckpt)  # backend generate's reader
     for name, t in weights.items():
         assert torch.equal(gathered.tensors[name], t), name

@@ -98,7 +98,7 @@ def _dcp_tensors(ckpt: Path, names: set[str]) -> dict[str, torch.Tensor]:
         checkpoint.verify(ckpt)
     except checkpoint.CheckpointError as e:
         raise HFError(str(e)) from None
-    tensors = dcp.read_full(ckpt, names)
+    tensors = dcp.read_weights(ckpt, names)
     missing = sorted(names - set(tensors))
     if missing:
         raise HFError(f"checkpoint {ckpt} has no {missing[0]}: it is not of this model")

@@ -98,7 +98,7 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
         checkpoint.verify(ckpt)
         layout = GPT(spec, ParallelContext(grid, 0, torch.device("cpu"), "gloo", {}))
         shapes = full_shapes(layout)
-        tensors = dcp.read_full(ckpt, set(shapes))
+        tensors = dcp.read_weights(ckpt, set(shapes))
         if set(tensors) != set(shapes):
             raise TwinError(f"checkpoint {ckpt} has no {sorted(set(shapes) - set(tensors))[0]}: it does not match "
                             f"its model {spec.name}")

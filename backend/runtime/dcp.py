@@ -19,10 +19,13 @@ pipeline stage's untrained copy) gives none. The files are DCP's own (`.metadata
 from __future__ import annotations
 
 import hashlib
+import io
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -31,38 +34,59 @@ METADATA = ".metadata"
 
 
 class Boxes:
-    """Boxes of one full tensor (`shape`) held by `local` (any shape: each box views it flat)."""
+    """Boxes of one full tensor (`shape`) held by each of `locals` (same shape; each box views them
+    flat). Several locals (a weight and its AdamW moments) are one DCP tensor of shape
+    (len(locals), *shape): one chunk per box holds them all, so that a checkpoint has a third of the
+    items to plan, write and read (each costs DCP a torch.save or a torch.load)."""
 
-    def __init__(self, local: torch.Tensor, shape: tuple[int, ...], boxes, write: bool = True):
-        self.local, self.shape, self.boxes, self.write = local, torch.Size(shape), list(boxes), write
-        self._by_offset = {tuple(b.offsets): b for b in self.boxes}
+    def __init__(self, locals_: list[torch.Tensor], shape: tuple[int, ...], boxes, write: bool = True):
+        self.locals, self.boxes, self.write = list(locals_), list(boxes), write
+        self.lead = (len(self.locals),) if len(self.locals) > 1 else ()
+        self.shape = torch.Size(self.lead + tuple(shape))
+        self._by_offset = {self._offsets(b): b for b in self.boxes}
+
+    def _offsets(self, box) -> tuple[int, ...]:
+        return (0,) * len(self.lead) + tuple(box.offsets)
+
+    def _sizes(self, box) -> tuple[int, ...]:
+        return self.lead + tuple(box.sizes)
 
     def size(self) -> torch.Size:
         return self.shape
 
-    def view(self, offsets) -> torch.Tensor:
-        """The local elements of the box at `offsets` (a view: reading into it fills `local`)."""
-        return self._by_offset[tuple(offsets)].view(self.local.reshape(-1))
+    def views(self, offsets) -> list[torch.Tensor]:
+        """Each local's elements of the box at `offsets` (views: writing into them fills the locals)."""
+        box = self._by_offset[tuple(offsets)]
+        return [box.view(t.reshape(-1)) for t in self.locals]
+
+    def data(self, offsets) -> torch.Tensor:
+        """The box's elements of every local, as one contiguous CPU tensor (what is written)."""
+        views = [v.detach().cpu() for v in self.views(offsets)]
+        return torch.stack(views) if self.lead else views[0].contiguous()
+
+    def commit(self, offsets, dest_offsets, lengths, tensor: torch.Tensor) -> None:
+        """Copy a read part (`tensor`, at dest_offsets within the box at `offsets`) into the locals."""
+        views = self.views(offsets)
+        if not self.lead:
+            views, tensor, dest_offsets, lengths = [views[0][None]], tensor[None], (0, *dest_offsets), (1, *lengths)
+        for j in range(lengths[0]):
+            dest = views[dest_offsets[0] + j]
+            for dim, (o, n) in enumerate(zip(dest_offsets[1:], lengths[1:])):
+                dest = dest.narrow(dim, o, n)
+            dest.copy_(tensor[j])
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         if not self.write:
             return []
-        props = TensorProperties(dtype=self.local.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)),
+        props = TensorProperties(dtype=self.locals[0].dtype)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(self._offsets(b))), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(self._offsets(b)),
+                                                                                 torch.Size(self._sizes(b))),
                                                       properties=props, size=self.shape))
                 for b in self.boxes]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in self.boxes]
-
-
-def _lookup(state: dict, index: MetadataIndex, saving: bool):
-    obj = state[index.fqn]
-    if isinstance(obj, Boxes):
-        v = obj.view(index.offset)
-        return v.detach().cpu().contiguous() if saving else v
-    return obj
+        return [ChunkStorageMetadata(torch.Size(self._offsets(b)), torch.Size(self._sizes(b))) for b in self.boxes]
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -70,10 +94,13 @@ class _SavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex):
-        return _lookup(self.state_dict, index, saving=True)
+        obj = self.state_dict[index.fqn]
+        return obj.data(index.offset) if isinstance(obj, Boxes) else obj
 
 
 class _LoadPlanner(DefaultLoadPlanner):
+    """Reads into a fresh tensor for each part of a box and copies it into the locals on commit."""
+
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -82,8 +109,77 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.original_state_dict = self.state_dict = state_dict
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
+    def resolve_tensor(self, read_item):
+        obj = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(obj, Boxes):
+            return torch.empty(tuple(read_item.lengths), dtype=obj.locals[0].dtype)
+        return super().resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        obj = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(obj, Boxes):
+            obj.commit(read_item.dest_index.offset, read_item.dest_offsets, read_item.lengths, tensor)
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return _lookup(self.state_dict, index, saving=False)
+        return self.state_dict[index.fqn]
+
+
+class _HashingStream(io.RawIOBase):
+    """A file opened for writing that hashes (SHA-256) and counts the bytes written through it, so a
+    rank's checksum costs no second read of its file."""
+
+    def __init__(self, f, sums: dict, name: str):
+        super().__init__()
+        self.f, self.sums, self.name, self.sha, self.size = f, sums, name, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        n = self.f.write(b)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def flush(self) -> None:
+        if not self.f.closed:
+            self.f.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.sums[self.name] = (self.sha.hexdigest(), self.size)
+            self.f.close()
+        super().close()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.sums: dict[str, tuple[str, int]] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = _HashingStream(open(path, "wb"), self.sums, Path(path).name)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+class _Writer(FileSystemWriter):
+    def __init__(self, folder: Path):
+        super().__init__(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.fs = _HashingFileSystem()
 
 
 def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
@@ -97,11 +193,12 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     alone = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that a process without a process group saves alone
-        dcp.save(state, storage_writer=FileSystemWriter(folder, single_file_per_rank=True, sync_files=True,
-                                                        thread_count=1),
-                 planner=_SavePlanner(), no_dist=alone)
-    mine = sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / METADATA] if rank == 0 else [])
-    return {f.name: hash_file(f) for f in mine}
+        writer = _Writer(folder)
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=alone)
+    sums = {name: v for name, v in writer.fs.sums.items() if name.endswith(".distcp")}  # hashed as written
+    if rank == 0:
+        sums[METADATA] = hash_file(folder / METADATA)  # written under another name, then renamed
+    return sums
 
 
 def hash_file(file: Path) -> tuple[str, int]:
@@ -137,6 +234,14 @@ def read(state: dict, folder: Path) -> dict:
 def read_objects(folder: Path, names) -> dict:
     """The pickled (non-tensor) entries `names` of a DCP checkpoint, read in this process."""
     return read({n: None for n in names}, folder)
+
+
+WEIGHT = 0  # a stacked tensor of the checkpoint: [weight, exp_avg, exp_avg_sq] (backend.training.state)
+
+
+def read_weights(folder: Path, names) -> dict:
+    """The weights `names` of a checkpoint of backend.training.state, full, in this process."""
+    return {k: t[WEIGHT] for k, t in read_full(folder, names).items()}
 
 
 def read_full(folder: Path, names=None) -> dict:

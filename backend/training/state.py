@@ -2,9 +2,9 @@
 
 What a checkpoint holds, by name:
 - every full tensor of the model under its reference name (`wte`, `blocks.0.qkv`, ... for a GPT;
-  Hugging Face's for a Llama), fp32, as boxes of the ranks' shards;
-- AdamW's moments of each under `optimizer/exp_avg/<name>` and `optimizer/exp_avg_sq/<name>`, the
-  same boxes;
+  Hugging Face's for a Llama), fp32, as boxes of the ranks' shards, stacked with AdamW's two moments
+  of it: a DCP tensor of shape (3, *full shape) holding [weight, exp_avg, exp_avg_sq] (one item per
+  box instead of three: a DCP item costs a torch.save or torch.load of its own);
 - `train`: the step, AdamW's step count, the data loader's position (the next step, seed, batch,
   sequence length), the goldfish settings, the learning-rate schedule (its inputs: peak, floor,
   warm-up, steps) and the run's config;
@@ -57,10 +57,8 @@ def state_dict(model, optimizer, loader, cfg, ctx, step: int) -> dict:
             continue
         for pl in places[pname]:
             write = pl.owner is None or pl.owner == ctx.stage
-            out[pl.name] = dcp.Boxes(p.detach(), pl.shape, pl.boxes, write)
-            for m in MOMENTS:
-                moment = state.get(m, torch.zeros_like(p))
-                out[f"optimizer/{m}/{pl.name}"] = dcp.Boxes(moment, pl.shape, pl.boxes, write)
+            moments = [state.get(m, torch.zeros_like(p)) for m in MOMENTS]
+            out[pl.name] = dcp.Boxes([p.detach(), *moments], pl.shape, pl.boxes, write)
     out["train"] = {"step": step, "optimizer_steps": int(count.item()), "data": loader.state_dict(),
                     "goldfish": {"k": cfg.goldfish_k, "h": cfg.goldfish_h},
                     "schedule": {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup, "steps": cfg.steps},
@@ -93,10 +91,8 @@ def load(path, model, optimizer, loader, cfg, ctx) -> int:
             if pl.name not in saved:
                 missing.append(pl.name)
                 continue
-            state[pl.name] = dcp.Boxes(p.data, pl.shape, pl.boxes)
-            for m in MOMENTS:
-                buf = moments.setdefault(pname, {}).setdefault(m, torch.zeros_like(p))
-                state[f"optimizer/{m}/{pl.name}"] = dcp.Boxes(buf, pl.shape, pl.boxes)
+            bufs = moments.setdefault(pname, {m: torch.zeros_like(p) for m in MOMENTS})
+            state[pl.name] = dcp.Boxes([p.data, *(bufs[m] for m in MOMENTS)], pl.shape, pl.boxes)
     if missing:
         raise CheckpointError(f"checkpoint {path} has no {missing[0]} for this run's model on grid {ctx.grid}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")

@@ -49,7 +49,11 @@ def checkpoint_cost(system, model, gpus: int, grid_y: int = 1) -> CheckpointCost
 
 def describe(cost: dict, system: str) -> str:
     """One line on a checkpoint's cost (`CheckpointCost.as_dict()`), for the simulate command."""
-    from twin.present.tables import human_bytes
+    def human_bytes(n: float) -> str:
+        for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if n >= scale:
+                return f"{n / scale:.1f} {unit}"
+        return f"{n:.0f} B"
 
     head = (f"checkpoint: {human_bytes(cost['bytes_total'])} (fp32 weights and AdamW moments, "
             f"{BYTES_PER_PARAMETER} B per parameter; {human_bytes(cost['bytes_per_gpu'])} per GPU)")
