@@ -211,9 +211,29 @@ def hash_file(file: Path) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
+class _Reader(FileSystemReader):
+    """A FileSystemReader that reads the metadata file once (`keys`, then the load, ask for it)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+_readers: dict[str, _Reader] = {}  # the reader of the checkpoint being loaded (one at a time)
+
+
+def _reader(folder: Path) -> _Reader:
+    key = str(Path(folder).resolve())
+    if key not in _readers:
+        _readers.clear()
+        _readers[key] = _Reader(folder)
+    return _readers[key]
+
+
 def keys(folder: Path) -> set[str]:
     """The names a DCP checkpoint holds."""
-    return set(FileSystemReader(folder).read_metadata().state_dict_metadata)
+    return set(_reader(folder).read_metadata().state_dict_metadata)
 
 
 def read(state: dict, folder: Path) -> dict:
@@ -227,7 +247,8 @@ def read(state: dict, folder: Path) -> dict:
     alone = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that a process without a process group loads alone
-        dcp.load(state, storage_reader=FileSystemReader(folder), planner=_LoadPlanner(), no_dist=alone)
+        dcp.load(state, storage_reader=_reader(folder), planner=_LoadPlanner(), no_dist=alone)
+    _readers.clear()
     return state
 
 
@@ -249,7 +270,7 @@ def read_full(folder: Path, names=None) -> dict:
     tensor (or those of `names`)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(folder).read_metadata().state_dict_metadata
+    md = _reader(folder).read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
              if isinstance(v, TensorStorageMetadata) and (names is None or k in names)}
     read(state, folder)
