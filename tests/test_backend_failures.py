@@ -179,8 +179,8 @@ def test_a_diverging_run_stops_naming_its_step(tmp_path):
     assert checkpoint.latest(ckpt).name == f"step_{step - 1:08d}"
     import torch
     from backend.runtime import dcp
-    tensors = dcp.read_full(checkpoint.latest(ckpt))  # weights and AdamW moments, every full tensor
-    assert "wte" in tensors and all(bool(torch.isfinite(t).all()) for t in tensors.values())
+    weights = {k: t[0] for k, t in dcp.read_full(checkpoint.latest(ckpt)).items()}  # [weight, exp_avg, exp_avg_sq]
+    assert "wte" in weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
 
 
 def test_skip_nonfinite_goes_on_and_writes_null(tmp_path):
@@ -278,6 +278,16 @@ def test_a_failed_checkpoint_write_names_the_rank_file_and_removes_it(tmp_path):
         checkpoint.save(tmp_path, 2, 0, {"payload": list(range(100_000))}, checkpoint.make_meta(2, grid, model))
     assert e.value.filename == str(tmp_path / ".tmp.step_00000002" / "rank_00000.pt")
     assert not list(tmp_path.rglob("*.pt")) and checkpoint.latest(tmp_path) is None
+
+
+def test_a_failed_dcp_checkpoint_write_names_the_rank_file_and_publishes_nothing(tmp_path):
+    import torch
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    with _FileSizeLimit(64 * 1024), pytest.raises(OSError) as e:
+        checkpoint.save(tmp_path, 2, 0, {"w": torch.zeros(100_000)}, checkpoint.make_meta(2, grid, model), sharded=True)
+    assert e.value.filename == str(tmp_path / ".tmp.step_00000002" / "__0_0.distcp"), e.value
+    assert "File too large" in os_error_line(e.value)
+    assert checkpoint.latest(tmp_path) is None and not (tmp_path / "latest").exists()
 
 
 def test_the_default_progress_limit_follows_the_measured_steps(tmp_path):

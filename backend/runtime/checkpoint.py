@@ -169,10 +169,34 @@ def _write_sharded(tmp: Path, rank: int, state: dict) -> None:
     """DCP files of every rank, and a `<file>.sha256` beside each with its checksum and size."""
     from backend.runtime import dcp
 
-    with naming(tmp):
+    try:
         files = dcp.write(state, tmp, rank)
-        for name, (digest, size) in files.items():
-            write_atomic(tmp / f"{name}.sha256", f"{digest} {size}\n")
+    except BaseException as e:  # DCP wraps a rank's failure (a full disk) in its own BaseException
+        found = _os_error(e, rank)
+        if found is None:
+            raise
+        r, cause = found  # name the file of the rank whose write failed
+        if cause.filename is None and cause.errno is not None:
+            cause = type(cause)(cause.errno, cause.strerror, str(tmp / f"__{r}_0.distcp"))
+        raise cause from None
+    for name, (digest, size) in files.items():
+        write_atomic(tmp / f"{name}.sha256", f"{digest} {size}\n")
+
+
+def _os_error(e: BaseException, rank: int) -> tuple[int, OSError] | None:
+    """(rank, the OSError) behind a DCP CheckpointException (this rank's first, else another's)."""
+    if isinstance(e, OSError):
+        return rank, e
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    for r in sorted(failures, key=lambda r: r != rank):
+        exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__ or exc.__context__
+        if exc is not None:
+            return r, exc
+    return None
 
 
 def _write_rank_file(tmp: Path, rank: int, state: dict) -> None:

@@ -18,8 +18,10 @@ pipeline stage's untrained copy) gives none. The files are DCP's own (`.metadata
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -137,7 +139,16 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b) -> int:
         self.sha.update(b)
-        n = self.f.write(b)
+        view, n = memoryview(b).cast("B"), 0
+        try:
+            while n < len(view):  # a short write (a disk that fills up) is retried, and then fails
+                done = self.f.write(view[n:])
+                if not done:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                n += done
+        except OSError as e:  # torch.save hides it behind its own RuntimeError: keep it
+            self.sums.setdefault("errors", []).append(e)
+            raise
         self.size += n
         return n
 
@@ -194,7 +205,12 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that a process without a process group saves alone
         writer = _Writer(folder)
-        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=alone)
+        try:
+            dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=alone)
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            if writer.fs.sums.get("errors"):  # this rank's write failed (a full disk): say that
+                raise writer.fs.sums["errors"][0] from None
+            raise
     sums = {name: v for name, v in writer.fs.sums.items() if name.endswith(".distcp")}  # hashed as written
     if rank == 0:
         sums[METADATA] = hash_file(folder / METADATA)  # written under another name, then renamed

@@ -100,9 +100,10 @@ def load(path, model, optimizer, loader, cfg, ctx) -> int:
     rng = f"rng/rank_{ctx.rank:05d}"
     state["train"] = None
     state[rng if rng in saved else "rng/rank_00000"] = None
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         dcp.read(state, path)
-    except Exception as e:  # noqa: BLE001 - DCP wraps a reader's error in its own; one line
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's error; one line
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
     train = state["train"]
