@@ -163,6 +163,8 @@ def placements_at(model, coords) -> dict[str, list[Placement]]:
     for i, blk in enumerate(model.blocks):
         ref = f"blocks.{i}.x"
         for lname, k, n, transposed in spec.linear_shapes():
+            if not hasattr(blk, lname):  # a layer this map does not know (experts): saved per rank
+                continue
             kl, nl, in_axis, out_axis = linear_dims(g, k, n, transposed)
             row = coords[AXES.index(in_axis)] * kl
             out_c = coords[AXES.index(out_axis)]

@@ -43,7 +43,7 @@ def state_dict(model, optimizer, loader, cfg, ctx, step: int) -> dict:
     import torch.distributed as dist
 
     params, places = _places(model)
-    count = torch.tensor([_step_count(optimizer)], dtype=torch.int64)
+    count = torch.tensor([_step_count(optimizer)], dtype=torch.int64, device=ctx.device)  # NCCL: on the GPU
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)  # a pipeline stage may hold no state of some tensors
     out: dict = {}
