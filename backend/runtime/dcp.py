@@ -92,8 +92,10 @@ class Boxes:
 
 
 class _SavePlanner(DefaultSavePlanner):
+    """Plans are cached: the checkpoints of a run have the same plan, sent to the coordinator once."""
+
     def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=True)
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
