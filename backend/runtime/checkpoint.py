@@ -1,20 +1,24 @@
-"""Sharded checkpoints: one file per rank plus a metadata file, published by an atomic rename.
+"""Sharded checkpoints: each rank's files plus a metadata file, published by an atomic rename.
 
 Layout under the checkpoint directory:
 
     step_00000010/meta.json          grid, model spec, world size, step, format version, and the size
-                                     and SHA-256 of every rank file (meta.json carries its own checksum)
-    step_00000010/rank_00003.pt      this rank's model shard, optimizer state, data position, RNG states
+                                     and SHA-256 of every file (meta.json carries its own checksum)
+    step_00000010/.metadata          torch.distributed.checkpoint's (DCP) index of the tensors' chunks
+    step_00000010/__3_0.distcp       rank 3's chunks (format /3: backend.runtime.dcp, any grid reads it)
+    step_00000010/rank_00003.pt      or, format /2 (before DCP; read on its own grid only): rank 3's
+                                     model shard, optimizer state, data position, RNG states
     latest                           the name of the last complete checkpoint (one line)
 
-Saving: every rank writes its file into `.tmp.step_00000010/`, hashing it as it goes, and fsyncs it;
+Saving: every rank writes its file(s) into `.tmp.step_00000010/`, hashing as it goes, and fsyncs;
 after a barrier rank 0 collects the checksums into meta.json, fsyncs the directory, renames it to
 `step_00000010` and then replaces `latest` through a fsynced temporary file. A crash at any point
 leaves `latest` naming the previous complete checkpoint.
 
 Loading never trusts a file: meta.json must parse, carry every key with the right type and match its
-own checksum; every rank file must exist with its recorded size (`candidates`, cheap), and a rank's
-own file must match its SHA-256 before torch reads it (`load`). `find_resume` walks the candidates
+own checksum; every file must exist with its recorded size (`candidates`, cheap), and the files must
+match their SHA-256 before torch reads them (format /2: a rank its own file in `load`; DCP: the ranks
+share out the files in `find_resume`, `verify` checks them all in one process). `find_resume` walks the candidates
 newest first (the one `latest` names, then every other step, newest first) and takes the first whose
 files are good on every rank (the ranks agree by an all-reduce, so they all load the same step); when
 that is not the one `latest` names, rank 0 prints one warning line. When no step is good it refuses
