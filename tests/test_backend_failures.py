@@ -177,11 +177,10 @@ def test_a_diverging_run_stops_naming_its_step(tmp_path):
     logged = [_strict(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in logged] == list(range(1, step))
     assert checkpoint.latest(ckpt).name == f"step_{step - 1:08d}"
-    grid, model = Grid.parse("1x1x1x2"), load_model("gpt-tiny")
     import torch
-    for rank in range(2):
-        state = checkpoint.load(checkpoint.latest(ckpt), rank, grid, model)
-        assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+    from backend.runtime import dcp
+    weights = {k: t[0] for k, t in dcp.read_full(checkpoint.latest(ckpt)).items()}  # [weight, exp_avg, exp_avg_sq]
+    assert "wte" in weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
 
 
 def test_skip_nonfinite_goes_on_and_writes_null(tmp_path):
@@ -214,8 +213,9 @@ def test_sigterm_saves_a_loadable_checkpoint_of_the_step_reached(tmp_path):
     assert step == last_logged
     path = checkpoint.latest(ckpt)
     assert path.name == f"step_{step:08d}"
-    for rank in range(2):
-        assert checkpoint.load(path, rank, Grid.parse("1x1x2x1"), load_model("gpt-tiny"))["step"] == step
+    from backend.runtime import dcp
+    checkpoint.verify(path)
+    assert dcp.read_objects(path, ["train"])["train"]["step"] == step
 
 
 def test_every_json_the_project_writes_goes_through_finite_json():
@@ -280,6 +280,16 @@ def test_a_failed_checkpoint_write_names_the_rank_file_and_removes_it(tmp_path):
     assert not list(tmp_path.rglob("*.pt")) and checkpoint.latest(tmp_path) is None
 
 
+def test_a_failed_dcp_checkpoint_write_names_the_rank_file_and_publishes_nothing(tmp_path):
+    import torch
+    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    with _FileSizeLimit(64 * 1024), pytest.raises(OSError) as e:
+        checkpoint.save(tmp_path, 2, 0, {"w": torch.zeros(100_000)}, checkpoint.make_meta(2, grid, model), sharded=True)
+    assert e.value.filename == str(tmp_path / ".tmp.step_00000002" / "__0_0.distcp"), e.value
+    assert "File too large" in os_error_line(e.value)
+    assert checkpoint.latest(tmp_path) is None and not (tmp_path / "latest").exists()
+
+
 def test_the_default_progress_limit_follows_the_measured_steps(tmp_path):
     """900 s until every rank has stepped twice and while one is busy (saving); then 20 times the slowest
     interval between two heartbeats, at least 120 s."""
@@ -311,13 +321,13 @@ def test_a_checkpoint_with_nan_weights_is_not_resumed(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ck"
     args = RUN + ["--grid", "1x1x1x1", "--steps", "2", "--out", str(out), "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
     assert subprocess.run(args, capture_output=True, timeout=120).returncode == 0
-    grid, model = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
+    from backend.runtime import dcp
     path = checkpoint.latest(ckpt)
-    state = checkpoint.load(path, 0, grid, model)
-    name = next(iter(state["model"]))
-    state["model"][name].view(-1)[0] = float("nan")
+    state = {**dcp.read_full(path), **dcp.read_objects(path, ["train", "rng/rank_00000"])}  # full tensors
+    state["blocks.0.qkv"][0].view(-1)[0] = float("nan")  # [weight, exp_avg, exp_avg_sq]: the weight
     meta = {k: v for k, v in checkpoint.read_meta(path).items() if k not in ("files", "checksum")}
-    checkpoint.save(ckpt, 2, 0, state, meta)
+    checkpoint.save(ckpt, 2, 0, state, meta, sharded=True)  # plain tensors: one chunk each, any grid reads them
+    name = "blocks.0.qkv.weight"
     r = subprocess.run(args[:-6] + ["--steps", "4"] + args[-6:], capture_output=True, text=True, timeout=120)
     lines = _lines(r.stderr)
     assert r.returncode == 1 and len(lines) == 1, r.stderr

@@ -115,7 +115,7 @@ def test_resume_after_a_flipped_file_end_to_end(tmp_path):
                   str(tmp_path / "ck"), "--ckpt-every", "2"]
     first = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    flip_bytes(tmp_path / "ck" / "step_00000004" / "rank_00000.pt")
+    flip_bytes(tmp_path / "ck" / "step_00000004" / "__0_0.distcp")  # a DCP shard file
     again = subprocess.run(args[:-6] + ["--steps", "5"] + args[-6:], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     warnings = again.stderr.strip().splitlines()

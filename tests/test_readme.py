@@ -114,6 +114,9 @@ BACKEND = [
     # README: what you simulate is what you run
     ("twin program --model gpt-tiny --grid 2x2x2x1 --batch 8 --json-out prog.json", None),
     ("backend run --program prog.json", "backend run --program prog.json --steps 2 --out runs/prog"),
+    # README: a run resumes on another grid
+    ("backend run --model gpt-tiny --grid 2x2x2x1 --steps 2 --ckpt-dir ck --ckpt-every 2", None),
+    ("backend run --model gpt-tiny --grid 4x1x1x2 --steps 4 --ckpt-dir ck", None),
     # docs/backend.md
     ("backend run --model gpt-tiny --grid 2x2x2x1 --steps 50 --device cpu --out runs/tiny",
      "backend run --model gpt-tiny --grid 2x2x2x1 --steps 2 --device cpu --out runs/tiny"),

@@ -243,6 +243,8 @@ COLLECTIVE_TUNING = {"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3), "in
                      "inter_node_step_floor": LATENCY, "step_floor_per_rank": Number(0, 1e-3),
                      "node_ring_directions": Int(1, 2)}
 
+FILESYSTEM_RATES = ("write_bandwidth", "read_bandwidth", "write_bandwidth_per_node", "read_bandwidth_per_node")
+
 SYSTEM = Table(
     required={
         "gpu": Table(required={"name": Text(nonempty=True), "peak_flops": RATE, "hbm_gib": Positive(1e6),
@@ -279,6 +281,11 @@ SYSTEM = Table(
                          optional={"rail_optimized": Flag(), "ecmp": Text(("destination", "hash", "spread"))}),
         # node failures (twin sweep's goodput): a node's mean time between failures that stop a job, hours
         "failures": Table(required={"node_mtbf_h": Number(1e-3, 1e9), "source": Text(nonempty=True)}),
+        # the parallel file system checkpoints go to (twin simulate's checkpoint time), bytes/s: the
+        # whole file system's and/or one node's share, each direction (at least one figure)
+        "filesystem": Table(required={"source": Text(nonempty=True)},
+                            optional={"name": Text(nonempty=True),
+                                      **{k: Number(1.0, 1e16) for k in FILESYSTEM_RATES}}),
     })
 
 MODEL = Table(

@@ -66,6 +66,26 @@ class CollectiveSpec:
 
 
 @dataclass(frozen=True)
+class FileSystemSpec:
+    """The parallel file system checkpoints go to: bandwidths in bytes/s, 0 where the file gives none
+    (the whole file system's, and one node's share), and where the figures come from."""
+
+    name: str
+    source: str
+    write_bandwidth: float = 0.0
+    read_bandwidth: float = 0.0
+    write_bandwidth_per_node: float = 0.0
+    read_bandwidth_per_node: float = 0.0
+
+    def rate(self, direction: str, nodes: int) -> float:
+        """Bytes/s that `nodes` nodes reach writing or reading ('write', 'read'): the least of the
+        whole file system's figure and nodes x the per-node one (each where given); 0 if neither."""
+        total, per_node = getattr(self, f"{direction}_bandwidth"), getattr(self, f"{direction}_bandwidth_per_node")
+        rates = [r for r in (total, nodes * per_node) if r > 0]
+        return min(rates) if rates else 0.0
+
+
+@dataclass(frozen=True)
 class SystemSpec:
     """A whole machine. `node_links[i, j]` is the GPU i -> GPU j bandwidth inside a node, bytes/s
     (0 on the diagonal); `gpu_nic[i]` is the NIC that local GPU i uses."""
@@ -93,6 +113,7 @@ class SystemSpec:
     fattree: FatTreeSpec | None = None  # the network when it is a fat tree (then `dragonfly` is None)
     node_port_bandwidth: float = 0.0  # bytes/s per direction of a GPU's port into a node switch (NVSwitch); 0: none
     profile: str = ""           # the kernel profile the file names (twin/profiles), "" to pick one by GPU name
+    filesystem: FileSystemSpec | None = None  # where checkpoints go (None: the file gives no figures)
 
     @property
     def total_gpus(self) -> int:
@@ -233,12 +254,24 @@ def _parse(data: dict, path: Path) -> SystemSpec:
         dragonfly=dragonfly, collectives=coll, collective_sets=sets, default_model=_get(d, "model", w, str),
         default_gpus=_get(d, "gpus", w, int), default_batch=int(d.get("batch", 0)), sources=tuple(data.get("sources", ())), path=str(path),
         node_mtbf_h=float(data.get("failures", {}).get("node_mtbf_h", 0.0)), fattree=fattree,
-        profile=str(data.get("profile", "")), node_port_bandwidth=float(n.get("nvswitch_gbs", 0.0)) * 1e9)
+        profile=str(data.get("profile", "")), node_port_bandwidth=float(n.get("nvswitch_gbs", 0.0)) * 1e9,
+        filesystem=_filesystem(data, path))
     if nodes > 1 and (spec.nic_bandwidth <= 0 or spec.gpu_nic_bandwidth <= 0 or nics < 1):
         raise InputError(f"system file {path} [node]: a multi-node system needs NICs with positive bandwidth")
     if not 1 <= spec.default_gpus <= spec.total_gpus:
         raise InputError(f"system file {w}: gpus {spec.default_gpus} must be between 1 and {spec.total_gpus}")
     return spec
+
+
+def _filesystem(data: dict, path) -> FileSystemSpec | None:
+    """The optional [filesystem] table (checked by the schema): at least one bandwidth."""
+    t = data.get("filesystem")
+    if t is None:
+        return None
+    from topologies.schema import FILESYSTEM_RATES
+    if not any(k in t for k in FILESYSTEM_RATES):
+        raise InputError(f"system file {path} [filesystem]: give at least one of {', '.join(FILESYSTEM_RATES)} (bytes/s)")
+    return FileSystemSpec(t.get("name", "file system"), t["source"], **{k: float(t.get(k, 0.0)) for k in FILESYSTEM_RATES})
 
 
 def _dragonfly(t: dict, w: str, nodes: int, nics: int) -> DragonflySpec:

@@ -90,6 +90,21 @@ def _rank_states(ckpt: Path, meta: dict, grid) -> list[dict]:
     return out
 
 
+def _dcp_tensors(ckpt: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The full tensors `names` of a DCP checkpoint, after checking every file against its SHA-256."""
+    from backend.runtime import checkpoint, dcp
+
+    try:
+        checkpoint.verify(ckpt)
+    except checkpoint.CheckpointError as e:
+        raise HFError(str(e)) from None
+    tensors = dcp.read_weights(ckpt, names)
+    missing = sorted(names - set(tensors))
+    if missing:
+        raise HFError(f"checkpoint {ckpt} has no {missing[0]}: it is not of this model")
+    return tensors
+
+
 DTYPES = {"fp32": ("float32", "F32"), "bf16": ("bfloat16", "BF16"), "fp16": ("float16", "F16")}
 
 
@@ -117,11 +132,19 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: str = "fp32",
     out = check_output(out, "--out", folder=True)
     torch_dtype = getattr(torch, DTYPES[dtype][0])
     shapes = hf_shapes(spec)
-    layouts, states = _layouts(spec, grid), _rank_states(ckpt, meta, grid)
+    from backend.runtime import checkpoint
+    layouts = _layouts(spec, grid)
+    if meta["format"] == checkpoint.FORMAT:  # DCP: the full tensors under their Hugging Face names
+        from_dcp = _dcp_tensors(ckpt, set(shapes))
+        states = None
+    else:
+        states = _rank_states(ckpt, meta, grid)
 
     def assemble(j: int) -> dict[str, torch.Tensor]:
         """The HF tensors of parameter j (one, or q/k/v, or gate/up), assembled from every rank."""
         names = layouts[0][j][0]
+        if states is None:
+            return {n: from_dcp.pop(n).to(torch_dtype) for n in names}
         full_shapes = [shapes[n] for n in names]  # the real vocabulary: readers give -1 for padding rows
         bases = [0]
         for shape in full_shapes:

@@ -68,7 +68,7 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, ModelSpec, Grid]:
         spec, grid = ModelSpec(**meta["model"]), Grid.parse(meta["grid"])
     except (TypeError, KeyError) as e:
         raise TwinError(f"checkpoint {ckpt}: meta.json lacks a valid model or grid ({e})") from None
-    if grid.pipe > 1:
+    if grid.pipe > 1 and meta["format"] != checkpoint.FORMAT:
         raise TwinError(f"checkpoint {ckpt} is of the pipelined grid {grid}: decoding and export read 4D "
                         "checkpoints only (resume it with `backend run`, or train on a grid of four fields)")
     return ckpt, meta, spec, grid
@@ -96,6 +96,16 @@ def load_weights(path: str | Path, model: str | None = None) -> Weights:
         if want != spec:
             raise TwinError(f"checkpoint {ckpt} was written for model {spec.name!r} ({spec.layers} layers, "
                             f"hidden {spec.hidden}), not {want.name!r}: give the matching --model or none")
+    if meta["format"] == checkpoint.FORMAT:  # DCP: the full tensors under ReferenceGPT's names
+        from backend.runtime import dcp
+        checkpoint.verify(ckpt)
+        layout = GPT(spec, ParallelContext(grid, 0, torch.device("cpu"), "gloo", {}))
+        shapes = full_shapes(layout)
+        tensors = dcp.read_weights(ckpt, set(shapes))
+        if set(tensors) != set(shapes):
+            raise TwinError(f"checkpoint {ckpt} has no {sorted(set(shapes) - set(tensors))[0]}: it does not match "
+                            f"its model {spec.name}")
+        return Weights(spec, {k: t.float().view(shapes[k]) for k, t in tensors.items()}, str(grid), int(meta["step"]))
     # one rank's model, built only for its shard map (which block of each full tensor rank r holds)
     layout = GPT(spec, ParallelContext(grid, 0, torch.device("cpu"), "gloo", {}))
     key = {id(p): name for name, p in layout.named_parameters()}

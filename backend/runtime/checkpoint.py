@@ -1,20 +1,24 @@
-"""Sharded checkpoints: one file per rank plus a metadata file, published by an atomic rename.
+"""Sharded checkpoints: each rank's files plus a metadata file, published by an atomic rename.
 
 Layout under the checkpoint directory:
 
     step_00000010/meta.json          grid, model spec, world size, step, format version, and the size
-                                     and SHA-256 of every rank file (meta.json carries its own checksum)
-    step_00000010/rank_00003.pt      this rank's model shard, optimizer state, data position, RNG states
+                                     and SHA-256 of every file (meta.json carries its own checksum)
+    step_00000010/.metadata          torch.distributed.checkpoint's (DCP) index of the tensors' chunks
+    step_00000010/__3_0.distcp       rank 3's chunks (format /3: backend.runtime.dcp, any grid reads it)
+    step_00000010/rank_00003.pt      or, format /2 (before DCP; read on its own grid only): rank 3's
+                                     model shard, optimizer state, data position, RNG states
     latest                           the name of the last complete checkpoint (one line)
 
-Saving: every rank writes its file into `.tmp.step_00000010/`, hashing it as it goes, and fsyncs it;
+Saving: every rank writes its file(s) into `.tmp.step_00000010/`, hashing as it goes, and fsyncs;
 after a barrier rank 0 collects the checksums into meta.json, fsyncs the directory, renames it to
 `step_00000010` and then replaces `latest` through a fsynced temporary file. A crash at any point
 leaves `latest` naming the previous complete checkpoint.
 
 Loading never trusts a file: meta.json must parse, carry every key with the right type and match its
-own checksum; every rank file must exist with its recorded size (`candidates`, cheap), and a rank's
-own file must match its SHA-256 before torch reads it (`load`). `find_resume` walks the candidates
+own checksum; every file must exist with its recorded size (`candidates`, cheap), and the files must
+match their SHA-256 before torch reads them (format /2: a rank its own file in `load`; DCP: the ranks
+share out the files in `find_resume`, `verify` checks them all in one process). `find_resume` walks the candidates
 newest first (the one `latest` names, then every other step, newest first) and takes the first whose
 files are good on every rank (the ranks agree by an all-reduce, so they all load the same step); when
 that is not the one `latest` names, rank 0 prints one warning line. When no step is good it refuses
@@ -45,8 +49,11 @@ from twin.program.grid import Grid
 from twin.program.model import ModelSpec
 
 
-FORMAT = "axonn-twin-backend-checkpoint/2"
+FORMAT = "axonn-twin-backend-checkpoint/3"      # torch.distributed.checkpoint files (backend.runtime.dcp)
+OLD_FORMAT = "axonn-twin-backend-checkpoint/2"  # one torch.save file per rank: read on its own grid only
 LATEST = "latest"
+CRASH_IN_SAVE_ENV = "BACKEND_TEST_CRASH_IN_SAVE"  # tests: rank 0 SIGKILLs itself in the save of this step,
+# after every rank wrote its files and before meta.json, the rename and `latest`
 META_KEYS = {"format": str, "step": int, "grid": str, "world_size": int, "model": dict, "files": dict,
              "checksum": str}
 
@@ -127,10 +134,13 @@ class _HashingWriter:
         self.f.flush()
 
 
-def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, keep: int = 2) -> Path:
+def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, keep: int = 2,
+         sharded: bool = False) -> Path:
     """Collectively save `state` (this rank's shard) as checkpoint `step`; every rank calls it.
 
     keep: how many complete checkpoints to keep (older ones are deleted by rank 0; 0 keeps all).
+    sharded: `state` is a DCP state dict (backend.runtime.dcp: boxes of full tensors, any grid reads
+    it); else one torch.save file per rank (the format before, read on its own grid only).
     Returns the directory of the new checkpoint.
     """
     root = Path(ckpt_dir)
@@ -145,6 +155,55 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
             shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    if sharded:
+        _write_sharded(tmp, rank, state)
+    else:
+        _write_rank_file(tmp, rank, state)
+    _barrier()
+    if rank == 0 and os.environ.get(CRASH_IN_SAVE_ENV) == str(step):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        _publish(root, tmp, final, name, {**meta, "format": FORMAT if sharded else OLD_FORMAT}, keep)
+    _barrier()
+    return final
+
+
+def _write_sharded(tmp: Path, rank: int, state: dict) -> None:
+    """DCP files of every rank, and a `<file>.sha256` beside each with its checksum and size."""
+    from backend.runtime import dcp
+
+    try:
+        files = dcp.write(state, tmp, rank)
+    except BaseException as e:  # DCP wraps a rank's failure (a full disk) in its own BaseException
+        found = _os_error(e, rank)
+        if found is None:
+            raise
+        r, cause = found  # name the file of the rank whose write failed
+        if cause.filename is None and cause.errno is not None:
+            cause = type(cause)(cause.errno, cause.strerror, str(tmp / f"__{r}_0.distcp"))
+        raise cause from None
+    for name, (digest, size) in files.items():
+        write_atomic(tmp / f"{name}.sha256", f"{digest} {size}\n")
+
+
+def _os_error(e: BaseException, rank: int) -> tuple[int, OSError] | None:
+    """(rank, the OSError) behind a DCP CheckpointException (this rank's first, else another's)."""
+    if isinstance(e, OSError):
+        return rank, e
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    for r in sorted(failures, key=lambda r: r != rank):
+        exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__ or exc.__context__
+        if exc is not None:
+            return r, exc
+    return None
+
+
+def _write_rank_file(tmp: Path, rank: int, state: dict) -> None:
     import torch
     path = tmp / rank_file_name(rank)
     try:  # a failure (a full disk) names the file and leaves no partial one behind
@@ -163,39 +222,39 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
     except BaseException:
         remove_quietly(path)
         raise
-    _barrier()
-    if rank == 0:
-        files = {}
-        for sidecar in sorted(tmp.glob("*.sha256")):
-            digest, size = sidecar.read_text().split()
-            files[sidecar.name.removesuffix(".sha256")] = {"bytes": int(size), "sha256": digest}
-            sidecar.unlink()
-        meta = {**meta, "files": files}
-        meta["checksum"] = _meta_checksum(meta)
-        write_atomic(tmp / "meta.json", finite_json(meta, indent=1))
-        _fsync_path(tmp / "meta.json")
-        _fsync_path(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_path(root)
-        pointer = root / f".{LATEST}.tmp"
-        try:
-            with naming(root / LATEST), open(pointer, "w") as f:
-                f.write(name + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(pointer, root / LATEST)
-        except BaseException:
-            remove_quietly(pointer)
-            raise
-        _fsync_path(root)
-        if keep > 0:
-            old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
-            for p in old[:max(0, len(old) - (keep - 1))]:
-                shutil.rmtree(p, ignore_errors=True)
-    _barrier()
-    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, name: str, meta: dict, keep: int) -> None:
+    """Rank 0: meta.json with every file's checksum, the atomic rename, `latest`, old steps removed."""
+    files = {}
+    for sidecar in sorted(tmp.glob("*.sha256")):
+        digest, size = sidecar.read_text().split()
+        files[sidecar.name.removesuffix(".sha256")] = {"bytes": int(size), "sha256": digest}
+        sidecar.unlink()
+    meta = {**meta, "files": files}
+    meta["checksum"] = _meta_checksum(meta)
+    write_atomic(tmp / "meta.json", finite_json(meta, indent=1))
+    _fsync_path(tmp / "meta.json")
+    _fsync_path(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_path(root)
+    pointer = root / f".{LATEST}.tmp"
+    try:
+        with naming(root / LATEST), open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, root / LATEST)
+    except BaseException:
+        remove_quietly(pointer)
+        raise
+    _fsync_path(root)
+    if keep > 0:
+        old = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
+        for p in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def read_meta(path: str | Path) -> dict:
@@ -208,7 +267,7 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: unreadable meta.json ({e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: meta.json is not a JSON object")
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, OLD_FORMAT):
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     for key, kind in META_KEYS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
@@ -219,11 +278,12 @@ def read_meta(path: str | Path) -> dict:
         grid = Grid.parse(meta["grid"])
     except TwinError:
         raise CheckpointError(f"checkpoint {path}: meta.json has an invalid grid {meta['grid']!r}") from None
-    for rank in range(grid.size):
-        entry = meta["files"].get(rank_file_name(rank))
+    needed = [rank_file_name(r) for r in range(grid.size)] if meta["format"] == OLD_FORMAT else [".metadata"]
+    for name in needed:
+        entry = meta["files"].get(name)
         if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
                 and isinstance(entry.get("sha256"), str)):
-            raise CheckpointError(f"checkpoint {path}: meta.json has no checksum for rank {rank}")
+            raise CheckpointError(f"checkpoint {path}: meta.json has no checksum for {name}")
     return meta
 
 
@@ -279,12 +339,31 @@ def latest(ckpt_dir: str | Path) -> Path | None:
     return None
 
 
-def _file_ok(path: Path, rank: int) -> bool:
+def _file_ok(path: Path, rank: int, world: int = 1) -> bool:
+    """Whether this rank's share of the checkpoint's files match their SHA-256: its own file (the old
+    format), or every world-th file of the checkpoint (the ranks split the hashing)."""
     try:
-        entry = read_meta(path)["files"][rank_file_name(rank)]
-        return file_sha256(path / rank_file_name(rank)) == entry["sha256"]
+        meta = read_meta(path)
+        if meta["format"] == OLD_FORMAT:
+            names = [rank_file_name(rank)]
+        else:
+            names = sorted(meta["files"])[rank::world]
+        return all(file_sha256(path / n) == meta["files"][n]["sha256"] for n in names)
     except (OSError, CheckpointError, KeyError):
         return False
+
+
+def verify(path: str | Path) -> dict:
+    """Check every file of the checkpoint at `path` against its SHA-256 (in this process); returns
+    its meta.json. Raises CheckpointError naming a damaged file."""
+    path = Path(path)
+    meta = read_meta(path)
+    _check_sizes(path, meta)
+    for name, entry in sorted(meta["files"].items()):
+        if file_sha256(path / name) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {path / name} does not match its checksum (damaged): use another "
+                                  "step or remove it")
+    return meta
 
 
 def file_sha256(file: Path) -> str:
@@ -306,9 +385,11 @@ def find_resume(ckpt_dir: str | Path, rank: int) -> Path | None:
     root = Path(ckpt_dir)
     good, problems = candidates(root)
     named = _named(root)
+    on = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if on else 1
     for path in good:
-        ok = torch.tensor([1 if _file_ok(path, rank) else 0], dtype=torch.int32)
-        if dist.is_available() and dist.is_initialized():
+        ok = torch.tensor([1 if _file_ok(path, rank, world) else 0], dtype=torch.int32)
+        if on:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item():
             if rank == 0 and path != named and (problems or named is not None):
@@ -333,12 +414,19 @@ def _named(root: Path) -> Path | None:
 
 
 def check_compatible(path: str | Path, grid: Grid, model: ModelSpec) -> dict:
-    """Raise CheckpointError unless the checkpoint at `path` was written for this grid and model."""
+    """Raise CheckpointError unless the checkpoint at `path` can be loaded by a run of this model on
+    this grid: the same model; any grid, but the old per-rank format only on its own grid."""
     meta = read_meta(path)
-    if meta["grid"] != str(grid):
-        raise CheckpointError(f"checkpoint {path} was written with grid {meta['grid']}, this run uses "
-                              f"grid {grid}: resume with --grid {meta['grid']} or use another --ckpt-dir")
+    if meta["format"] == OLD_FORMAT and meta["grid"] != str(grid):
+        raise CheckpointError(f"checkpoint {path} is in the per-rank format of an older version, which only its "
+                              f"grid {meta['grid']} reads: resume once with --grid {meta['grid']} (its next "
+                              "checkpoint is in the new format, which any grid reads) or use another --ckpt-dir")
     saved = meta["model"]
+    if meta["format"] == FORMAT and saved == asdict(model) and not model.is_llama:
+        old, new = model.padded_vocab(Grid.parse(meta["grid"]).y), model.padded_vocab(grid.y)
+        if old != new:  # a GPT's padding rows take part in its loss
+            raise CheckpointError(f"checkpoint {path} pads the vocabulary of {model.name} to {old} rows (grid "
+                                  f"{meta['grid']}), grid {grid} pads it to {new}: choose a G_y that pads it alike")
     if saved != asdict(model):
         diff = [k for k in saved if saved.get(k) != asdict(model).get(k)]
         raise CheckpointError(f"checkpoint {path} was written for model {saved.get('name')!r}, this run "

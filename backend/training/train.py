@@ -286,17 +286,18 @@ def _write_trace(path: Path, spans: list, ctx, metadata: dict) -> None:
 
 def _save(cfg: TrainConfig, step: int, model, optimizer, loader, ctx) -> None:
     from backend.runtime import checkpoint
+    from backend.training import state
 
     from backend.training.guard import check_finite_state
     check_finite_state(model.state_dict(), f"step {step} (rank {ctx.rank}), not saved")
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "data": loader.state_dict(), "rng": checkpoint.rng_state()}
     meta = checkpoint.make_meta(step, ctx.grid, model.spec, {"config": asdict(cfg)})
-    checkpoint.save(cfg.ckpt_dir, step, ctx.rank, state, meta, keep=cfg.keep_ckpts)
+    checkpoint.save(cfg.ckpt_dir, step, ctx.rank, state.state_dict(model, optimizer, loader, cfg, ctx, step), meta,
+                    keep=cfg.keep_ckpts, sharded=True)
 
 
 def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
-    """Load the latest checkpoint of cfg.ckpt_dir if there is one; returns the last completed step."""
+    """Load the latest checkpoint of cfg.ckpt_dir if there is one; returns the last completed step.
+    A checkpoint of any grid (DCP), or of this grid in the older per-rank format."""
     from backend.runtime import checkpoint
 
     if not cfg.ckpt_dir:
@@ -304,14 +305,20 @@ def _resume(cfg: TrainConfig, model, optimizer, loader, ctx) -> int:
     path = checkpoint.find_resume(cfg.ckpt_dir, ctx.rank)  # newest good one; the same on every rank
     if path is None:
         return 0
-    state = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
+    meta = checkpoint.check_compatible(path, ctx.grid, model.spec)
     from backend.training.guard import check_finite_state
-    check_finite_state(state["model"], f"checkpoint {path} cannot be resumed (rank {ctx.rank}): delete it")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    loader.load_state_dict(state["data"])
-    checkpoint.set_rng_state(state["rng"])
-    return int(state["step"])
+    if meta["format"] == checkpoint.FORMAT:
+        from backend.training import state
+        step = state.load(path, model, optimizer, loader, cfg, ctx)
+        check_finite_state(model.state_dict(), f"checkpoint {path} cannot be resumed (rank {ctx.rank}): delete it")
+        return step
+    saved = checkpoint.load(path, ctx.rank, ctx.grid, model.spec, map_location=ctx.device)
+    check_finite_state(saved["model"], f"checkpoint {path} cannot be resumed (rank {ctx.rank}): delete it")
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    loader.load_state_dict(saved["data"])
+    checkpoint.set_rng_state(saved["rng"])
+    return int(saved["step"])
 
 
 def train(cfg: TrainConfig) -> list[dict]:

@@ -61,6 +61,9 @@ def _print_result(r) -> None:
     if r.pipeline:
         console.print(pipeline_line(r))
     console.print(f"flops per iteration {r.flops_per_iteration:.4g}: {r.flops_convention}")
+    if r.checkpoint:
+        from twin.predict.ckptcost import describe
+        console.print(describe(r.checkpoint, r.system))
 
 
 def pipeline_line(r) -> str:

@@ -53,6 +53,7 @@ class SimulationResult:
     spans: list = field(default_factory=list, repr=False)  # twin.program.trace.Span of every op, when recorded
     waits: list = field(default_factory=list, repr=False)  # the engine's exposed waits (trace.wait_span), when recorded
     pipeline: dict = field(default_factory=dict)  # pipelined grids: schedule, chunks, micro-batches, per stage
+    checkpoint: dict = field(default_factory=dict)  # one checkpoint's bytes and write/read times (twin.predict.ckptcost)
 
     def as_dict(self, wall_time: bool = True) -> dict:
         d = {
@@ -68,6 +69,8 @@ class SimulationResult:
         }
         if self.pipeline:
             d["pipeline"] = self.pipeline
+        if self.checkpoint:
+            d["checkpoint"] = self.checkpoint
         if wall_time:
             d["wall_time_s"] = self.wall_time_s
         return d

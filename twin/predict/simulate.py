@@ -86,6 +86,8 @@ def simulate(config: SimulationConfig, *, collectives=None, progress=None) -> Si
         say(f"simulating grid {g}" + (" (every rank)" if c.full else ""))
         result = simulate_grid(study, g, full=c.full, slowdown=c.slowdown, record=c.record, collectives=collectives,
                                grid_choice=how, program=c.program, tick=getattr(progress, "part", None))
+    from twin.predict.ckptcost import checkpoint_cost
+    result.checkpoint = checkpoint_cost(study.system, study.model, result.gpus, g.y).as_dict()
     result.wall_time_s = time.perf_counter() - t0
     return result
 

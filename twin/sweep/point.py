@@ -26,7 +26,7 @@ AXES4 = ("x", "y", "z", "data")
 FIGURES = ("status", "error", "grid", "global_batch", "seq", "iteration_s", "tokens_per_s", "flops_per_s",
            "flops_per_gpu", "percent_of_peak", "memory_gib", "compute_s", *(f"exposed_{a}_s" for a in AXES4),
            "idle_s", "train_days", "gpu_hours", "node_mtbf_h", "job_mtbf_h", "goodput", "failures", "wall_days",
-           "wall_gpu_hours", "seconds")
+           "wall_gpu_hours", "checkpoint_write_s", "seconds")
 
 
 @functools.lru_cache(maxsize=64)  # registered below: (system, overrides) -> its spec
@@ -85,8 +85,13 @@ def figures(study, r, p: Point) -> dict:
     out["node_mtbf_h"] = mtbf or ""
     if t.failures and mtbf > 0:
         nodes = math.ceil(r.gpus / study.system.gpus_per_node)
-        g = under_failures(work, nodes, mtbf, 60 * t.checkpoint_every_min, 60 * t.checkpoint_write_min,
-                           60 * t.restart_min)
+        if t.checkpoint_write_min is not None:
+            write_s = 60 * t.checkpoint_write_min
+        else:  # twin simulate's time on the system's [filesystem] (0 without one)
+            from twin.predict.ckptcost import checkpoint_cost
+            write_s = checkpoint_cost(study.system, study.model, r.gpus, r.grid.get("y", 1)).write_s or 0.0
+        out["checkpoint_write_s"] = write_s
+        g = under_failures(work, nodes, mtbf, 60 * t.checkpoint_every_min, write_s, 60 * t.restart_min)
         out.update(job_mtbf_h=g.job_mtbf_h, goodput=g.goodput, failures=g.failures, wall_days=g.wall_s / 86400,
                    wall_gpu_hours=r.gpus * g.wall_s / 3600)
     return out

@@ -17,7 +17,8 @@
     [train]                                   # optional: time to train and GPU-hours per point
     tokens = 1e12
     checkpoint_every_min = 120                # with restart_min, and a system file's [failures]:
-    checkpoint_write_min = 1                  # goodput and wall time under node failures
+    checkpoint_write_min = 1                  # goodput and wall time under node failures (default:
+                                              # the system's file system, twin simulate's time)
     restart_min = 10
 
 `load_sweep(path)` checks the file against SWEEP (topologies.schema's rules: one line naming the key
@@ -63,11 +64,13 @@ OVERRIDE_VALUES = ListOf(Number(), 1, 1000)
 @dataclass(frozen=True)
 class Train:
     """Time to train: `tokens` to train on; checkpoints every `checkpoint_every_min` minutes of work,
-    each written in `checkpoint_write_min`, and `restart_min` to restart after a failure (minutes)."""
+    each written in `checkpoint_write_min` (None: the time twin simulate reports for the point, from
+    the system file's [filesystem], or 0 without one), and `restart_min` to restart after a failure
+    (minutes)."""
 
     tokens: float
     checkpoint_every_min: float | None = None
-    checkpoint_write_min: float = 0.0
+    checkpoint_write_min: float | None = None
     restart_min: float | None = None
 
     @property
@@ -180,7 +183,7 @@ def load_sweep(path: str | Path) -> Sweep:
     t = data.get("train")
     train = None
     if t is not None:
-        train = Train(float(t["tokens"]), t.get("checkpoint_every_min"), float(t.get("checkpoint_write_min", 0.0)),
+        train = Train(float(t["tokens"]), t.get("checkpoint_every_min"), t.get("checkpoint_write_min"),
                       t.get("restart_min"))
         if (train.checkpoint_every_min is None) != (train.restart_min is None):
             raise InputError(f"sweep file {path}: train.checkpoint_every_min and train.restart_min go together "
