@@ -177,3 +177,15 @@ def test_a_flat_range_is_cut_into_rectangles_in_order():
                          for r in range(r0, r1) for c in range(c0, c1)]
                 assert cells == list(range(a, b)), (rows, cols, a, b)
                 assert len(flat_rectangles(rows, cols, a, b)) <= 3
+
+
+def test_moe_experts_resume_on_their_grid_and_are_refused_on_another(tmp_path):
+    # the experts are saved per rank (no global placement maps them yet): the same grid continues the
+    # run exactly, another grid gets one line before anything is read
+    ref, ckpt = _saved_and_reference(tmp_path / "moe", "mixtral-tiny", [], grid="1x1x1x2e2")
+    assert _resume(ckpt, tmp_path / "same", "mixtral-tiny", "1x1x1x2e2", []) == pytest.approx(
+        {s: v for s, v in ref.items() if s > 2}, rel=1e-5)
+    r = backend(BASE + ["--model", "mixtral-tiny", "--grid", "1x1x1x2", "--out", str(tmp_path / "other"),
+                        "--ckpt-dir", str(ckpt)])
+    assert r.returncode != 0
+    assert "per rank" in r.stderr and "resume it on 1x1x1x2e2" in r.stderr and "Traceback" not in r.stderr

@@ -10,8 +10,9 @@ What a checkpoint holds, by name:
   warm-up, steps) and the run's config;
 - `rng/rank_<r>`: each rank's RNG states (a rank of another grid takes its own rank's, else rank 0's).
 
-Parameters the placement does not know (a module added later) are saved per rank under
-`local/rank_<r>/<name>` and resume on the same grid only.
+Parameters the placement does not know (an MoE block's experts, so far) are saved per rank under
+`local/rank_<r>/<name>` and resume on the same grid only: on another grid, load says so in one line
+before it reads anything.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def load(path, model, optimizer, loader, cfg, ctx) -> int:
     calls it); returns its step. Raises CheckpointError (the same on every rank) when it cannot."""
     saved = dcp.keys(path)
     params, places = _places(model)
+    local = [pname for pname in params if pname not in places]
+    if local:  # per-rank tensors fit only the grid that wrote them: say so before reading any
+        head = {"train": None}
+        _read(head, path)
+        wrote = str(head["train"].get("config", {}).get("grid", ""))
+        if wrote.replace(" ", "") != str(cfg.grid).replace(" ", ""):
+            raise CheckpointError(f"checkpoint {path} holds {local[0]} per rank (a layer no global placement "
+                                  f"maps: an MoE block's experts), written on grid {wrote}: resume it on {wrote}, "
+                                  "or use another --ckpt-dir")
     state: dict = {}
     moments: dict = {}
     missing = []
@@ -100,14 +110,10 @@ def load(path, model, optimizer, loader, cfg, ctx) -> int:
     rng = f"rng/rank_{ctx.rank:05d}"
     state["train"] = None
     state[rng if rng in saved else "rng/rank_00000"] = None
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        dcp.read(state, path)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's error; one line
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-            from None
+    _read(state, path)
     train = state["train"]
     _check_settings(path, train, cfg)
+
     loader.load_state_dict(train["data"])
     count = train["optimizer_steps"]
     for pname, ms in moments.items():
@@ -119,6 +125,16 @@ def load(path, model, optimizer, loader, cfg, ctx) -> int:
                               **{m: ms[m].to(p.device) for m in MOMENTS if m in ms}}
     checkpoint.set_rng_state(state[rng if rng in state else "rng/rank_00000"])
     return int(train["step"])
+
+
+def _read(state: dict, path) -> None:
+    """dcp.read, a failure as one CheckpointError line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        dcp.read(state, path)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's error; one line
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
 
 
 def _check_settings(path, train: dict, cfg) -> None:
