@@ -280,3 +280,13 @@ def test_grid_auto_splits_mixtrals_experts_where_that_is_faster():
     assert best.grid.expert > 1, how
     dense_axis = simulate_grid(study, replace(best.grid, expert=1))
     assert best.simulated_s < dense_axis.iteration_time_s
+
+
+def test_profiles_and_measurements_accept_the_moe_axes():
+    # `twin calibrate --run --model mixtral-tiny` fits training steps over the expert and expert-data
+    # groups: the measurement and profile schemas must take those axes (they refused 'edata')
+    from topologies.schema import PROFILE_AXES
+    from twin.costs.profile import AXIS_KEYS
+    from twin.program.grid import AXES
+    from twin.program.moe import EXPERT_AXES
+    assert set(AXES) | set(EXPERT_AXES) == set(PROFILE_AXES) == set(AXIS_KEYS)

@@ -235,7 +235,10 @@ FACTOR = Number(1, 1e6)       # a slowdown factor >= 1
 COUNT = Int(1, 10_000_000)
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # a node_share's span_spread keys (twin.host.spread): compute ops, every collective, a collective kind over an axis
-SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in COLLECTIVE_KINDS for a in ("x", "y", "z", "data"))
+# the axes a profile's measured collectives name: the grid's four and a mixture of experts' expert and
+# expert-data groups (twin.program.moe.EXPERT_AXES)
+PROFILE_AXES = ("x", "y", "z", "data", "expert", "edata")
+SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in COLLECTIVE_KINDS for a in PROFILE_AXES)
 
 # the keys of a system's [collectives] that a named variant ([[collectives.variants]]) may set too
 COLLECTIVE_TUNING = {"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3), "intra_node_efficiency": FRACTION,
@@ -315,7 +318,7 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "collective_slowdown": Sourced(SCALE), "comm_share": Sourced(FRACTION),
                                  "stretch": Sourced(SCALE), "host_issue_s": Sourced(Number(0.0, 1.0)),
                                  "axis_slowdown": Table(required={"source": Text(nonempty=True)},
-                                                        optional={a: SCALE for a in ("x", "y", "z", "data")}),
+                                                        optional={a: SCALE for a in PROFILE_AXES}),
                                  "span_spread": Table(required={"source": Text(nonempty=True)},
                                                       optional={k: Number(0.0, 100.0) for k in SPREAD_KEYS})})
 OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),
@@ -324,7 +327,7 @@ OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 
 COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
-                       optional={"stride": Int(0, 1 << 24), "axis": Text(("x", "y", "z", "data"))})
+                       optional={"stride": Int(0, 1 << 24), "axis": Text(PROFILE_AXES)})
 
 PROFILE = Table(
     required={
@@ -382,7 +385,7 @@ MEASUREMENT = Table(
         "steps": ListOf(Table(required={"name": Text(nonempty=True), "kind": Text(nonempty=True),
                                         "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
                                         "seconds": SECONDS, "covered": Number(0, 1)},
-                              optional={"role": Text(), "axis": Text(AXES + ("",)), "wake_s": Number(0, 1e6),
+                              optional={"role": Text(), "axis": Text(PROFILE_AXES + ("",)), "wake_s": Number(0, 1e6),
                                         "cpu_s": Number(0, 1e6), "issue_s": Number(0, 1e6), "spread": Number(0, 1e6),
                                         "m": Int(0, 1 << 30),
                                         "n": Int(0, 1 << 30), "k": Int(0, 1 << 30),

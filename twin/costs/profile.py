@@ -147,7 +147,7 @@ def _parsed(path: Path, text: str) -> Profile:
 
 caches.register("twin.costs.profile.parsed", _parsed)  # profiles parsed in this process, the last 16
 
-AXIS_KEYS = ("x", "y", "z", "data")
+AXIS_KEYS = ("x", "y", "z", "data", "expert", "edata")  # MoE collectives: twin.program.moe.EXPERT_AXES
 
 
 def _keyed(path: Path, where: str, name: str, entry, sources: dict[str, str], keys: tuple[str, ...],
