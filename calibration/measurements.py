@@ -16,7 +16,7 @@ from topologies.schema import MEASUREMENT, MEASUREMENT_FORMAT, check
 FORMAT = MEASUREMENT_FORMAT
 
 # kinds of the ops a file's recorded training steps (`steps` rows) hold
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # all_to_all: MoE (twin/program/moe.py)
 MODELED = ("gemm", "attention")  # compute kinds with their own microbenchmarked model
 COVERED = 0.5  # a compute op counts as overlapped when a collective ran during this share of its span
 

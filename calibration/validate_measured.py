@@ -13,7 +13,7 @@ from pathlib import Path
 from topologies.common import TwinError
 from twin.program.grid import Grid
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def read_run(run_dir: str | Path) -> dict:

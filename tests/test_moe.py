@@ -290,3 +290,13 @@ def test_profiles_and_measurements_accept_the_moe_axes():
     from twin.program.grid import AXES
     from twin.program.moe import EXPERT_AXES
     assert set(AXES) | set(EXPERT_AXES) == set(PROFILE_AXES) == set(AXIS_KEYS)
+
+
+def test_calibration_counts_all_to_alls_as_collectives():
+    # an MoE run's all-to-alls are communication in the fit and in `twin validate` (they were counted
+    # as compute ops, which put the all-to-all's time into the compute error)
+    from calibration.measurements import COLLECTIVES as FIT
+    from calibration.validate_measured import COLLECTIVES as VALIDATE
+    from topologies.schema import PROFILE_COLLECTIVES
+    from twin.program.ops import COLLECTIVES
+    assert set(FIT) == set(VALIDATE) == set(PROFILE_COLLECTIVES) == set(COLLECTIVES)

@@ -238,7 +238,8 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # the axes a profile's measured collectives name: the grid's four and a mixture of experts' expert and
 # expert-data groups (twin.program.moe.EXPERT_AXES)
 PROFILE_AXES = ("x", "y", "z", "data", "expert", "edata")
-SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in COLLECTIVE_KINDS for a in PROFILE_AXES)
+PROFILE_COLLECTIVES = COLLECTIVE_KINDS + ("all_to_all",)  # the kinds a profile measures (MoE: all_to_all)
+SPREAD_KEYS = ("compute", "collective") + tuple(f"{k}_{a}" for k in PROFILE_COLLECTIVES for a in PROFILE_AXES)
 
 # the keys of a system's [collectives] that a named variant ([[collectives.variants]]) may set too
 COLLECTIVE_TUNING = {"ring_only": ListOf(Text(COLLECTIVE_KINDS), max_len=3), "intra_node_efficiency": FRACTION,
@@ -324,7 +325,7 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
 OP_COST_ROW = Table(required={"kind": Text(nonempty=True), "ranks": Int(1, 1 << 20),
                               "latency_s": Sourced(Positive(1.0)), "bandwidth": Sourced(RATE)},
                     optional={"role": Text()})
-COLLECTIVE_ROW = Table(required={"kind": Text(COLLECTIVE_KINDS), "group_size": Int(2, 1 << 24),
+COLLECTIVE_ROW = Table(required={"kind": Text(PROFILE_COLLECTIVES), "group_size": Int(2, 1 << 24),
                                  "ranks": Int(1, 1 << 20), "latency_s": Sourced(Positive(1.0)),
                                  "bandwidth": Sourced(RATE)},
                        optional={"stride": Int(0, 1 << 24), "axis": Text(PROFILE_AXES)})

@@ -184,14 +184,17 @@ def expert_time(cm, kind: str, axis: str, nbytes: float) -> float:
 
 
 def measured_time(cm, kind: str, axis: str, nbytes: float) -> float | None:
-    """Where the profile has measured collectives (cm.measured, a CPU profile's): an all-to-all read as
-    the measured all-gather of its group size and stride (the same bytes leave each rank; no all-to-all
-    is measured yet) of a tensor axis (it blocks the op after it), an edata all-reduce as a data-axis
+    """Where the profile has measured collectives (cm.measured, a CPU profile's): an all-to-all as
+    measured inside training (`twin calibrate` of MoE runs), else read as the measured all-gather of
+    its group size and stride (the same bytes leave each rank) of a tensor axis (it blocks the op after it), an edata all-reduce as a data-axis
     all-reduce (it leaves with the others at the end of the step); None where nothing applies."""
     if cm.measured is None:
         return None
     p = cm.grid.axis_size(axis)
     if p == 1 or nbytes <= 0:
         return 0.0
-    as_kind = "all_gather" if kind == "all_to_all" else kind
-    return cm.measured.time(as_kind, "data" if axis == "edata" else "expert", p, nbytes, cm.grid.stride(axis))
+    where = "data" if axis == "edata" else "expert"
+    t = cm.measured.time(kind, where, p, nbytes, cm.grid.stride(axis))
+    if t is None and kind == "all_to_all":  # not measured: the all-gather of its group size and stride
+        t = cm.measured.time("all_gather", where, p, nbytes, cm.grid.stride(axis))
+    return t
