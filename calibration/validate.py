@@ -63,7 +63,7 @@ from pathlib import Path
 from calibration.noise import noise_floor
 from calibration.validate_measured import COLLECTIVES, measured_ops, read_run
 from calibration.validate_summary import by_kind, pool_repeats, spearman, targets_for
-from topologies.common import TwinError
+from topologies.common import TwinError, cpu_model
 from twin.costs.profile_types import HostSharing
 from twin.program.grid import Grid
 from twin.program.program import Options
@@ -246,13 +246,7 @@ def validate_runs(run_dirs: list[str | Path], system: str = "cpu", profile: str 
 
 def this_cpu() -> str:
     """This machine's CPU model as bench records it (backend.bench.bench.machine_info), "" where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpu_model()
 
 
 def machine_note(system: str, profile: str | None) -> str | None:

@@ -112,6 +112,17 @@ def _finite(obj):
     return obj
 
 
+def cpu_model() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it, "" where it does not."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def os_error_line(e: OSError) -> str:
     """An OSError as one line naming the file: `<path>: No space left on device (the disk is full)`."""
     what = e.strerror or str(e)

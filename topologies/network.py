@@ -267,17 +267,7 @@ class Network:
                 lambda: np.stack([nvs, gpu], 1).ravel(), np.tile([GPU_PORT, PORT_GPU], self.n_gpus),
                 s.node_port_bandwidth, s.link_latency / 2)
         if df is not None:
-            gpu = np.arange(self.n_gpus, dtype=np.int64)
-            nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
-            put(self.b_gn, 2 * self.n_gpus, lambda: np.stack([gpu, nic_v], 1).ravel(),
-                lambda: np.stack([nic_v, gpu], 1).ravel(), np.tile([GPU_NIC, NIC_GPU], self.n_gpus),
-                s.gpu_nic_bandwidth, s.link_latency)
-            nic = np.arange(self.n_nics, dtype=np.int64)
-            sw_v = self.sw0 + self.switch_of_nic(nic) if ends else None
-            put(self.b_ns, 2 * self.n_nics, lambda: np.stack([self.nic0 + nic, sw_v], 1).ravel(),
-                lambda: np.stack([sw_v, self.nic0 + nic], 1).ravel(), np.tile([NIC_SW, SW_NIC], self.n_nics),
-                min(s.nic_bandwidth, df.link_bandwidth),
-                np.tile([df.nic_latency, df.switch_latency + df.nic_latency], self.n_nics))
+            self._put_nics(put, ends, self.switch_of_nic, df.link_bandwidth, df.nic_latency, df.switch_latency)
             # local: for each switch a, every other switch b of its group, in formula order
             S = self.S
             la, lb = np.nonzero(~np.eye(S, dtype=bool))
@@ -298,21 +288,27 @@ class Network:
             src.flags.writeable = dst.flags.writeable = False
             self.__dict__["src"], self.__dict__["dst"] = src, dst
 
-    def _build_fat_tree(self, put, ends: bool) -> None:
-        """The GPU-NIC, NIC-leaf, up and down links of a fat tree (topologies.fattree), by `put`."""
-        s, ft = self.system, self.fattree
-        spec, lv = s.fattree, s.fattree.levels
+    def _put_nics(self, put, ends: bool, switch_of_nic, switch_rate: float, nic_latency: float,
+                  switch_latency: float) -> None:
+        """The GPU-NIC links and the NIC-switch links (to the switch `switch_of_nic(nic)`: a dragonfly
+        switch or a fat tree's leaf), by `put`; rates bytes/s, latencies s."""
+        s = self.system
         gpu = np.arange(self.n_gpus, dtype=np.int64)
         nic_v = self.nic0 + self.nic_of_gpu(gpu) if ends else None
         put(self.b_gn, 2 * self.n_gpus, lambda: np.stack([gpu, nic_v], 1).ravel(),
             lambda: np.stack([nic_v, gpu], 1).ravel(), np.tile([GPU_NIC, NIC_GPU], self.n_gpus),
             s.gpu_nic_bandwidth, s.link_latency)
         nic = np.arange(self.n_nics, dtype=np.int64)
-        sw_v = self.sw0 + ft.leaf(nic) if ends else None
+        sw_v = self.sw0 + switch_of_nic(nic) if ends else None
         put(self.b_ns, 2 * self.n_nics, lambda: np.stack([self.nic0 + nic, sw_v], 1).ravel(),
             lambda: np.stack([sw_v, self.nic0 + nic], 1).ravel(), np.tile([NIC_SW, SW_NIC], self.n_nics),
-            min(s.nic_bandwidth, lv[0].link_bandwidth),
-            np.tile([spec.nic_latency, lv[0].switch_latency + spec.nic_latency], self.n_nics))
+            min(s.nic_bandwidth, switch_rate), np.tile([nic_latency, switch_latency + nic_latency], self.n_nics))
+
+    def _build_fat_tree(self, put, ends: bool) -> None:
+        """The GPU-NIC, NIC-leaf, up and down links of a fat tree (topologies.fattree), by `put`."""
+        s, ft = self.system, self.fattree
+        spec, lv = s.fattree, s.fattree.levels
+        self._put_nics(put, ends, ft.leaf, lv[0].link_bandwidth, spec.nic_latency, lv[0].switch_latency)
         for l in range(ft.h - 1):
             n = ft.switches[l] * ft.up[l]
             if not n:

@@ -53,7 +53,7 @@ import torch
 from backend.bench.micro import bench_attention, bench_collective, bench_gemm, bench_ops, bench_overlap
 from backend.bench.shapes import program_attention_shapes, program_gemm_shapes
 from backend.bench.steps import bench_steps
-from topologies.common import finite_json, write_atomic
+from topologies.common import cpu_model, finite_json, write_atomic
 from topologies.common import TwinError
 from twin.program.grid import AXES, Grid
 
@@ -88,18 +88,8 @@ def machine_info(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        info["cpu"] = _cpu_model() or platform.processor() or platform.machine()
+        info["cpu"] = cpu_model() or platform.processor() or platform.machine()
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 VERBOSE = [True]  # a line per timed entry (off under `backend bench --for-twin`, which prints one per grid)
