@@ -68,3 +68,13 @@ def test_plan_only_says_the_plan_and_its_estimate():
 def test_bad_input_is_one_line(args, message):
     r = _bench(*args)
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_an_moe_study_benches_its_expert_groups():
+    # the all-to-alls of an expert group and the expert-data all-reduces are measured inside training
+    # only on a grid with E_p > 1: the plan benches the study's MoE grids for them
+    study = [Grid.parse(g) for g in ("1x1x1x2e2", "1x1x1x4e2", "1x1x1x8e4")]
+    plan = bench_plan("mixtral-tiny", study)
+    covered = {c for s in plan for c in s.covers}
+    assert {("expert", 2, False), ("expert", 4, False), ("edata", 2, False)} <= covered
+    assert {"1x1x1x2e2", "1x1x1x4e2", "1x1x1x8e4"} <= {s.grid for s in plan}

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topologies.common import TwinError
+from topologies.common import TwinError, finite_json
 from twin.program.grid import AXES, Grid
 
 # the defaults the developers' loops were measured with (benchmarks/bench_validate.py); --for-twin
@@ -49,9 +49,14 @@ class BenchGrid:
 
 
 def needs(grid: Grid, per_node: int) -> set[tuple[str, int, bool]]:
-    """The (axis, group size, across nodes) of each split axis of `grid` with `per_node` ranks per node."""
-    return {(a, grid.axis_size(a), grid.stride(a) * grid.axis_size(a) > per_node)
-            for a in AXES if grid.axis_size(a) > 1}
+    """The (axis, group size, across nodes) of each split axis of `grid` with `per_node` ranks per node;
+    with experts (E_p > 1) also the expert group (its all-to-alls) and the expert-data group."""
+    out = {(a, grid.axis_size(a), grid.stride(a) * grid.axis_size(a) > per_node)
+           for a in AXES if grid.axis_size(a) > 1}
+    if grid.expert > 1:
+        out |= {(a, grid.axis_size(a), grid.stride(a) * grid.axis_size(a) > per_node)
+                for a in ("expert", "edata") if grid.axis_size(a) > 1}
+    return out
 
 
 def _split(g: Grid) -> int:
@@ -74,6 +79,7 @@ def bench_plan(model: str, grids: list[Grid], per_node: int | None = None, batch
     for size, study in sorted(by_size.items()):
         node = min(per_node or size, size)
         candidates = grids_of(model, size, batch)
+        candidates += [g for g in study if g.expert > 1 and g not in candidates]  # the MoE grids measure their own axes
         if not candidates:
             raise TwinError(f"no grid of {size} rank(s) runs {model} (at its batch): choose other rank counts")
         want = set().union(*(needs(g, node) for g in study))
@@ -170,8 +176,7 @@ def bench_for_twin(cfg: dict, grids: list[Grid], out_dir: str, say=print, plan_o
     out = Path(out_dir)
     files = [out / f"bench-{s.grid}.json" for s in plan]
     if as_json:  # --plan-only --json: what `twin calibrate --run` reads to say how long its loop will take
-        import json
-        say(json.dumps({"benched": [{"grid": s.grid, "first": s.first, "estimate_s": e} for s, e in zip(plan, est)],
+        say(finite_json({"benched": [{"grid": s.grid, "first": s.first, "estimate_s": e} for s, e in zip(plan, est)],
                         "estimate_s": sum(est), "step_s": step_seconds(model, cfg), "cores": os.cpu_count(),
                         "launch_s": LAUNCH_S}))
         return 0
