@@ -17,7 +17,7 @@ from topologies import caches
 from topologies.datafile import parse_spec, shipped, spec_text
 from topologies.common import TwinError
 from twin.costs.profile_types import LAYOUTS, CollectivePoint, GemmPoint, NodeShare, OpCost, Profile, with_host
-from topologies.schema import PROFILE, SPREAD_KEYS, check
+from topologies.schema import PROFILE, PROFILE_COLLECTIVES, SPREAD_KEYS, check
 
 # The shipped profiles are package data of the twin; `twin calibrate` writes new ones from measurements.
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -127,8 +127,8 @@ def _parsed(path: Path, text: str) -> Profile:
     for key, out in colls.items():
         for i, row in enumerate(_rows(path, data, key)):
             where = f"{key}[{i}]"
-            if row.get("kind") not in ("all_gather", "reduce_scatter", "all_reduce"):
-                raise TwinError(f"profile {path}: {where}.kind must be all_gather, reduce_scatter or all_reduce")
+            if row.get("kind") not in PROFILE_COLLECTIVES:
+                raise TwinError(f"profile {path}: {where}.kind must be one of {', '.join(PROFILE_COLLECTIVES)}")
             out.append(CollectivePoint(row["kind"], _int(path, f"{where}.group_size", row.get("group_size"), 2),
                                        _int(path, f"{where}.ranks", row.get("ranks"), 1),
                                        _value(path, f"{where}.latency_s", row.get("latency_s"), sources),
