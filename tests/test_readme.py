@@ -183,8 +183,11 @@ ELSEWHERE = {
         "the developers' 35-grid loop (27-47 minutes); its passes and summaries are calibration.loop's, which "
         "tests/test_calibration.py::test_the_loop_end_to_end runs through `twin calibrate --run`",
     "twin calibrate --run --model gpt-small --grids 1x1x1x1,2x1x1x1,1x1x1x2,2x2x1x1,1x1x4x1,2x2x2x1,1x1x1x8 "
-    "--out mycpu.toml": "the whole loop (about 20 minutes on 2 cores); tests/test_calibration.py::"
+    "--out mycpu.toml": "the whole loop (about 7 minutes on a quiet 2-core machine); tests/test_calibration.py::"
                         "test_the_loop_end_to_end runs it small (gpt-tiny, one grid of 2 ranks, 2 runs)",
+    "twin calibrate --run --model mixtral-tiny --grids 1x1x1x2e2,1x1x1x4e2,1x1x1x8e4,2x1x1x4e2 --out moe.toml":
+        "the whole loop on an MoE model (about 4 minutes on 2 cores); tests/test_bench_plan.py plans its benches "
+        "and tests/test_moe.py checks that profiles take its axes and all-to-alls",
     "python benchmarks/bench_published.py": "a benchmark run on demand (every published row: 13 s to a minute); "
                                             "tests/test_fidelity.py checks the parts it uses",
     "python benchmarks/bench_published.py --rows megatron":
