@@ -3,8 +3,10 @@ one process on a fake process group of any size."""
 
 from __future__ import annotations
 
+import os
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -77,3 +79,16 @@ def fake_grid(grid: Grid | str, rank: int = 0) -> Iterator[ParallelContext]:
     finally:
         dist.destroy_process_group()
 
+
+def children(pid: int) -> list[int]:
+    """The process ids whose parent is `pid` (a launcher's ranks), increasing: forked in rank order."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return sorted(out)

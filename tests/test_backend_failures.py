@@ -24,6 +24,7 @@ from topologies.common import os_error_line  # noqa: E402
 from backend.runtime import checkpoint  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
+from backend_helpers import children  # noqa: E402
 
 RUN = [sys.executable, "-m", "backend.cli", "run", "--model", "gpt-tiny", "--warmup", "1"]
 GLOO_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8940: "
@@ -73,19 +74,6 @@ def test_lost_connections_are_told_from_causes():
 
 
 # -- whole runs -------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return sorted(out)  # forked in rank order
-
-
 def _start(out: Path, grid: str, *extra: str) -> subprocess.Popen:
     """A run that goes on until stopped; returns once it has logged a step."""
     proc = subprocess.Popen(RUN + ["--grid", grid, "--steps", "100000", "--out", str(out), *extra],
@@ -102,7 +90,7 @@ def _start(out: Path, grid: str, *extra: str) -> subprocess.Popen:
 def test_a_rank_killed_mid_run_is_the_one_named(tmp_path, grid, victim):
     run = _start(tmp_path / "out", grid)
     try:
-        ranks = _children(run.pid)
+        ranks = children(run.pid)
         assert len(ranks) == Grid.parse(grid).size
         os.kill(ranks[victim], signal.SIGKILL)
         _, err = run.communicate(timeout=60)

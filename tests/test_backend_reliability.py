@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 from backend.runtime import checkpoint  # noqa: E402
 from topologies.common import TwinError  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
+from backend_helpers import children  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
 
 GRID, MODEL = Grid.parse("1x1x1x1"), load_model("gpt-tiny")
@@ -124,19 +125,6 @@ def test_resume_after_a_flipped_file_end_to_end(tmp_path):
     assert _log_steps(tmp_path / "out" / "log.jsonl") == [1, 2, 3, 4, 5]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -166,7 +154,7 @@ def test_lock_dead_launcher_and_frozen_rank(tmp_path):
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
         assert f"in use by another run (pid {run.pid}" in second.stderr
-        ranks = _children(run.pid)
+        ranks = children(run.pid)
         assert len(ranks) == 2
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
@@ -179,7 +167,7 @@ def test_lock_dead_launcher_and_frozen_rank(tmp_path):
             run.kill()
     run = _start_long_run(tmp_path / "out2", "--progress-timeout", "3")
     try:
-        rank1 = sorted(_children(run.pid))[1]  # forked in rank order
+        rank1 = sorted(children(run.pid))[1]  # forked in rank order
         os.kill(rank1, signal.SIGSTOP)
         _, err = run.communicate(timeout=60)
         lines = err.strip().splitlines()
