@@ -98,10 +98,15 @@ def simulate_by_units(study, grid: Grid, cm, compute_times, record: bool = False
             hit = costs[key] = UnitCost(r.iteration_s, r.compute_s, {a: r.exposed_s[a] for a in AXES})
         return hit
 
+    act_bytes = {s: next(op.bytes for op in built[s][0].ops if op.kind == "send" and op.phase != "grad")
+                 for s in stages}  # an activation (or its gradient) sent between stages
+    send_times: dict[tuple[int, int], float] = {}
+
     def send_s(k: int, peer: int) -> float:
-        prog = built[_stands_for(k, P)][0]
-        nbytes = next(op.bytes for op in prog.ops if op.kind == "send" and op.phase != "grad")
-        return float(cm.p2p_time(k, peer, nbytes))
+        t = send_times.get((k, peer))
+        if t is None:
+            t = send_times[(k, peer)] = float(cm.p2p_time(k, peer, act_bytes[_stands_for(k, P)]))
+        return t
 
     plans = [schedule(o.schedule, P, M, V, k) for k in range(P)]
     prog = built[stages[-1]][0]
