@@ -26,11 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from backend.runtime.dcp_read import FastReader
 
 METADATA = ".metadata"
 
@@ -124,6 +126,17 @@ class _LoadPlanner(DefaultLoadPlanner):
         obj = self.state_dict[read_item.dest_index.fqn]
         if isinstance(obj, Boxes):
             obj.commit(read_item.dest_index.offset, read_item.dest_offsets, read_item.lengths, tensor)
+
+    def commit_view(self, read_item, tensor: torch.Tensor) -> None:
+        """Commit a read part given as a view of the file's bytes (backend.runtime.dcp_read): a box's
+        part is copied once, straight into the locals."""
+        obj = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(obj, Boxes):
+            obj.commit(read_item.dest_index.offset, read_item.dest_offsets, read_item.lengths, tensor)
+            return
+        target = self.resolve_tensor(read_item).detach()
+        target.copy_(tensor)
+        self.commit_tensor(read_item, target)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]
@@ -230,8 +243,9 @@ def hash_file(file: Path) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
-class _Reader(FileSystemReader):
-    """A FileSystemReader that reads the metadata file once (`keys`, then the load, ask for it)."""
+class _Reader(FastReader):
+    """A reader that reads the metadata file once (`keys`, then the load, ask for it) and the tensors
+    without torch.load (backend.runtime.dcp_read)."""
 
     def read_metadata(self, *args, **kwargs):
         if not hasattr(self, "_metadata"):

@@ -45,7 +45,7 @@ def state_dict(model, optimizer, loader, cfg, ctx, step: int) -> dict:
 
     params, places = _places(model)
     count = torch.tensor([_step_count(optimizer)], dtype=torch.int64, device=ctx.device)  # NCCL: on the GPU
-    if dist.is_available() and dist.is_initialized():
+    if ctx.grid.pipe > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(count, op=dist.ReduceOp.MAX)  # a pipeline stage may hold no state of some tensors
     out: dict = {}
     for pname, p in params.items():
@@ -58,7 +58,7 @@ def state_dict(model, optimizer, loader, cfg, ctx, step: int) -> dict:
             continue
         for pl in places[pname]:
             write = pl.owner is None or pl.owner == ctx.stage
-            moments = [state.get(m, torch.zeros_like(p)) for m in MOMENTS]
+            moments = [state[m] if m in state else torch.zeros_like(p) for m in MOMENTS]
             out[pl.name] = dcp.Boxes([p.detach(), *moments], pl.shape, pl.boxes, write)
     out["train"] = {"step": step, "optimizer_steps": int(count.item()), "data": loader.state_dict(),
                     "goldfish": {"k": cfg.goldfish_k, "h": cfg.goldfish_h},

@@ -1,0 +1,81 @@
+"""backend.runtime.dcp_read: DCP's files read without torch.load give exactly what torch.load gives,
+and anything the fast path does not recognise is still read, by torch.load."""
+
+import io
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backend.runtime import dcp_read  # noqa: E402
+
+
+def _archive(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(5, 7)[:, 2:],  # a view with a storage offset
+    torch.randn(4, 6).t(),  # strides not row-major
+    torch.arange(10, dtype=torch.bfloat16)[3:],
+    torch.tensor(3.0, dtype=torch.float64),
+    torch.randint(0, 9, (3, 4), dtype=torch.int64),
+    torch.zeros(0, 3),
+])
+def test_a_tensor_archive_reads_as_torch_load_reads_it(tensor):
+    got = dcp_read.tensor_from_archive(_archive(tensor))
+    want = torch.load(io.BytesIO(_archive(tensor)), weights_only=True)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got, want)
+
+
+def test_anything_else_is_left_to_torch_load():
+    data = _archive({"a": torch.ones(2), "b": [1, 2]})
+    with pytest.raises(dcp_read._NotPlain):
+        dcp_read.tensor_from_archive(data)
+    assert dcp_read._read_tensor(data)["b"] == [1, 2]
+    with pytest.raises(Exception):
+        dcp_read.tensor_from_archive(b"not a zip at all" * 3)
+
+
+def test_the_reader_loads_a_plain_dcp_checkpoint_as_dcp_does(tmp_path):
+    """A checkpoint written by plain DCP (default planner, whole tensors and objects):
+    FastReader fills the same state dict as DCP's FileSystemReader, and reads no tensor with torch.load."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(6, 4), "v": torch.arange(5, dtype=torch.bfloat16), "step": 7, "name": "x"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that a process without a process group saves alone
+        dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+        want = {"w": torch.empty(6, 4), "v": torch.empty(5, dtype=torch.bfloat16), "step": 0, "name": None}
+        got = {"w": torch.empty(6, 4), "v": torch.empty(5, dtype=torch.bfloat16), "step": 0, "name": None}
+        dcp.load(want, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        loads = []
+        real_load = torch.load
+        try:
+            def spy(*a, **k):  # the planner unpickles objects with torch.load: count the tensors only
+                out = real_load(*a, **k)
+                loads.extend([out] if isinstance(out, torch.Tensor) else [])
+                return out
+            torch.load = spy
+            dcp.load(got, storage_reader=dcp_read.FastReader(tmp_path), no_dist=True)
+        finally:
+            torch.load = real_load
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["v"], state["v"])
+    assert got["step"] == want["step"] == 7 and got["name"] == want["name"] == "x"
+    assert loads == []
+
+
+def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=tmp_path, no_dist=True)
+        data = next(tmp_path.glob("*.distcp"))
+        data.write_bytes(data.read_bytes()[:1000])
+        with pytest.raises(BaseException, match="truncated"):
+            dcp.load({"w": torch.empty(64, 64)}, storage_reader=dcp_read.FastReader(tmp_path), no_dist=True)
