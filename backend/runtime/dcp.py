@@ -9,30 +9,39 @@ A state dict given to `write` or `read` maps names to
 - anything else: a pickled object (DCP's bytes items), written once when every rank gives the same
   name.
 
-Replicas (data-parallel copies, norms replicated over y and z) give the same boxes; DCP's planner
-keeps one writer for each, spreading the bytes over the replicas. A `Boxes` with `write=False` (a
+Replicas (data-parallel copies, norms replicated over y and z) give the same boxes; one writer is
+kept for each, spreading the bytes over the replicas (`write`). A `Boxes` with `write=False` (a
 pipeline stage's untrained copy) gives none. The files are DCP's own (`.metadata`, one
-`__<rank>_0.distcp` per rank), so plain `torch.distributed.checkpoint` loads them
-(docs/checkpoints.md). Publication, checksums and the choice of step are backend.runtime.checkpoint's.
+`__<rank>_0.distcp` per rank, each tensor item a torch.save archive), so plain
+`torch.distributed.checkpoint` loads them (docs/checkpoints.md); DCP plans and commits every save and
+load, but its central planning (collectives that change nothing here) and its per-item torch.save
+and torch.load are replaced by what costs less (`write`, `read`, backend.runtime.dcp_write and
+dcp_read). Publication, checksums and the choice of step are backend.runtime.checkpoint's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
+import math
 import os
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from backend.runtime.dcp_read import FastReader
+from backend.runtime.dcp_write import write_archive
 
 METADATA = ".metadata"
 
@@ -45,6 +54,7 @@ class Boxes:
 
     def __init__(self, locals_: list[torch.Tensor], shape: tuple[int, ...], boxes, write: bool = True):
         self.locals, self.boxes, self.write = list(locals_), list(boxes), write
+        self.writes: set | None = None  # the offsets of the boxes this rank writes (None: every box)
         self.lead = (len(self.locals),) if len(self.locals) > 1 else ()
         self.shape = torch.Size(self.lead + tuple(shape))
         self._by_offset = {self._offsets(b): b for b in self.boxes}
@@ -80,14 +90,21 @@ class Boxes:
             dest.copy_(tensor[j])
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        if not self.write:
-            return []
         props = TensorProperties(dtype=self.locals[0].dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(self._offsets(b))), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(self._offsets(b)),
                                                                                  torch.Size(self._sizes(b))),
                                                       properties=props, size=self.shape))
-                for b in self.boxes]
+                for b in self.written()]
+
+    def written(self) -> list:
+        """The boxes this rank writes."""
+        if not self.write:
+            return []
+        return [b for b in self.boxes if self.writes is None or self._offsets(b) in self.writes]
+
+    def nbytes(self, box) -> int:
+        return len(self.locals) * math.prod(box.sizes) * self.locals[0].element_size()
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(torch.Size(self._offsets(b)), torch.Size(self._sizes(b))) for b in self.boxes]
@@ -204,33 +221,188 @@ class _HashingFileSystem(FileSystem):
 
 
 class _Writer(FileSystemWriter):
-    def __init__(self, folder: Path):
+    """Writes this rank's file `__<rank>_0.distcp` in a save DCP runs in this process alone; keeps the
+    metadata of what it wrote for rank 0 to merge (`write`)."""
+
+    def __init__(self, folder: Path, rank: int):
         super().__init__(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.fs = _HashingFileSystem()
+        self.own_rank = rank
+        self.saved: tuple | None = None  # (Metadata, [WriteResult]) of this rank's items
+
+    def prepare_global_plan(self, plans):
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{self.own_rank}_")) for p in plans]
+
+    def write_data(self, plan, planner) -> Future:
+        """This rank's items into one file, objects first, then the tensors, each a torch.save
+        archive written by backend.runtime.dcp_write straight from a box's pieces (torch.save where
+        it must); fsynced. The same file DCP's writer makes, at a fraction of its cost per item."""
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in items:
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(planner.resolve_data(item).getbuffer())
+                else:
+                    obj = planner.state_dict[item.index.fqn]
+                    pieces = (obj.views(item.index.offset) if isinstance(obj, Boxes)
+                              else [planner.resolve_data(item).detach().cpu()])
+                    try:
+                        write_archive(stream, pieces, tuple(item.tensor_data.chunk.sizes))
+                    except ValueError:  # an empty tensor, or 4 GiB: torch.save's own archive
+                        data = torch.stack(pieces) if len(pieces) > 1 else pieces[0].contiguous().clone()
+                        torch.save(data, stream)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+            stream.flush()
+            os.fsync(stream.fileno())
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        self.saved = (metadata, results[0])
+
+    def write_metadata(self, metadata, results) -> None:
+        """Rank 0: the checkpoint's `.metadata` (written under another name, fsynced, renamed)."""
+        super().finish(metadata, results)
 
 
 def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     """Collectively write `state` into `folder` (every rank calls it; fsynced). Returns this rank's
-    files: name -> (SHA-256, bytes) (rank 0's include the metadata file)."""
+    files: name -> (SHA-256, bytes) (rank 0's include the metadata file).
+
+    DCP's own save plans centrally (a gather and a scatter of every rank's items) and then gathers
+    what each wrote. Here one all-gather of the ranks' items decides who writes each box (one
+    replica of each, spreading the bytes), each rank saves its share with DCP in this process, and
+    one all-gather brings every rank's metadata (or failure) to all: rank 0 merges and writes
+    `.metadata`, and a failure is raised on every rank, naming the rank that failed.
+    """
     import warnings
 
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    alone = not (dist.is_available() and dist.is_initialized())
+    _quiet_dcp_logger()
+    world = _world()
+    share = _share(state, rank, world) if world > 1 else state
+    writer, error = _Writer(folder, rank), None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that a process without a process group saves alone
-        writer = _Writer(folder)
         try:
-            dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=alone)
-        except BaseException:  # DCP's CheckpointException is a BaseException
-            if writer.fs.sums.get("errors"):  # this rank's write failed (a full disk): say that
-                raise writer.fs.sums["errors"][0] from None
-            raise
+            dcp.save(share, storage_writer=writer, planner=_SavePlanner(), no_dist=True)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = _picklable(writer.fs.sums.get("errors", [None])[0] or _cause(e))
+    parts = _all_gather((error, writer.saved)) if world > 1 else [(error, writer.saved)]
+    failures = {r: e for r, (e, _) in enumerate(parts) if e is not None}
+    if failures:
+        if rank in failures:
+            raise failures[rank]
+        raise CheckpointException("save", failures)
+    if rank == 0:
+        writer.write_metadata(*_merge([saved for _, saved in parts]))
     sums = {name: v for name, v in writer.fs.sums.items() if name.endswith(".distcp")}  # hashed as written
     if rank == 0:
-        sums[METADATA] = hash_file(folder / METADATA)  # written under another name, then renamed
+        sums[METADATA] = hash_file(folder / METADATA)
     return sums
+
+
+def _quiet_dcp_logger() -> None:
+    """DCP logs every call of its steps at DEBUG to a logger with only a NullHandler: each record is
+    built and dropped (a few ms a save). Unless someone attached a handler, skip building them."""
+    import logging
+
+    log = logging.getLogger("c10d-NullHandler-dcp_logger")
+    if log.level == logging.DEBUG and all(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.setLevel(logging.INFO)
+
+
+def _world() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_gather(obj) -> list:
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _share(state: dict, rank: int, world: int) -> dict:
+    """The entries of `state` this rank writes: each box held by several ranks (replicas) goes to one
+    of them, the largest first to the one with the fewest bytes so far (ties: the lowest rank); an
+    object of a name several ranks give, to one of them. Every rank computes the same assignment
+    from one all-gather of the ranks' (name, offsets, bytes)."""
+    mine = [(name, tuple(obj._offsets(b)), obj.nbytes(b)) for name, obj in state.items()
+            if isinstance(obj, Boxes) for b in obj.written()]
+    mine += [(name, (), 0) for name, obj in state.items() if not isinstance(obj, Boxes)]
+    holders: dict[tuple, list[int]] = {}
+    size: dict[tuple, int] = {}
+    for r, items in enumerate(_all_gather(mine)):
+        for name, offsets, nbytes in items:
+            holders.setdefault((name, offsets), []).append(r)
+            size[(name, offsets)] = nbytes
+    load = [0] * world
+    owned: dict[str, set] = {}
+    for key in sorted(holders, key=lambda k: (-size[k], k)):
+        r = min(holders[key], key=lambda q: (load[q], q))
+        load[r] += size[key]
+        if r == rank:
+            owned.setdefault(key[0], set()).add(key[1])
+    share = {}
+    for name, obj in state.items():
+        if isinstance(obj, Boxes):
+            obj.writes = owned.get(name, set())
+            share[name] = obj
+        elif name in owned:
+            share[name] = obj
+    return share
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException of a save in this process."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def _picklable(e: BaseException | None) -> BaseException | None:
+    if e is None:
+        return None
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - sent to the other ranks as its line
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _merge(parts: list[tuple]) -> tuple:
+    """One Metadata of every rank's (Metadata, [WriteResult]), and the results by rank. Checks that
+    the chunks of each tensor fill it (each box written once)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    tensors: dict = {}
+    planner_data: dict = {}
+    for md, _ in parts:
+        planner_data.update(md.planner_data or {})
+        for fqn, v in md.state_dict_metadata.items():
+            if isinstance(v, TensorStorageMetadata):
+                if fqn in tensors:
+                    tensors[fqn].chunks.extend(v.chunks)
+                else:
+                    tensors[fqn] = TensorStorageMetadata(v.properties, v.size, list(v.chunks))
+            else:
+                tensors[fqn] = v
+    for fqn, v in tensors.items():
+        if isinstance(v, TensorStorageMetadata) and sum(math.prod(c.sizes) for c in v.chunks) != math.prod(v.size):
+            raise RuntimeError(f"checkpoint: the saved chunks of {fqn} do not fill it (a bug: please report it)")
+    return Metadata(state_dict_metadata=tensors, planner_data=planner_data), [results for _, results in parts]
 
 
 def hash_file(file: Path) -> tuple[str, int]:
@@ -270,19 +442,42 @@ def keys(folder: Path) -> set[str]:
 
 
 def read(state: dict, folder: Path) -> dict:
-    """Read a DCP checkpoint into `state` (collective when torch.distributed is initialized, else
-    in this process): Boxes are filled in place, other entries replaced by the saved objects."""
+    """Read a DCP checkpoint into `state`: Boxes are filled in place, other entries replaced by the
+    saved objects. Each process reads what its own entries need, alone (DCP's load would gather and
+    scatter every rank's read plan first, which changes nothing here); when torch.distributed is
+    initialized the ranks then agree, so that a failure on one is raised on every rank."""
     import warnings
 
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    alone = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that a process without a process group loads alone
-        dcp.load(state, storage_reader=_reader(folder), planner=_LoadPlanner(), no_dist=alone)
-    _readers.clear()
+    _quiet_dcp_logger()
+    error = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns that a process without a process group loads alone
+            dcp.load(state, storage_reader=_reader(folder), planner=_LoadPlanner(), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        error = _cause(e)
+    finally:
+        _readers.clear()
+    if _world() > 1 and _any_failed(error is not None):
+        if error is None:
+            line = next(e for e in _all_gather(None) if e is not None)
+            raise RuntimeError(f"another rank could not read it: {line}")
+        _all_gather(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    if error is not None:
+        raise error
     return state
+
+
+def _any_failed(failed: bool) -> bool:
+    """Whether any rank failed (an all-reduce, on the GPU under NCCL)."""
+    import torch.distributed as dist
+
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def read_objects(folder: Path, names) -> dict:

@@ -1,5 +1,6 @@
-"""backend.runtime.dcp_read: DCP's files read without torch.load give exactly what torch.load gives,
-and anything the fast path does not recognise is still read, by torch.load."""
+"""backend.runtime.dcp_read and dcp_write: DCP's tensor items read without torch.load give exactly
+what torch.load gives, and anything the fast path does not recognise is still read, by torch.load;
+written without torch.save they are torch.save's archives byte for byte."""
 
 import io
 import warnings
@@ -8,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.runtime import dcp_read  # noqa: E402
+from backend.runtime import dcp_read, dcp_write  # noqa: E402
 
 
 def _archive(obj) -> bytes:
@@ -79,3 +80,26 @@ def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
         data.write_bytes(data.read_bytes()[:1000])
         with pytest.raises(BaseException, match="truncated"):
             dcp.load({"w": torch.empty(64, 64)}, storage_reader=dcp_read.FastReader(tmp_path), no_dist=True)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(6.0),
+    torch.randn(3, 64, 32),
+    torch.arange(10, dtype=torch.bfloat16),
+    torch.tensor(2.5, dtype=torch.float64),
+    torch.ones(5, dtype=torch.bool),
+    torch.randint(0, 100, (7, 3)),
+])
+def test_an_archive_is_torch_saves_byte_for_byte(tensor):
+    out = io.BytesIO()
+    n = dcp_write.write_archive(out, [tensor], tuple(tensor.shape))
+    assert out.getvalue() == _archive(tensor) and n == len(out.getvalue())
+
+
+def test_an_archive_of_pieces_is_the_stacked_tensors_and_an_empty_one_is_left_to_torch_save():
+    pieces = [torch.randn(4, 6)[:, 1:5] for _ in range(3)]  # strided views, as a box of a shard is
+    out = io.BytesIO()
+    dcp_write.write_archive(out, pieces, (3, 4, 4))
+    assert out.getvalue() == _archive(torch.stack(pieces))
+    with pytest.raises(ValueError):
+        dcp_write.write_archive(io.BytesIO(), [torch.zeros(0, 3)], (0, 3))
