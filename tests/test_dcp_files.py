@@ -103,3 +103,39 @@ def test_an_archive_of_pieces_is_the_stacked_tensors_and_an_empty_one_is_left_to
     assert out.getvalue() == _archive(torch.stack(pieces))
     with pytest.raises(ValueError):
         dcp_write.write_archive(io.BytesIO(), [torch.zeros(0, 3)], (0, 3))
+
+
+def _read_on_rank(rank: int, store: str, folders: list, out) -> None:
+    import torch.distributed as dist
+
+    from backend.runtime import dcp
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        dcp.read({"w": torch.empty(8, 8)}, folders[rank])
+        out.put((rank, "read"))
+    except BaseException as e:  # noqa: BLE001 - the test looks at what each rank raised
+        out.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_read_makes_every_rank_fail(tmp_path):
+    """Each rank reads alone; a failure on one is raised on the other too, with its line."""
+    import multiprocessing as mp
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=tmp_path / "good", no_dist=True)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_read_on_rank, args=(r, str(tmp_path / "store"), [tmp_path / "good", tmp_path / "gone"],
+                                                     out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert "No such file" in got[1], got
+    assert got[0].startswith("RuntimeError: another rank could not read it: ") and "No such file" in got[0], got
