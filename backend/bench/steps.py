@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from backend.bench.timing import mean_over_ranks, world_group
 from twin.program.model import load_model
-from twin.program.program import Options, build_program
 from twin.program.ops import COLLECTIVES
+from twin.program.program import Options, build_program
 from twin.program.trace import covered_share, host_gaps
 
 # every kind of collective the program has, the MoE all-to-alls included: a gap with one in flight is
@@ -20,6 +20,7 @@ from twin.program.trace import covered_share, host_gaps
 # the MoE grids' gaps waiting for them counted as host time: host_op_s 0.77 ms with 8 ranks on 2 cores,
 # 0.05 ms in the dense grid benched beside them; the runs' own free gaps were 0.05-0.19 ms)
 COLLECTIVE_KINDS = COLLECTIVES
+
 
 def rank_collectives(spans: list) -> list:
     """The collective spans of one rank's recorded step (every kind of COLLECTIVE_KINDS): those during
