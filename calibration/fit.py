@@ -58,6 +58,12 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
     outnumber the bench machine's cores, the one that makes the recorded steps, replayed through the
     twin's engine at their measured spans, spend the time between compute ops that bench measured
     (calibration.sharing.issue_cost);
+  - node_share `host_exchange_s` (MoE): the host time of a dispatch that exchanges its row counts first
+    (twin.host.order.count_exchange: the forward's and the recompute's; a synchronous all-to-all of
+    ints inside its issue), the mean `issue_s` of those in the recorded steps
+    (calibration.sharing.exchange_measured); host_times charges it to the compute op after the
+    dispatch, which waits for its rows. Absent (a dense model; files before bench took all-to-alls
+    for collectives): such a dispatch costs what any other issue does;
   - node_share `span_spread` (CPU, 2 or more ranks): per class of op (compute; a collective's kind and
     axis; every collective), the coefficient of variation of its span over the ranks and steps, the
     median over the files of each file's median over its ops of the class (bench's `spread`;

@@ -145,6 +145,27 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
                                      f"steps that the compute op after them does not wait for")
 
 
+def exchange_measured(runs: list[dict]) -> tuple[float, str] | None:
+    """(seconds, how): the host time of an MoE dispatch that exchanges its row counts first
+    (HostSharing.exchange_s; twin.host.order.count_exchange) as bench measured it: the mean `issue_s`
+    of those dispatches in the files' recorded steps (the exchange, a synchronous all-to-all of ints,
+    and the rows' asynchronous issue). None where no file recorded one (a dense model, or files
+    written before bench took the all-to-alls for collectives)."""
+    from twin.host.order import count_exchange
+    times: list[float] = []
+    for r in runs:
+        issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
+        if not issue or not r.get("model"):
+            continue
+        prog = recorded_program(r["model"], r["grid"])
+        times += [issue[op.name] for op in prog.ops if op.is_collective and count_exchange(op) and op.name in issue]
+    if not times:
+        return None
+    return statistics.fmean(times), (f"measured: mean host time of issuing an MoE dispatch that exchanges its row "
+                                     f"counts first (a synchronous all-to-all of ints, then the rows' asynchronous "
+                                     f"call) over the {len(times)} such dispatches of recorded training steps")
+
+
 def replayed_overlap(run: dict, host_s: float) -> dict[str, float]:
     """Per collective of a measurement file's recorded steps, the seconds its rank's compute stream ran
     an op during its span, in the replay of the steps (replay). {} without steps."""

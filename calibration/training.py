@@ -12,8 +12,8 @@ from pathlib import Path
 from calibration.lines import Residual, alone_point, collective_line, cost_line, excess_line, residual
 from calibration.measurements import COLLECTIVES, COVERED, MODELED, describe
 from calibration.profile_text import entry_text, number_text, quoted
-from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, issue_cost, issue_measured, measured_share,
-                                 replayed_overlap, sharing_point)
+from calibration.sharing import (COMM_SHARE_STEP, comm_share, core_load, exchange_measured, issue_cost, issue_measured,
+                                 measured_share, replayed_overlap, sharing_point)
 from twin.costs.profile import load_profile
 
 
@@ -212,6 +212,9 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
                 f"least squares, steps of {COMM_SHARE_STEP}), {src}")))
         if issued is not None:
             lines.append("host_issue_s = " + entry_text(max(issued[0], 1e-9), f"{issued[1]}, {src}"))
+        exchanged = exchange_measured(runs) if micro.host is not None and micro.host.ordered else None
+        if exchanged is not None:
+            lines.append("host_exchange_s = " + entry_text(max(exchanged[0], 1e-9), f"{exchanged[1]}, {src}"))
         if ratios:
             lines.append("collective_slowdown = " + entry_text(statistics.median(ratios), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "

@@ -99,7 +99,7 @@ def _host_of(study, grid: Grid) -> dict[str, float]:
     from twin.predict.study_cache import program_for
     prog = program_for(study, grid)
     host = _host(study)
-    return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, host.op_s, host.issue_s))}
+    return {op.name: h for op, h in zip(prog.ops, host_times(prog.ops, host.op_s, host.issue_s, host.exchange_s))}
 
 
 def _host(study) -> HostSharing:

@@ -318,6 +318,7 @@ NODE_SHARE_ROW = Table(required={"ranks": Int(1, 1 << 20), "launch_s": Sourced(P
                                  "compute_contention": Sourced(SCALE),
                                  "collective_slowdown": Sourced(SCALE), "comm_share": Sourced(FRACTION),
                                  "stretch": Sourced(SCALE), "host_issue_s": Sourced(Number(0.0, 1.0)),
+                                 "host_exchange_s": Sourced(Number(0.0, 1.0)),
                                  "axis_slowdown": Table(required={"source": Text(nonempty=True)},
                                                         optional={a: SCALE for a in PROFILE_AXES}),
                                  "span_spread": Table(required={"source": Text(nonempty=True)},

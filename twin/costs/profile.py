@@ -114,7 +114,9 @@ def _parsed(path: Path, text: str) -> Profile:
                                 _value(path, f"{where}.host_issue_s", row["host_issue_s"], sources)
                                 if "host_issue_s" in row else 0.0,
                                 _keyed(path, where, "span_spread", row.get("span_spread"), sources, SPREAD_KEYS,
-                                       False)))
+                                       False),
+                                _value(path, f"{where}.host_exchange_s", row["host_exchange_s"], sources)
+                                if "host_exchange_s" in row else 0.0))
     costs = []
     for i, row in enumerate(_rows(path, data, "op_cost")):
         where = f"op_cost[{i}]"

@@ -62,6 +62,9 @@ class NodeShare:
     # how much an op's span varies over the ranks and steps (coefficient of variation), per class:
     # "compute", a collective's "kind_axis", "collective" (twin.host.spread; {}: not measured)
     span_spread: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # host time of an MoE dispatch that first exchanges its row counts (twin.host.order.count_exchange),
+    # charged to the compute op after it whether or not that op waits for it (0: not measured)
+    host_exchange_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ class HostSharing:
     # 0: not measured, every grid at `stretch`)
     node_cores: int = 0
     collective_core_load: float = 0.0
+    # host time of an MoE dispatch that exchanges its row counts first, a synchronous all-to-all of ints
+    # before the rows' (twin.host.order.host_times; 0: not measured, charged as any other issue)
+    exchange_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -259,7 +265,8 @@ class Profile:
                       collective_slowdown=share.collective_slowdown, axis_slowdown=share.axis_slowdown,
                       host=with_host(self.host, op_s=share.host_op_s or (self.host.op_s if self.host else 0.0),
                                      comm_share=share.comm_share, stretch=share.stretch,
-                                     issue_s=share.host_issue_s, span_spread=share.span_spread))
+                                     issue_s=share.host_issue_s, span_spread=share.span_spread,
+                                     exchange_s=share.host_exchange_s))
             if share.attention_fwd_efficiency and share.attention_bwd_efficiency:
                 kw.update(attention_fwd_efficiency=share.attention_fwd_efficiency,
                           attention_bwd_efficiency=share.attention_bwd_efficiency)

@@ -46,12 +46,34 @@ def charged_issues(ops: list[Op]) -> dict[int, list[Op]]:
     return out
 
 
-def host_times(ops: list[Op], op_s: float, issue_s: float) -> list[float]:
+def count_exchange(op: Op) -> bool:
+    """Whether collective `op` is an MoE dispatch that exchanges its row counts before its rows: the
+    all-to-all of a block's routed rows toward the experts in a pass that routes (forward, recompute;
+    it reads the block's `.moe.send` buffer). The executor (backend/runtime/executor.py) runs a
+    synchronous all-to-all of ints first, on the host, inside the dispatch's issue."""
+    return op.kind == "all_to_all" and any(r.endswith(".moe.send") and not r.startswith("d:") for r in op.reads)
+
+
+def host_times(ops: list[Op], op_s: float, issue_s: float, exchange_s: float = 0.0) -> list[float]:
     """Per op of a program (in the order the host runs them), the host time charged before it
     (seconds; 0 for a collective): for a compute op, `op_s` (HostSharing.op_s) plus `issue_s`
     (HostSharing.issue_s) for each of its charged_issues. On a CPU the host that issues a collective
     is the device that computes: it fills the collective's buffers (a zeroed output, a copy to
     reduce) and, on a busy node, the communication library's thread takes the issuing rank's core as
-    it wakes to the transfer; the compute op after the issue starts that much later."""
+    it wakes to the transfer; the compute op after the issue starts that much later. Where
+    `exchange_s` (HostSharing.exchange_s) is measured, each count_exchange issued since the compute
+    op before costs that instead, waited for or not: the host exchanges the counts (a round trip over
+    the expert group) before the rows' all-to-all starts, and the op waiting for the rows after it."""
     charged = charged_issues(ops)
-    return [0.0 if op.is_collective else op_s + issue_s * len(charged[op.index]) for op in ops]
+    if exchange_s <= 0:
+        return [0.0 if op.is_collective else op_s + issue_s * len(charged[op.index]) for op in ops]
+    out, exchanges = [], 0
+    for op in ops:
+        if op.is_collective:
+            exchanges += count_exchange(op)
+            out.append(0.0)
+            continue
+        plain = sum(not count_exchange(c) for c in charged[op.index])
+        out.append(op_s + issue_s * plain + exchange_s * exchanges)
+        exchanges = 0
+    return out

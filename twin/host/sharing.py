@@ -40,7 +40,7 @@ def simulate_shared(study, grid: Grid, prog: Program, collectives, *, full: bool
     (.time(kind, axis, nbytes, concurrent) -> seconds); stop_ns and `tails` (a callable giving the
     engine's tail_ns, asked only where the run is not drawn) and `tick` as twin.engine.engine.simulate_program."""
     host, km = study.profile.host, study.kernels
-    hosts = host_times(prog.ops, host.op_s, host.issue_s)
+    hosts = host_times(prog.ops, host.op_s, host.issue_s, host.exchange_s)
     timer = collective_timer(prog, collectives)
     stretch, settled_runs = settled_stretch(study, grid, prog, hosts, timer)
     compute_s = compute_times(prog, km, host.stretch, stretch, hosts)
@@ -66,7 +66,7 @@ def shared_core_stretch(study, grid: Grid, prog: Program, collectives) -> float 
     the profile has a `span_spread` the mean shares of twin.host.spread's draws). `prog` as the host
     runs it (`as_run`)."""
     host = study.profile.host
-    return settled_stretch(study, grid, prog, host_times(prog.ops, host.op_s, host.issue_s),
+    return settled_stretch(study, grid, prog, host_times(prog.ops, host.op_s, host.issue_s, host.exchange_s),
                            collective_timer(prog, collectives))[0]
 
 
