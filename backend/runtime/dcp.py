@@ -247,8 +247,8 @@ class _Writer(FileSystemWriter):
                     stream.write(planner.resolve_data(item).getbuffer())
                 else:
                     obj = planner.state_dict[item.index.fqn]
-                    pieces = (obj.views(item.index.offset) if isinstance(obj, Boxes)
-                              else [planner.resolve_data(item).detach().cpu()])
+                    pieces = [v.detach().cpu() for v in (obj.views(item.index.offset) if isinstance(obj, Boxes)
+                                                         else [planner.resolve_data(item)])]  # NCCL: to the host
                     try:
                         write_archive(stream, pieces, tuple(item.tensor_data.chunk.sizes))
                     except ValueError:  # an empty tensor, or 4 GiB: torch.save's own archive
