@@ -124,6 +124,18 @@ def issue_cost(runs: list[dict], host_s: float) -> tuple[float, str] | None:
                f"summed over {len(use)} file(s) with {n} collectives per step; {at0 * 1e3:.1f} ms without it")
 
 
+def _issue_times(runs: list[dict], pick) -> list[float]:
+    """The recorded `issue_s` (seconds) of the collectives `pick(program)` gives, over the files'
+    recorded steps (the program each file's steps ran)."""
+    times: list[float] = []
+    for r in runs:
+        issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
+        if not issue or not r.get("model"):
+            continue
+        times += [issue[c.name] for c in pick(recorded_program(r["model"], r["grid"])) if c.name in issue]
+    return times
+
+
 def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
     """(seconds, how): the host time per collective issued (HostSharing.issue_s) as bench measured it:
     the mean `issue_s` (the host's wall time from preparing a collective's buffers to the return of
@@ -131,13 +143,7 @@ def issue_measured(runs: list[dict]) -> tuple[float, str] | None:
     after them does not wait for (twin.host.order.charged_issues, the ones host_times charges). None
     where no file recorded it."""
     from twin.host.order import charged_issues
-    times: list[float] = []
-    for r in runs:
-        issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
-        if not issue or not r.get("model"):
-            continue
-        prog = recorded_program(r["model"], r["grid"])
-        times += [issue[c.name] for cs in charged_issues(prog.ops).values() for c in cs if c.name in issue]
+    times = _issue_times(runs, lambda prog: [c for cs in charged_issues(prog.ops).values() for c in cs])
     if not times:
         return None
     return statistics.fmean(times), (f"measured: mean host time of issuing a collective (its buffers and the "
@@ -152,13 +158,7 @@ def exchange_measured(runs: list[dict]) -> tuple[float, str] | None:
     and the rows' asynchronous issue). None where no file recorded one (a dense model, or files
     written before bench took the all-to-alls for collectives)."""
     from twin.host.order import count_exchange
-    times: list[float] = []
-    for r in runs:
-        issue = {row["name"]: row["issue_s"] for row in r.get("steps", []) if "issue_s" in row}
-        if not issue or not r.get("model"):
-            continue
-        prog = recorded_program(r["model"], r["grid"])
-        times += [issue[op.name] for op in prog.ops if op.is_collective and count_exchange(op) and op.name in issue]
+    times = _issue_times(runs, lambda prog: [op for op in prog.ops if op.is_collective and count_exchange(op)])
     if not times:
         return None
     return statistics.fmean(times), (f"measured: mean host time of issuing an MoE dispatch that exchanges its row "
