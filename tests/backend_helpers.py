@@ -92,3 +92,39 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
     return sorted(out)
+
+
+def sharded_gradients(model, tokens: torch.Tensor, targets: torch.Tensor, n: int) -> float:
+    """One batch through a sharded model in `n` micro-batches, each scaled to the batch's counted
+    tokens, and the gradients reduced as a training step reduces them; returns the loss."""
+    from backend.training.optim import local_batch, micro_batches, reduce_gradients
+
+    loss, total = 0.0, int((targets >= 0).sum())
+    for j, (t, y) in enumerate(micro_batches(local_batch(tokens, model), local_batch(targets, model), n)):
+        mb_loss = model(t, y, micro_batch=j, total_tokens=total)
+        mb_loss.backward()
+        loss += float(mb_loss.detach())
+    reduce_gradients(model)
+    return loss
+
+
+def steps_against_reference(model, opt, ref, ref_opt, batches, n: int, max_norm: float,
+                            **ref_kwargs) -> tuple[list[float], list[float], list]:
+    """Clipped optimizer steps of a sharded model and of its single-process reference on the same
+    (tokens, targets) batches; returns both loss curves and the keys of the ops the sharded model's
+    first step recorded."""
+    from backend.runtime.recorder import Recorder
+    from backend.training.optim import local_batch, micro_batches, train_step
+
+    losses, ref_losses, rec = [], [], Recorder()
+    for step, (tokens, targets) in enumerate(batches):
+        ref_opt.zero_grad()
+        rl = ref(tokens, targets, **ref_kwargs)
+        rl.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_losses.append(float(rl))
+        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
+        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=max_norm))
+        model.recorder = Recorder(enabled=False)
+    return losses, ref_losses, [r.key() for r in rec.records]

@@ -10,12 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid  # noqa: E402
+from backend_helpers import run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
 
 from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.models.gpt import GPT  # noqa: E402
 from backend.models.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
-from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
+from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer,  # noqa: E402
                            reduce_gradients, train_step)
 from backend.runtime.recorder import Recorder  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
@@ -46,12 +46,7 @@ def _compare(ctx, options: Options, batch: int) -> dict:
     tokens, targets = _batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
-    loss = 0.0
-    for j, (t, y) in enumerate(micro_batches(local_batch(tokens, model), local_batch(targets, model), n)):
-        mb_loss = model(t, y, micro_batch=j, total_tokens=int((targets >= 0).sum()))
-        mb_loss.backward()
-        loss += float(mb_loss.detach())
-    reduce_gradients(model)
+    loss = sharded_gradients(model, tokens, targets, n)
     full = gather_full_grads(model)
     abs_err, rel_err = {}, {}
     for k, p in ref.named_parameters():
@@ -61,20 +56,10 @@ def _compare(ctx, options: Options, batch: int) -> dict:
     # a few AdamW steps with clipping; the first one recorded
     ref_opt = make_reference_optimizer(ref, lr=LR)
     opt = make_optimizer(model, lr=LR)
-    losses, ref_losses, rec = [], [], Recorder()
-    for step in range(STEPS):
-        tokens, targets = _batch(spec, batch, 1)  # the same batch: the loss must go down
-        ref_opt.zero_grad()
-        rl = ref(tokens, targets)
-        rl.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ref_opt.step()
-        ref_losses.append(float(rl))
-        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
-        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=MAX_NORM))
-        model.recorder = Recorder(enabled=False)
+    same = [_batch(spec, batch, 1)] * STEPS  # the same batch: the loss must go down
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, same, n, MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "abs_err": abs_err, "rel_err": rel_err,
-            "losses": losses, "ref_losses": ref_losses, "ops": [r.key() for r in rec.records]}
+            "losses": losses, "ref_losses": ref_losses, "ops": ops}
 
 
 def _program_ops(grid: Grid, options: Options, batch: int) -> list[tuple]:

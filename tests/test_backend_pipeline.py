@@ -10,14 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid  # noqa: E402
+from backend_helpers import run_on_grid, steps_against_reference  # noqa: E402
 from test_backend_grads import LR, MAX_NORM, STEPS, _batch  # noqa: E402
 
 from backend.models.gpt import GPT  # noqa: E402
 from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
-from backend.runtime.recorder import Recorder  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
-                                    step_gradients, train_step)
+                                    step_gradients)
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
 from twin.program.program import Options, build_program  # noqa: E402
@@ -43,20 +42,10 @@ def _compare(ctx, options: Options, batch: int, layers: int = 2) -> dict:
     rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
                for k, p in ref.named_parameters()}
     ref_opt = make_reference_optimizer(ref, lr=LR)
-    losses, ref_losses, rec = [], [], Recorder()
-    for step in range(STEPS):
-        tokens, targets = _batch(spec, batch, 1)
-        ref_opt.zero_grad()
-        rl = ref(tokens, targets)
-        rl.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ref_opt.step()
-        ref_losses.append(float(rl))
-        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
-        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=MAX_NORM))
-        model.recorder = Recorder(enabled=False)
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, [_batch(spec, batch, 1)] * STEPS, n,
+                                                      MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
-            "ref_losses": ref_losses, "ops": [r.key() for r in rec.records], "stage": ctx.stage}
+            "ref_losses": ref_losses, "ops": ops, "stage": ctx.stage}
 
 
 CASES = [

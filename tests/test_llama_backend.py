@@ -14,13 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import fake_grid, run_on_grid  # noqa: E402
+from backend_helpers import fake_grid, run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
 
 from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.models.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
 from backend.models.build import make_model  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
-                           reduce_gradients, train_step)
+                           train_step)
 from backend.runtime.recorder import Recorder  # noqa: E402
 from twin.program.grid import Grid  # noqa: E402
 from twin.program.model import load_model  # noqa: E402
@@ -71,12 +71,7 @@ def _compare(ctx, options: Options, batch: int, vocab: int) -> dict:
     tokens, targets = _batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
-    loss = 0.0
-    for j, (t, y) in enumerate(micro_batches(local_batch(tokens, model), local_batch(targets, model), n)):
-        mb_loss = model(t, y, micro_batch=j, total_tokens=int((targets >= 0).sum()))
-        mb_loss.backward()
-        loss += float(mb_loss.detach())
-    reduce_gradients(model)
+    loss = sharded_gradients(model, tokens, targets, n)
     full = gather_hf(model, "grad")
     rel_err = {}
     for k, p in ref.named_parameters():
@@ -84,20 +79,9 @@ def _compare(ctx, options: Options, batch: int, vocab: int) -> dict:
 
     ref_opt = make_reference_optimizer(ref, lr=LR)
     opt = make_optimizer(model, lr=LR)
-    losses, ref_losses, rec = [], [], Recorder()
-    for step in range(STEPS):
-        tokens, targets = _batch(spec, batch, 1)
-        ref_opt.zero_grad()
-        rl = ref(tokens, targets)
-        rl.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ref_opt.step()
-        ref_losses.append(float(rl))
-        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
-        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=MAX_NORM))
-        model.recorder = Recorder(enabled=False)
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, [_batch(spec, batch, 1)] * STEPS, n, MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
-            "ref_losses": ref_losses, "ops": [r.key() for r in rec.records], "biggest_read": biggest}
+            "ref_losses": ref_losses, "ops": ops, "biggest_read": biggest}
 
 
 CASES = [  # grid, options, batch, vocab (250: padded to 256, the padding rows masked in the loss)

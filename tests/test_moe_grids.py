@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid  # noqa: E402
+from backend_helpers import run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
 
 from backend.models.build import make_model  # noqa: E402
 from backend.models.llama import ReferenceLlama, gather_hf, load_hf  # noqa: E402
@@ -59,32 +59,17 @@ def _compare(ctx, capacity_factor: float, options: Options, batch: int) -> dict:
     tokens, targets = _batch(spec, batch, 0)
     ref_loss = ref(tokens, targets, groups=groups, micro_batches=n)
     ref_loss.backward()
-    loss = 0.0
-    for j, (t, y) in enumerate(micro_batches(local_batch(tokens, model), local_batch(targets, model), n)):
-        mb_loss = model(t, y, micro_batch=j, total_tokens=int((targets >= 0).sum()))
-        mb_loss.backward()
-        loss += float(mb_loss.detach())
-    reduce_gradients(model)
+    loss = sharded_gradients(model, tokens, targets, n)
     full = gather_hf(model, "grad")
     rel_err = {}
     for k, p in ref.named_parameters():
         rel_err[k] = float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
 
     ref_opt, opt = make_reference_optimizer(ref, lr=LR), make_optimizer(model, lr=LR)
-    losses, ref_losses, rec = [], [], Recorder()
-    for step in range(STEPS):
-        tokens, targets = _batch(spec, batch, 1 + step)
-        ref_opt.zero_grad()
-        rl = ref(tokens, targets, groups=groups, micro_batches=n)
-        rl.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ref_opt.step()
-        ref_losses.append(float(rl))
-        mbs = micro_batches(local_batch(tokens, model), local_batch(targets, model), n)
-        losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=MAX_NORM))
-        model.recorder = Recorder(enabled=False)
+    batches = [_batch(spec, batch, 1 + step) for step in range(STEPS)]
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, batches, n, MAX_NORM, groups=groups, micro_batches=n)
     return {"same": same, "loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
-            "ref_losses": ref_losses, "ops": [r.key() for r in rec.records]}
+            "ref_losses": ref_losses, "ops": ops}
 
 
 CASES = [  # grid, capacity factor (0: dropless), options, batch
