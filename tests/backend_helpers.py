@@ -128,3 +128,15 @@ def steps_against_reference(model, opt, ref, ref_opt, batches, n: int, max_norm:
         losses.append(train_step(model, opt, mbs, recorder=rec if step == 0 else None, max_norm=max_norm))
         model.recorder = Recorder(enabled=False)
     return losses, ref_losses, [r.key() for r in rec.records]
+
+
+def random_batch(spec, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random tokens of a model spec (seeded by `step`) and their next-token targets, a
+    fifth of them dropped (IGNORE, as goldfish drops them)."""
+    from backend.runtime.layers import IGNORE
+
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, spec.vocab, (batch, spec.seq_len), generator=g)
+    targets = torch.roll(tokens, -1, dims=1)
+    targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE
+    return tokens, targets

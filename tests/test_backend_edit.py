@@ -7,8 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid  # noqa: E402
-from test_backend_grads import _batch  # noqa: E402
+from backend_helpers import random_batch, run_on_grid  # noqa: E402
 from test_programfile import edited  # noqa: E402
 
 from backend.models.gpt import GPT  # noqa: E402
@@ -28,7 +27,7 @@ def _grads(ctx, program) -> tuple[dict, list]:
     rec = Recorder()
     model = GPT(spec, ctx, recorder=rec, program=program)
     load_from_reference(model, ref.state_dict())
-    tokens, targets = _batch(spec, BATCH, 0)
+    tokens, targets = random_batch(spec, BATCH, 0)
     loss = model(local_batch(tokens, model), local_batch(targets, model), total_tokens=int((targets >= 0).sum()))
     loss.backward()
     reduce_gradients(model)

@@ -10,9 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
+from backend_helpers import random_batch, run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
 
-from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.models.gpt import GPT  # noqa: E402
 from backend.models.reference import ReferenceGPT, gather_full, gather_full_grads, load_from_reference  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer,  # noqa: E402
@@ -25,12 +24,6 @@ from twin.program.program import Options, build_program  # noqa: E402
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.5
 
 
-def _batch(spec, batch: int, step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, spec.vocab, (batch, spec.seq_len), generator=g)
-    targets = torch.roll(tokens, -1, dims=1)
-    targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE  # goldfish-style dropped tokens
-    return tokens, targets
 
 
 def _compare(ctx, options: Options, batch: int) -> dict:
@@ -43,7 +36,7 @@ def _compare(ctx, options: Options, batch: int) -> dict:
     n = options.micro_batches
 
     # forward and gradients of one batch
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
     loss = sharded_gradients(model, tokens, targets, n)
@@ -56,7 +49,7 @@ def _compare(ctx, options: Options, batch: int) -> dict:
     # a few AdamW steps with clipping; the first one recorded
     ref_opt = make_reference_optimizer(ref, lr=LR)
     opt = make_optimizer(model, lr=LR)
-    same = [_batch(spec, batch, 1)] * STEPS  # the same batch: the loss must go down
+    same = [random_batch(spec, batch, 1)] * STEPS  # the same batch: the loss must go down
     losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, same, n, MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "abs_err": abs_err, "rel_err": rel_err,
             "losses": losses, "ref_losses": ref_losses, "ops": ops}
@@ -101,7 +94,7 @@ def _compare_bf16(ctx, batch: int) -> dict:
     rec = Recorder()
     model = GPT(spec, ctx, Options(), recorder=rec, tune_gemms=True)
     load_from_reference(model, ref.state_dict())
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
     loss = model(local_batch(tokens, model), local_batch(targets, model), total_tokens=int((targets >= 0).sum()))
@@ -144,7 +137,7 @@ def test_gpu_bf16_one_rank(tmp_path) -> None:
         rec = Recorder(device=ctx.device)
         model = GPT(spec, ctx, Options(), recorder=rec)
         load_from_reference(model, ref.state_dict())
-        tokens, targets = _batch(spec, 8, 0)
+        tokens, targets = random_batch(spec, 8, 0)
         loss = model(tokens, targets)
         loss.backward()
         assert float(loss) == pytest.approx(float(ref(tokens, targets)), rel=2e-2)

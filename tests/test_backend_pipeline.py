@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid, steps_against_reference  # noqa: E402
-from test_backend_grads import LR, MAX_NORM, STEPS, _batch  # noqa: E402
+from backend_helpers import random_batch, run_on_grid, steps_against_reference  # noqa: E402
+from test_backend_grads import LR, MAX_NORM, STEPS  # noqa: E402
 
 from backend.models.gpt import GPT  # noqa: E402
 from backend.models.reference import ReferenceGPT, gather_full_grads, load_from_reference  # noqa: E402
@@ -32,7 +32,7 @@ def _compare(ctx, options: Options, batch: int, layers: int = 2) -> dict:
     model = GPT(spec, ctx, options)
     load_from_reference(model, ref.state_dict())
     n = options.micro_batches
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
     opt = make_optimizer(model, lr=LR)
@@ -42,8 +42,8 @@ def _compare(ctx, options: Options, batch: int, layers: int = 2) -> dict:
     rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
                for k, p in ref.named_parameters()}
     ref_opt = make_reference_optimizer(ref, lr=LR)
-    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, [_batch(spec, batch, 1)] * STEPS, n,
-                                                      MAX_NORM)
+    same = [random_batch(spec, batch, 1)] * STEPS
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, same, n, MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
             "ref_losses": ref_losses, "ops": ops, "stage": ctx.stage}
 
@@ -108,7 +108,7 @@ def test_backend_refuses_a_bad_pipeline_in_one_line(args, words):
 
 
 def _compare_llama(ctx, options: Options, batch: int) -> dict:
-    from test_llama_backend import _batch as llama_batch, _spec as llama_spec
+    from test_llama_backend import _spec as llama_spec
 
     from backend.models.build import make_model
     from backend.models.llama import ReferenceLlama, gather_hf, load_hf
@@ -117,7 +117,7 @@ def _compare_llama(ctx, options: Options, batch: int) -> dict:
     state = ref.state_dict()
     model = make_model(spec, ctx, options=options)
     load_hf(model, lambda name: state[name])
-    tokens, targets = llama_batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
     opt = make_optimizer(model, lr=LR)

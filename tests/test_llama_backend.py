@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import fake_grid, run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
+from backend_helpers import (fake_grid, random_batch, run_on_grid, sharded_gradients,  # noqa: E402
+                             steps_against_reference)
 
-from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.models.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
 from backend.models.build import make_model  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
@@ -33,12 +33,6 @@ def _spec(vocab: int = 256):
     return replace(load_model("llama-tiny"), vocab=vocab)
 
 
-def _batch(spec, batch: int, step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, spec.vocab, (batch, spec.seq_len), generator=g)
-    targets = torch.roll(tokens, -1, dims=1)
-    targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE
-    return tokens, targets
 
 
 class _Sliced:
@@ -68,7 +62,7 @@ def _compare(ctx, options: Options, batch: int, vocab: int) -> dict:
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
     n = options.micro_batches
 
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets)
     ref_loss.backward()
     loss = sharded_gradients(model, tokens, targets, n)
@@ -79,7 +73,8 @@ def _compare(ctx, options: Options, batch: int, vocab: int) -> dict:
 
     ref_opt = make_reference_optimizer(ref, lr=LR)
     opt = make_optimizer(model, lr=LR)
-    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, [_batch(spec, batch, 1)] * STEPS, n, MAX_NORM)
+    same = [random_batch(spec, batch, 1)] * STEPS
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, same, n, MAX_NORM)
     return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
             "ref_losses": ref_losses, "ops": ops, "biggest_read": biggest}
 

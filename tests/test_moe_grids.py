@@ -11,11 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
+from backend_helpers import random_batch, run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
 
 from backend.models.build import make_model  # noqa: E402
 from backend.models.llama import ReferenceLlama, gather_hf, load_hf  # noqa: E402
-from backend.runtime.layers import IGNORE  # noqa: E402
 from backend.runtime.recorder import Recorder  # noqa: E402
 from backend.training.optim import (local_batch, make_optimizer, make_reference_optimizer, micro_batches,  # noqa: E402
                                     reduce_gradients, train_step)
@@ -30,12 +29,6 @@ def _spec(capacity_factor: float):
     return replace(load_model("mixtral-tiny"), capacity_factor=capacity_factor, router_aux_coef=0.05)
 
 
-def _batch(spec, batch: int, step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, spec.vocab, (batch, spec.seq_len), generator=g)
-    targets = torch.roll(tokens, -1, dims=1)
-    targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE
-    return tokens, targets
 
 
 def _reference(spec, ctx_grid: Grid, n: int):
@@ -56,7 +49,7 @@ def _compare(ctx, capacity_factor: float, options: Options, batch: int) -> dict:
     back = gather_hf(model, "param")
     same = set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
 
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets, groups=groups, micro_batches=n)
     ref_loss.backward()
     loss = sharded_gradients(model, tokens, targets, n)
@@ -66,8 +59,9 @@ def _compare(ctx, capacity_factor: float, options: Options, batch: int) -> dict:
         rel_err[k] = float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
 
     ref_opt, opt = make_reference_optimizer(ref, lr=LR), make_optimizer(model, lr=LR)
-    batches = [_batch(spec, batch, 1 + step) for step in range(STEPS)]
-    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, batches, n, MAX_NORM, groups=groups, micro_batches=n)
+    batches = [random_batch(spec, batch, 1 + step) for step in range(STEPS)]
+    losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, batches, n, MAX_NORM, groups=groups,
+                                                      micro_batches=n)
     return {"same": same, "loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err, "losses": losses,
             "ref_losses": ref_losses, "ops": ops}
 
@@ -138,7 +132,7 @@ def _compare_bf16(ctx, batch: int) -> dict:
     rec = Recorder()
     model = make_model(spec, ctx, recorder=rec)
     load_hf(model, ref.state_dict().__getitem__)
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets, groups=groups)
     ref_loss.backward()
     loss = model(local_batch(tokens, model), local_batch(targets, model), total_tokens=int((targets >= 0).sum()))
@@ -169,7 +163,7 @@ def _compare_pipeline(ctx, batch: int) -> dict:
     ref, groups = _reference(spec, ctx.grid, 2)
     model = make_model(spec, ctx, options=Options(micro_batches=2))
     load_hf(model, ref.state_dict().__getitem__)
-    tokens, targets = _batch(spec, batch, 0)
+    tokens, targets = random_batch(spec, batch, 0)
     ref_loss = ref(tokens, targets, groups=groups, micro_batches=2)
     ref_loss.backward()
     loss = step_gradients(model, micro_batches(local_batch(tokens, model), local_batch(targets, model), 2))
@@ -203,7 +197,7 @@ def test_gpu_bf16_experts_one_rank() -> None:
         ref, groups = _reference(spec, ctx.grid, 1)
         model = make_model(spec, ctx)
         load_hf(model, ref.state_dict().__getitem__)
-        tokens, targets = _batch(spec, 8, 0)
+        tokens, targets = random_batch(spec, 8, 0)
         loss = model(tokens, targets)
         loss.backward()
         assert float(loss) == pytest.approx(float(ref(tokens, targets, groups=groups)), rel=2e-2)
