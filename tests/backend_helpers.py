@@ -140,3 +140,10 @@ def random_batch(spec, batch: int, step: int) -> tuple[torch.Tensor, torch.Tenso
     targets = torch.roll(tokens, -1, dims=1)
     targets[torch.rand(targets.shape, generator=g) < 0.2] = IGNORE
     return tokens, targets
+
+
+def relative_errors(ref, full: dict) -> dict[str, float]:
+    """Per parameter of a single-process reference, the largest difference of the gathered gradient
+    `full[name]` from the reference's, over the reference's largest (0 against an all-zero one)."""
+    return {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
+            for k, p in ref.named_parameters()}

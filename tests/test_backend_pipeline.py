@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import random_batch, run_on_grid, steps_against_reference  # noqa: E402
+from backend_helpers import random_batch, relative_errors, run_on_grid, steps_against_reference  # noqa: E402
 from test_backend_grads import LR, MAX_NORM, STEPS  # noqa: E402
 
 from backend.models.gpt import GPT  # noqa: E402
@@ -39,8 +39,7 @@ def _compare(ctx, options: Options, batch: int, layers: int = 2) -> dict:
     opt.zero_grad(set_to_none=True)
     loss = step_gradients(model, micro_batches(local_batch(tokens, model), local_batch(targets, model), n))
     full = gather_full_grads(model)
-    rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
-               for k, p in ref.named_parameters()}
+    rel_err = relative_errors(ref, full)
     ref_opt = make_reference_optimizer(ref, lr=LR)
     same = [random_batch(spec, batch, 1)] * STEPS
     losses, ref_losses, ops = steps_against_reference(model, opt, ref, ref_opt, same, n, MAX_NORM)
@@ -125,8 +124,7 @@ def _compare_llama(ctx, options: Options, batch: int) -> dict:
     loss = step_gradients(model, micro_batches(local_batch(tokens, model), local_batch(targets, model),
                                                options.micro_batches))
     full = gather_hf(model, "grad")
-    rel_err = {k: float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
-               for k, p in ref.named_parameters()}
+    rel_err = relative_errors(ref, full)
     return {"loss": loss, "ref_loss": float(ref_loss), "rel_err": rel_err}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import (fake_grid, random_batch, run_on_grid, sharded_gradients,  # noqa: E402
+from backend_helpers import (fake_grid, random_batch, relative_errors, run_on_grid, sharded_gradients,  # noqa: E402
                              steps_against_reference)
 
 from backend.models.llama import Llama, ReferenceLlama, gather_hf, hf_shapes, hf_slices, load_hf  # noqa: E402
@@ -67,9 +67,7 @@ def _compare(ctx, options: Options, batch: int, vocab: int) -> dict:
     ref_loss.backward()
     loss = sharded_gradients(model, tokens, targets, n)
     full = gather_hf(model, "grad")
-    rel_err = {}
-    for k, p in ref.named_parameters():
-        rel_err[k] = float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
+    rel_err = relative_errors(ref, full)
 
     ref_opt = make_reference_optimizer(ref, lr=LR)
     opt = make_optimizer(model, lr=LR)

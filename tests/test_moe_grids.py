@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend_helpers import random_batch, run_on_grid, sharded_gradients, steps_against_reference  # noqa: E402
+from backend_helpers import (random_batch, relative_errors, run_on_grid, sharded_gradients,  # noqa: E402
+                             steps_against_reference)
 
 from backend.models.build import make_model  # noqa: E402
 from backend.models.llama import ReferenceLlama, gather_hf, load_hf  # noqa: E402
@@ -54,9 +55,7 @@ def _compare(ctx, capacity_factor: float, options: Options, batch: int) -> dict:
     ref_loss.backward()
     loss = sharded_gradients(model, tokens, targets, n)
     full = gather_hf(model, "grad")
-    rel_err = {}
-    for k, p in ref.named_parameters():
-        rel_err[k] = float((full[k] - p.grad).abs().max()) / (float(p.grad.abs().max()) + 1e-12)
+    rel_err = relative_errors(ref, full)
 
     ref_opt, opt = make_reference_optimizer(ref, lr=LR), make_optimizer(model, lr=LR)
     batches = [random_batch(spec, batch, 1 + step) for step in range(STEPS)]
