@@ -270,22 +270,11 @@ def _size(grid: str) -> int:
 def _study_grids(cfg: LoopConfig) -> list[str]:
     """The study's grids as strings: --grids, or every grid of each of --ranks that runs the model (the
     twin's own check: twin.program.grid.Grid.validate)."""
+    from twin.predict.search import grids_that_run
     from twin.program.grid import Grid
     from twin.program.model import load_model
     spec = load_model(cfg.model)
     if cfg.grids:
         return list(dict.fromkeys(str(Grid.parse(g.strip())) for g in cfg.grids.split(",") if g.strip()))
-    out = []
-    for r in dict.fromkeys(int(x) for x in (cfg.ranks or "1,2,4,8").split(",") if x.strip()):
-        for x in range(1, r + 1):
-            for y in range(1, r // x + 1):
-                for z in range(1, r // (x * y) + 1):
-                    if r % (x * y * z):
-                        continue
-                    g = Grid(x, y, z, r // (x * y * z))
-                    try:
-                        g.validate(spec, gpus=r)
-                    except TwinError:
-                        continue
-                    out.append(str(g))
-    return out
+    counts = dict.fromkeys(int(x) for x in (cfg.ranks or "1,2,4,8").split(",") if x.strip())
+    return [str(g) for r in counts for g in grids_that_run(spec, r)]

@@ -4,7 +4,7 @@ that run a model, the distinct GEMM and attention shapes of their programs, the 
 
 from __future__ import annotations
 
-from topologies.common import TwinError
+from twin.predict.search import grids_that_run
 from twin.program.grid import Grid
 from twin.program.model import load_model
 from twin.program.program import Options, build_program
@@ -14,20 +14,7 @@ OP_SIZES = (1, 4096, 65536, 1 << 20)  # elements of the elementwise-op benchmark
 
 def grids_of(model: str, ranks: int, batch: int | None = None) -> list[Grid]:
     """Every grid with `ranks` ranks that runs `model` (at `batch` sequences)."""
-    spec = load_model(model)
-    out = []
-    for x in range(1, ranks + 1):
-        for y in range(1, ranks // x + 1):
-            for z in range(1, ranks // (x * y) + 1):
-                if ranks % (x * y * z):
-                    continue
-                g = Grid(x, y, z, ranks // (x * y * z))
-                try:
-                    g.validate(spec, gpus=ranks, batch=batch)
-                except TwinError:
-                    continue
-                out.append(g)
-    return out
+    return grids_that_run(load_model(model), ranks, batch)
 
 
 def program_gemm_shapes(model: str, grid: Grid, all_grids: bool = False,

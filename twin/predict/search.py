@@ -87,6 +87,19 @@ def candidate_grids(gpus: int) -> list[Grid]:
     return out
 
 
+def grids_that_run(model, ranks: int, batch: int | None = None) -> list[Grid]:
+    """The candidate_grids of `ranks` ranks that run `model` (a ModelSpec; at `batch` sequences where
+    given), by the grid's own check (Grid.validate)."""
+    out = []
+    for g in candidate_grids(ranks):
+        try:
+            g.validate(model, gpus=ranks, batch=batch)
+        except TwinError:
+            continue
+        out.append(g)
+    return out
+
+
 def _probe_grid(p: int, stride: int, gpus_per_node: int) -> tuple[Grid, str]:
     """A small grid whose groups of the returned axis have size p and rank stride `stride`, repeated
     so that its groups sit on nodes in every way the groups of a large grid do (a group of 3 on
