@@ -173,6 +173,29 @@ class MoE:
         b.allreduce_ready(f"{L}.expert_down.{ph}.ar_{in_axis}", in_axis, ACT_BYTES * R * nl,
                           f"{L}.expert_down.out", n["eout"])
 
+    def _expert_dgrad(self, key: str, dims, grad: str, out: str, gathered: bool) -> tuple[int, int | None]:
+        """An expert GEMM's data gradient (`grad` times the weight, into `out`; the weight gathered first
+        unless the recomputation kept it) and its all-reduce over the output axis: (dgrad, the
+        all-reduce or None)."""
+        b, R = self.b, self.Rx
+        kl, nl, _, out_axis = dims
+        ag = None if gathered else b.gather(key)
+        dgrad = self.expert_gemm(f"{key}.bwd.dgrad", key, R, kl, nl, "NT", D(grad), W(key), D(out), deps=[ag])
+        if not gathered:
+            b.main(dgrad)
+        ar = b.collective(f"{key}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * R * kl, deps=[dgrad],
+                          reads=(D(out),), writes=(D(out),))
+        return dgrad, ar
+
+    def _expert_wgrad(self, key: str, dims, inp: str, grad: str, ar: int | None) -> int:
+        """An expert GEMM's weight gradient (its input `inp` against `grad`; after the data gradient's
+        all-reduce unless that overlaps) and its reduce-scatter over z; returns the GEMM."""
+        kl, nl = dims[0], dims[1]
+        wgrad = self.expert_gemm(f"{key}.bwd.wgrad", key, kl, nl, self.Rx, "TN", inp, D(grad), f"g:{key}",
+                                 deps=[] if self.b.opt.oar else [ar])
+        self.b.reduce_scatter(key, f"{key}.bwd.rs_z", ACT_BYTES * self.n_local * kl * nl, wgrad)
+        return wgrad
+
     # -- backward -----------------------------------------------------------------------------------
     def bwd(self, i: int) -> None:
         """Block i's MoE backward: from d:x:L<i+1> to d:L<i>.mid (ln2's backward included)."""
@@ -188,17 +211,8 @@ class MoE:
         comb = self.all_to_all(f"{L}.moe.bwd.combine", D(n["back"]), D(n["eout"]), [unperm])
         b.ready = comb if comb is not None else b.ready
         # expert_down (transposed: input f/G_y, output h/G_x)
-        kl, nl, _, out_axis = self.down
-        key = f"{L}.expert_down"
-        ag = None if gathered else b.gather(key)
-        dgrad = self.expert_gemm(f"{key}.bwd.dgrad", key, R, kl, nl, "NT", D(n["eout"]), W(key), D(n["act"]), deps=[ag])
-        if not gathered:
-            b.main(dgrad)
-        ar = b.collective(f"{key}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * R * kl, deps=[dgrad],
-                          reads=(D(n["act"]),), writes=(D(n["act"]),))
-        wgrad = self.expert_gemm(f"{key}.bwd.wgrad", key, kl, nl, R, "TN", n["act"], D(n["eout"]), f"g:{key}",
-                                 deps=[] if b.opt.oar else [ar])
-        b.reduce_scatter(key, f"{key}.bwd.rs_z", ACT_BYTES * self.n_local * kl * nl, wgrad)
+        dgrad, ar = self._expert_dgrad(f"{L}.expert_down", self.down, n["eout"], n["act"], gathered)
+        self._expert_wgrad(f"{L}.expert_down", self.down, n["act"], n["eout"], ar)
         b.ready = ar if ar is not None else dgrad
         f_local = self.model.ffn // gy
         act = "expert_swiglu" if self.model.is_llama else "expert_gelu"
@@ -208,19 +222,11 @@ class MoE:
         else:
             b.elementwise(f"{L}.{act}.bwd", R * f_local, 8, 3, replicas=gx, role="gelu_bwd",
                           reads=(D(n["act"]), f"{L}.{act}.ctx"), writes=(D(n["up"]),))
-        # expert_up (normal: input h/G_x, output n_up/G_y), dgrad all-reduced over y
-        kl, nl, _, out_axis = self.up
-        key = f"{L}.expert_up"
-        ag = None if gathered else b.gather(key)
-        dgrad = self.expert_gemm(f"{key}.bwd.dgrad", key, R, kl, nl, "NT", D(n["up"]), W(key), D(n["recv"]), deps=[ag])
-        if not gathered:
-            b.main(dgrad)
-        ar = b.collective(f"{key}.bwd.ar_{out_axis}", "all_reduce", out_axis, ACT_BYTES * R * kl, deps=[dgrad],
-                          reads=(D(n["recv"]),), writes=(D(n["recv"]),))
+        # expert_up (normal: input h/G_x, output n_up/G_y), dgrad all-reduced over y; the dispatch's
+        # all-to-all of the data gradient goes between its data and weight gradients
+        dgrad, ar = self._expert_dgrad(f"{L}.expert_up", self.up, n["up"], n["recv"], gathered)
         disp = self.all_to_all(f"{L}.moe.bwd.dispatch", D(n["recv"]), D(n["send"]), [ar if ar is not None else dgrad])
-        wgrad = self.expert_gemm(f"{key}.bwd.wgrad", key, kl, nl, R, "TN", n["recv"], D(n["up"]), f"g:{key}",
-                                 deps=[] if b.opt.oar else [ar])
-        b.reduce_scatter(key, f"{key}.bwd.rs_z", ACT_BYTES * self.n_local * kl * nl, wgrad)
+        wgrad = self._expert_wgrad(f"{L}.expert_up", self.up, n["recv"], n["up"], ar)
         # the router's backward overlaps the dispatch's all-to-all
         b.ready = wgrad
         b.elementwise(f"{L}.router.bwd.topk", m * E, 10, 4, replicas=gx * gy, role="router_topk_bwd",
