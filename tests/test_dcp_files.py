@@ -12,9 +12,14 @@ torch = pytest.importorskip("torch")
 from backend.runtime import dcp_read, dcp_write  # noqa: E402
 
 
-def _archive(obj) -> bytes:
+def _archive(obj, crc32: bool = True) -> bytes:
+    """torch.save's archive of obj, with or without its records' CRC-32s."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.serialization.set_crc32_options(crc32)
+    try:
+        torch.save(obj, buf)
+    finally:
+        torch.serialization.set_crc32_options(True)
     return buf.getvalue()
 
 
@@ -90,17 +95,21 @@ def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
     torch.ones(5, dtype=torch.bool),
     torch.randint(0, 100, (7, 3)),
 ])
-def test_an_archive_is_torch_saves_byte_for_byte(tensor):
+@pytest.mark.parametrize("crc32", [True, False])
+def test_an_archive_is_torch_saves_byte_for_byte(tensor, crc32):
     out = io.BytesIO()
-    n = dcp_write.write_archive(out, [tensor], tuple(tensor.shape))
-    assert out.getvalue() == _archive(tensor) and n == len(out.getvalue())
+    n = dcp_write.write_archive(out, [tensor], tuple(tensor.shape), crc32=crc32)
+    assert out.getvalue() == _archive(tensor, crc32) and n == len(out.getvalue())
+    if not crc32:  # torch.load checks no CRC-32: the archive without them loads
+        assert torch.equal(torch.load(io.BytesIO(out.getvalue())), tensor)
 
 
 def test_an_archive_of_pieces_is_the_stacked_tensors_and_an_empty_one_is_left_to_torch_save():
     pieces = [torch.randn(4, 6)[:, 1:5] for _ in range(3)]  # strided views, as a box of a shard is
-    out = io.BytesIO()
-    dcp_write.write_archive(out, pieces, (3, 4, 4))
-    assert out.getvalue() == _archive(torch.stack(pieces))
+    for crc32 in (True, False):
+        out = io.BytesIO()
+        dcp_write.write_archive(out, pieces, (3, 4, 4), crc32=crc32)
+        assert out.getvalue() == _archive(torch.stack(pieces), crc32)
     with pytest.raises(ValueError):
         dcp_write.write_archive(io.BytesIO(), [torch.zeros(0, 3)], (0, 3))
 

@@ -11,7 +11,8 @@ Layout under the checkpoint directory:
     latest                           the name of the last complete checkpoint (one line)
 
 Saving: every rank writes its file(s) into `.tmp.step_00000010/`, hashing as it goes, and fsyncs;
-after a barrier rank 0 collects the checksums into meta.json, fsyncs the directory, renames it to
+once every rank has written, rank 0 collects the checksums (format /2: through a `.sha256` file beside
+each rank's; DCP: backend.runtime.dcp_save.write gathers them) into meta.json, fsyncs the directory, renames it to
 `step_00000010` and then replaces `latest` through a fsynced temporary file. A crash at any point
 leaves `latest` naming the previous complete checkpoint.
 
@@ -154,53 +155,27 @@ def save(ckpt_dir: str | Path, step: int, rank: int, state: dict, meta: dict, ke
         for debris in root.glob(".tmp.step_*"):  # of a crash while saving (the run holds the directory's lock)
             shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
-    if sharded:
-        _write_sharded(tmp, rank, state)
+    if sharded:  # its first all-gather is the barrier after tmp is made; rank 0 gets every file's checksum
+        files = _write_sharded(tmp, rank, state)
     else:
+        _barrier()
         _write_rank_file(tmp, rank, state)
-    _barrier()
+        _barrier()
+        files = None
     if rank == 0 and os.environ.get(CRASH_IN_SAVE_ENV) == str(step):
         import signal
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
-        _publish(root, tmp, final, name, {**meta, "format": FORMAT if sharded else OLD_FORMAT}, keep)
+        _publish(root, tmp, final, name, {**meta, "format": FORMAT if sharded else OLD_FORMAT}, keep, files)
     _barrier()
     return final
 
 
-def _write_sharded(tmp: Path, rank: int, state: dict) -> None:
-    """DCP files of every rank, and a `<file>.sha256` beside each with its checksum and size."""
-    from backend.runtime import dcp
+def _write_sharded(tmp: Path, rank: int, state: dict) -> dict[str, dict]:
+    """Every rank's DCP files (backend.runtime.dcp_save.write); on rank 0, name -> {bytes, sha256} of each."""
+    from backend.runtime.dcp_save import write
 
-    try:
-        files = dcp.write(state, tmp, rank)
-    except BaseException as e:  # DCP wraps a rank's failure (a full disk) in its own BaseException
-        found = _os_error(e, rank)
-        if found is None:
-            raise
-        r, cause = found  # name the file of the rank whose write failed
-        if cause.filename is None and cause.errno is not None:
-            cause = type(cause)(cause.errno, cause.strerror, str(tmp / f"__{r}_0.distcp"))
-        raise cause from None
-    for name, (digest, size) in files.items():
-        write_atomic(tmp / f"{name}.sha256", f"{digest} {size}\n")
-
-
-def _os_error(e: BaseException, rank: int) -> tuple[int, OSError] | None:
-    """(rank, the OSError) behind a DCP CheckpointException (this rank's first, else another's)."""
-    if isinstance(e, OSError):
-        return rank, e
-    failures = getattr(e, "failures", None)
-    if not isinstance(failures, dict):
-        return None
-    for r in sorted(failures, key=lambda r: r != rank):
-        exc = failures[r][0] if isinstance(failures[r], tuple) else failures[r]
-        while exc is not None and not isinstance(exc, OSError):
-            exc = exc.__cause__ or exc.__context__
-        if exc is not None:
-            return r, exc
-    return None
+    return {name: {"bytes": size, "sha256": digest} for name, (digest, size) in write(state, tmp, rank).items()}
 
 
 def _write_rank_file(tmp: Path, rank: int, state: dict) -> None:
@@ -224,13 +199,15 @@ def _write_rank_file(tmp: Path, rank: int, state: dict) -> None:
         raise
 
 
-def _publish(root: Path, tmp: Path, final: Path, name: str, meta: dict, keep: int) -> None:
-    """Rank 0: meta.json with every file's checksum, the atomic rename, `latest`, old steps removed."""
-    files = {}
-    for sidecar in sorted(tmp.glob("*.sha256")):
-        digest, size = sidecar.read_text().split()
-        files[sidecar.name.removesuffix(".sha256")] = {"bytes": int(size), "sha256": digest}
-        sidecar.unlink()
+def _publish(root: Path, tmp: Path, final: Path, name: str, meta: dict, keep: int, files: dict | None) -> None:
+    """Rank 0: meta.json with every file's checksum (`files`: name -> {bytes, sha256}; None: read from
+    the ranks' `.sha256` files), the atomic rename, `latest`, old steps removed."""
+    if files is None:
+        files = {}
+        for sidecar in sorted(tmp.glob("*.sha256")):
+            digest, size = sidecar.read_text().split()
+            files[sidecar.name.removesuffix(".sha256")] = {"bytes": int(size), "sha256": digest}
+            sidecar.unlink()
     meta = {**meta, "files": files}
     meta["checksum"] = _meta_checksum(meta)
     write_atomic(tmp / "meta.json", finite_json(meta, indent=1))
