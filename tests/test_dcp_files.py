@@ -148,3 +148,16 @@ def test_a_rank_that_cannot_read_makes_every_rank_fail(tmp_path):
         p.join(timeout=60)
     assert "No such file" in got[1], got
     assert got[0].startswith("RuntimeError: another rank could not read it: ") and "No such file" in got[0], got
+
+
+def test_a_rank_file_hashes_what_it_writes_and_starts_its_writeback_as_it_goes(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setattr(dcp_write, "WRITEBACK", 1000)
+    data = [bytes([i]) * 700 for i in range(10)]
+    out = dcp_write.HashingFile(tmp_path / "f")
+    for d in data:
+        out.write(d)
+    assert out.started == 7000  # asked the kernel to write back each time 1000 bytes or more were new
+    assert out.close() == (hashlib.sha256(b"".join(data)).hexdigest(), 7000)
+    assert (tmp_path / "f").read_bytes() == b"".join(data)
