@@ -55,6 +55,9 @@ def load_measurement(path: str | Path) -> dict:
         if row["group_size"] != grid.axis_size(row["axis"]):
             raise _bad(path, f"collectives[{i}]: axis {row['axis']!r} with group size "
                              f"{row['group_size']} does not match grid {grid}")
+    for i, row in enumerate(data["steps"]):  # a collective's span may be 0 (it completed with the one before)
+        if row["seconds"] < 1e-12 and row["kind"] not in COLLECTIVES:
+            raise _bad(path, f"steps[{i}].seconds must be > 0 for a {row['kind']} op, got {row['seconds']}")
     return {**data, "path": str(path)}
 
 

@@ -386,7 +386,9 @@ MEASUREMENT = Table(
                                   extra=True)),
         "steps": ListOf(Table(required={"name": Text(nonempty=True), "kind": Text(nonempty=True),
                                         "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
-                                        "seconds": SECONDS, "covered": Number(0, 1)},
+                                        # 0: a collective that completed with the one before it (a compute
+                                        # op's must be > 0: calibration.measurements)
+                                        "seconds": Number(0, 1e6), "covered": Number(0, 1)},
                               optional={"role": Text(), "axis": Text(PROFILE_AXES + ("",)), "wake_s": Number(0, 1e6),
                                         "cpu_s": Number(0, 1e6), "issue_s": Number(0, 1e6), "spread": Number(0, 1e6),
                                         "m": Int(0, 1 << 30),

@@ -28,6 +28,16 @@ def rank_collectives(spans: list) -> list:
     return [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
 
 
+def kept_rows(rows: list[dict], recorded: set[str]) -> list[dict]:
+    """The op rows a bench file keeps: those with a span, and every collective the recorder saw (names in
+    `recorded`) even at a span of 0, mean over ranks and steps. A collective's span of 0 is a
+    measurement: it completed while the one before it on its stream ran (an MoE step's expert-gradient
+    all-reduces, on a process group of their own beside the data burst's), and the fit's lines keep the
+    summed span of what the steps ran. Before, such rows were dropped: the edata lines came from
+    the few nonzero spans, or did not exist (mixtral-tiny's 1x1x1x8e4, whose four were all 0)."""
+    return [r for r in rows if r["seconds"] > 0 or (r["kind"] in COLLECTIVE_KINDS and r["name"] in recorded)]
+
+
 WARMUP_STEPS = 2  # steps before the recorded ones: as many as validation leaves out of a run (calibration/validate.py)
 
 
@@ -166,7 +176,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             del r["cpu_s"]
         else:
             r["cpu_s"] = min(r["cpu_s"], r["seconds"])
-    rows = [r for r in rows if r["seconds"] > 0]
+    rows = kept_rows(rows, set(per_op))
     if not gaps:
         return None, rows
     gaps.sort()
