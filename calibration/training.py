@@ -216,7 +216,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         if exchanged is not None:
             lines.append("host_exchange_s = " + entry_text(max(exchanged[0], 1e-9), f"{exchanged[1]}, {src}"))
         if ratios:
-            lines.append("collective_slowdown = " + entry_text(statistics.median(ratios), (
+            lines.append("collective_slowdown = " + entry_text(max(statistics.median(ratios), 1e-6), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "
                 f"their fitted time alone, {src}")))
         block = shares[share_at[ranks]].splitlines()

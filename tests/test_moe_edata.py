@@ -82,3 +82,18 @@ def test_a_measurement_file_takes_a_collective_of_0_s_and_refuses_a_compute_op_o
     p.write_text(json.dumps(data))
     with pytest.raises(TwinError, match=rf"steps\[{comp}\]\.seconds must be > 0 for a gemm op"):
         load_measurement(p)
+
+
+def test_a_fit_takes_an_axis_whose_recorded_spans_are_all_0(tmp_path):
+    # 1x1x1x8e4's edata all-reduces all completed with the data one before them: the axis' slowdown
+    # over its line alone is then 0, which the profile's range refused; it is floored at 1e-6
+    from calibration.fit import calibrate
+    data = json.loads((ROOT / "tests" / "fixtures" / "cpu-2026-12-03a" / "bench-2x1x1x1.json").read_text())
+    for row in data["steps"]:
+        if row["kind"] == "all_reduce":
+            row["seconds"], row["wake_s"] = 0.0, 0.0
+    p = tmp_path / "bench-2x1x1x1.json"
+    p.write_text(json.dumps(data))
+    calibrate([p], tmp_path / "zero.toml")
+    prof = load_profile(str(tmp_path / "zero.toml")).for_ranks(2)
+    assert prof.collectives().axis_slowdown["x"] == pytest.approx(1e-6)
