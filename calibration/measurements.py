@@ -99,10 +99,10 @@ def unobserved(data: dict) -> dict:
     predicts the recorded step. How the recorder's time spreads over a step's ops is not measured;
     spread evenly over its wall times, the fitted step comes out at the unrecorded one. On-CPU times
     stay (the op's own work), kept within their spans. Per file, not pooled per rank count: the
-    ratio is the grid's own (mixtral-tiny on 8 ranks of the 2-core development VM, three bench
-    passes: 2x2x2x1 1.15-1.19, with its z all-gathers and y all-reduces, against 1.00-1.11 for the
-    MoE grids; interleaved steps of `backend run`, 10 recorded and 9 not, 3 runs each: 1.14x on
-    2x1x1x4e2, 1.07x on 1x1x1x8e4, 1.11x on 2x2x2x1, 1.01x on 1x1x1x2e2; docs/moe-backend.md)."""
+    ratio is the grid's own (mixtral-tiny on the 2-core development VM, one file per grid and bench
+    pass: 2x2x2x1 1.11-1.19 in every pass, 1x1x1x4e2 1.00-1.10; a file's 4 steps each way scatter by
+    about 10 %; `backend run` with every other step recorded, 10 against 9, 3 runs per grid: 1.14x
+    on 2x1x1x4e2, 1.07x on 1x1x1x8e4, 1.11x on 2x2x2x1, 1.01x on 1x1x1x2e2; docs/moe-backend.md)."""
     ratio = observer_ratio(data)
     return data if ratio is None else _scaled(data, ratio)
 

@@ -77,8 +77,8 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       all_gaps_s: the median of every gap; mean_s: the mean gap; step_s: the wall time of a recorded
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
       outside the program), mean over steps (`per_step`) and over ranks; free_step_s: the same of as many
-      unrecorded steps, each run after a recorded one: recording lengthens a step (the recorder's work
-      per op and per collective, whose completion a callback on gloo's thread stamps, where ranks
+      unrecorded steps, each run after a recorded one: recording lengthens a step (the recorder's
+      bookkeeping per op and its completion callback per collective, on gloo's thread, where ranks
       time-slice the cores; mixtral-tiny on the 2-core development VM: recorded steps 1.14x the
       unrecorded ones on 2x1x1x4e2, 1.07x on 1x1x1x8e4, 1.01x on 1x1x1x2e2, docs/moe-backend.md),
       which calibration.measurements.unobserved takes out;
