@@ -13,7 +13,9 @@ What is fitted, per count of ranks sharing a node (one measurement file per coun
 - `[[collective_table]]`: per kind, group size and stride, seconds = latency + bytes / bandwidth over
   the measured payloads (least squares on relative error, both terms kept >= 0).
 - From the recorded training steps (`steps` rows; what ops cost inside training, where ranks share
-  the cores with each other and with gloo's threads), per rank count:
+  the cores with each other and with gloo's threads), per rank count, their wall times first divided
+  by how much longer the file's recorded steps took than its unrecorded ones, where bench timed both
+  (calibration.measurements.unobserved: the twin predicts training that nothing records):
   - `[[op_cost]]`: per compute kind the GEMM and attention models do not cover (elementwise,
     embedding, loss, optimizer), and per role within it (a norm over x-split features apart:
     twin.costs.kernels.cost_role), seconds = latency + bytes / bandwidth over the
@@ -94,7 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calibration.lines import Residual, fit_line, residual
-from calibration.measurements import describe, load_measurement
+from calibration.measurements import describe, load_measurement, unobserved
 from calibration.profile_text import entry_text, quoted
 from calibration.rates import attention_lines, compute_scale, host_line, measured_rates, scale_value, square_rates
 from calibration.training import in_training
@@ -126,7 +128,7 @@ def fit_profile(paths: list[str | Path], name: str, base: str | None = None, gpu
     """Fit the measurement files at `paths` into a profile called `name` (see the module docstring)."""
     if not paths:
         raise TwinError("twin calibrate needs at least one measurement file (from `backend bench`)")
-    runs = [load_measurement(p) for p in paths]
+    runs = [unobserved(load_measurement(p)) for p in paths]  # recorded steps as unrecorded ones run
     base_path, base_data = read_spec(base or str(BASE_CPU), PROFILES_DIR, "kernel profile")
     devices = {r["machine"]["device"].split(":")[0] for r in runs}
     if len(devices) > 1:

@@ -55,10 +55,71 @@ def load_measurement(path: str | Path) -> dict:
         if row["group_size"] != grid.axis_size(row["axis"]):
             raise _bad(path, f"collectives[{i}]: axis {row['axis']!r} with group size "
                              f"{row['group_size']} does not match grid {grid}")
+    for i, row in enumerate(data["steps"]):  # a collective's span may be 0 (it completed with the one before)
+        if row["seconds"] < 1e-12 and row["kind"] not in COLLECTIVES:
+            raise _bad(path, f"steps[{i}].seconds must be > 0 for a {row['kind']} op, got {row['seconds']}")
     return {**data, "path": str(path)}
 
 
 def describe(data: dict) -> str:
-    """'FILE (host, date)': how a fitted number names the measurement it came from."""
+    """'FILE (host, date)': how a fitted number names the measurement it came from (and, where its
+    recorded steps were scaled to unrecorded ones, by how much: `unobserved`)."""
     m = data["machine"]
-    return f"{Path(data['path']).name} ({m['host']}, {m['date']})"
+    scaled = f"; recorded steps / {data['observer']:.3f}" if data.get("observer") else ""
+    return f"{Path(data['path']).name} ({m['host']}, {m['date']}{scaled})"
+
+
+STEP_TIMES = ("seconds", "wake_s", "issue_s")  # a recorded step row's wall times (cpu_s: its own work, kept)
+HOST_TIMES = ("seconds", "mean_s", "all_gaps_s", "free_mean_s", "busy_mean_s", "step_s")
+
+
+def _host_row(data: dict) -> dict | None:
+    return next((row for row in data.get("ops", []) if row.get("op") == "host"), None)
+
+
+def observer_ratio(data: dict) -> float | None:
+    """How much longer bench's recorded training steps of this file took than the unrecorded ones it
+    ran between them (step_s / free_step_s of its host row); None where it did not time both."""
+    host = _host_row(data)
+    if host and host.get("free_step_s") and host.get("step_s") and data.get("steps"):
+        return host["step_s"] / host["free_step_s"]
+    return None
+
+
+def unobserved(data: dict) -> dict:
+    """A measurement file with its recorded training steps as unrecorded training runs them: where bench
+    timed unrecorded steps between the recorded ones (the host row's `free_step_s`), every wall time
+    of the recorded steps (the ops' spans, wake-ups and issue times, the host gaps) divided by the
+    ratio of recorded to unrecorded step time (observer_ratio), recorded in `observer`; the file as it
+    is otherwise.
+
+    Recording lengthens a step (backend.bench.steps: the recorder's work per op and per collective,
+    where ranks time-slice the cores), while `twin validate` compares the twin's iteration with the
+    run's median step, of which only one step is recorded: a profile fitted from recorded steps
+    predicts the recorded step. How the recorder's time spreads over a step's ops is not measured;
+    spread evenly over its wall times, the fitted step comes out at the unrecorded one. On-CPU times
+    stay (the op's own work), kept within their spans. Per file, not pooled per rank count: the
+    ratio is the grid's own (mixtral-tiny on the 2-core development VM, one file per grid and bench
+    pass: 2x2x2x1 1.11-1.19 in every pass, 1x1x1x4e2 1.00-1.10; a file's 4 steps each way scatter by
+    about 10 %; `backend run` with every other step recorded, 10 against 9, 3 runs per grid: 1.14x
+    on 2x1x1x4e2, 1.07x on 1x1x1x8e4, 1.11x on 2x2x2x1, 1.01x on 1x1x1x2e2; docs/moe-backend.md)."""
+    ratio = observer_ratio(data)
+    return data if ratio is None else _scaled(data, ratio)
+
+
+def _scaled(data: dict, ratio: float) -> dict:
+    """`data` with its recorded steps' wall times divided by `ratio` (unobserved)."""
+    steps = []
+    for row in data["steps"]:
+        row = {**row, **{k: row[k] / ratio for k in STEP_TIMES if k in row}}
+        if "cpu_s" in row:
+            row["cpu_s"] = min(row["cpu_s"], row["seconds"])
+        steps.append(row)
+    host = _host_row(data)
+    ops = data["ops"]
+    if host is not None:
+        scaled = {**host, **{k: host[k] / ratio for k in HOST_TIMES if k in host}}
+        if isinstance(host.get("busy_by_kind_s"), dict):
+            scaled["busy_by_kind_s"] = {k: v / ratio for k, v in host["busy_by_kind_s"].items()}
+        ops = [scaled if row is host else row for row in ops]
+    return {**data, "steps": steps, "ops": ops, "observer": ratio}

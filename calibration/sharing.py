@@ -265,13 +265,13 @@ def comm_share(rows: list[tuple[dict, dict]], covered: dict[int, dict[str, float
     the residuals too). 1 when no recorded collective had compute beside it. `share`: a measured one
     (bench's overlap rows), used as it is."""
     from twin.program.grid import Grid
-    from twin.program.program import ACT_BYTES
+    from twin.costs.profile_types import payload_bytes
     pts: dict[tuple, list[tuple[int, float, float, float]]] = {}
     for r, row in rows:
         if row["kind"] not in COLLECTIVES:
             continue
         grid = Grid.parse(r["grid"])
-        real = row["bytes"] if row["axis"] == "data" else row["bytes"] * act_bytes / ACT_BYTES
+        real = payload_bytes(row["axis"], row["bytes"], act_bytes)
         woke = max(0.0, row.get("wake_s", 0.0) - host_s)
         o = min(covered.get(id(r), {}).get(row["name"], 0.0), row["seconds"])
         pts.setdefault((row["kind"], row["axis"], grid.axis_size(row["axis"]), grid.stride(row["axis"])),

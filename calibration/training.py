@@ -31,7 +31,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         micro = load_profile(str(path))  # the profile as the microbenchmarks alone fit it
     from twin.program.grid import Grid
     from twin.costs.kernels import KernelModel
-    from twin.program.program import ACT_BYTES
+    from twin.costs.profile_types import payload_bytes
     costs: list[str] = []
     trained: list[str] = []
     pooled = pooled_cpu_lines(by_ranks)
@@ -160,7 +160,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
                 continue
             grid = Grid.parse(r["grid"])
             p, stride = grid.axis_size(row["axis"]), grid.stride(row["axis"])
-            real = row["bytes"] if row["axis"] == "data" else row["bytes"] * micro.activation_bytes / ACT_BYTES
+            real = payload_bytes(row["axis"], row["bytes"], micro.activation_bytes)
             # the compute op that waited for it resumes `wake_s` after its completion, of which the twin
             # charges that op's host time already (host_s)
             # (less, with comm_share < 1, the part of its span it lost to its rank's compute: the twin
@@ -196,7 +196,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
                 "bandwidth = " + entry_text(1.0 / b if b > 0 else 1e15, how + ("" if b > 0 else "; no size effect seen")),
                 ""]))
         if per_axis:
-            lines.append("axis_slowdown = { " + ", ".join(f"{a} = {number_text(t / iso)}" for a, (t, iso) in sorted(per_axis.items()))
+            lines.append("axis_slowdown = { " + ", ".join(f"{a} = {number_text(max(t / iso, 1e-6))}" for a, (t, iso) in sorted(per_axis.items()))
                          + f', source = "measured: per axis, the summed span (and wake-up of the op that waited, where '
                          f'measured) of the collectives of recorded training steps over their summed fitted time alone, '
                          f'{quoted(src)}" }}')
@@ -216,7 +216,7 @@ def in_training(by_ranks: dict[int, list[dict]], toml: str, shares: list[str], s
         if exchanged is not None:
             lines.append("host_exchange_s = " + entry_text(max(exchanged[0], 1e-9), f"{exchanged[1]}, {src}"))
         if ratios:
-            lines.append("collective_slowdown = " + entry_text(statistics.median(ratios), (
+            lines.append("collective_slowdown = " + entry_text(max(statistics.median(ratios), 1e-6), (
                 f"measured: median over {len(ratios)} collectives of recorded training steps of their span over "
                 f"their fitted time alone, {src}")))
         block = shares[share_at[ranks]].splitlines()

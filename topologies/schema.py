@@ -372,7 +372,8 @@ MEASUREMENT = Table(
         "gemm": ListOf(Table(required={"m": DIM, "n": DIM, "k": DIM, "layout": Text(("NN", "NT", "TN")),
                                        "seconds": SECONDS}, extra=True)),
         "ops": ListOf(Table(required={"op": Text(nonempty=True), "numel": BYTES, "bytes": BYTES, "seconds": SECONDS},
-                            optional={"free_mean_s": SECONDS, "step_s": SECONDS}, extra=True)),
+                            optional={"free_mean_s": SECONDS, "step_s": SECONDS, "free_step_s": SECONDS},
+                            extra=True)),
         "collectives": ListOf(Table(required={"axis": Text(AXES), "kind": Text(COLLECTIVE_KINDS),
                                               "group_size": Int(2, 1 << 24), "bytes": Int(1, 1 << 50),
                                               "seconds": SECONDS},
@@ -386,7 +387,9 @@ MEASUREMENT = Table(
                                   extra=True)),
         "steps": ListOf(Table(required={"name": Text(nonempty=True), "kind": Text(nonempty=True),
                                         "stream": Text(nonempty=True), "bytes": BYTES, "flops": Number(0, 1e30),
-                                        "seconds": SECONDS, "covered": Number(0, 1)},
+                                        # 0: a collective that completed with the one before it (a compute
+                                        # op's must be > 0: calibration.measurements)
+                                        "seconds": Number(0, 1e6), "covered": Number(0, 1)},
                               optional={"role": Text(), "axis": Text(PROFILE_AXES + ("",)), "wake_s": Number(0, 1e6),
                                         "cpu_s": Number(0, 1e6), "issue_s": Number(0, 1e6), "spread": Number(0, 1e6),
                                         "m": Int(0, 1 << 30),

@@ -28,7 +28,24 @@ def rank_collectives(spans: list) -> list:
     return [sp for sp in spans if sp.kind in COLLECTIVE_KINDS]
 
 
+def kept_rows(rows: list[dict], recorded: set[str]) -> list[dict]:
+    """The op rows a bench file keeps: those with a span, and every collective the recorder saw (names in
+    `recorded`) even at a span of 0, mean over ranks and steps. A collective's span of 0 is a
+    measurement: it completed while the one before it on its stream ran (an MoE step's expert-gradient
+    all-reduces, on a process group of their own beside the data burst's), and the fit's lines keep the
+    summed span of what the steps ran. Before, such rows were dropped: the edata lines came from
+    the few nonzero spans, or did not exist (mixtral-tiny's 1x1x1x8e4, whose four were all 0)."""
+    return [r for r in rows if r["seconds"] > 0 or (r["kind"] in COLLECTIVE_KINDS and r["name"] in recorded)]
+
+
 WARMUP_STEPS = 2  # steps before the recorded ones: as many as validation leaves out of a run (calibration/validate.py)
+
+
+def is_recorded(step: int, warmup: int = WARMUP_STEPS) -> bool:
+    """Whether bench_steps records its step `step` (from 0): after the warm-up, every other step, the
+    ones between unrecorded (their wall times are `free_step_s`), so that both sample the same
+    stretch of the machine's time."""
+    return step >= warmup and (step - warmup) % 2 == 0
 
 
 def per_step(values: list[float]) -> float:
@@ -46,7 +63,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
 
     Returns (host row, step rows):
     - host {op: "host", model, ops, seconds, mean_s, all_gaps_s, free_mean_s, busy_mean_s, busy_gaps,
-      step_s}: the executor's host
+      step_s, free_step_s}: the executor's host
       time per compute op, the median gap between consecutive compute ops of each step's compute
       stream during which no collective of the rank was in flight (a gap that holds a collective,
       often a wait for it, is communication, which the twin charges apart; on a tensor-parallel grid
@@ -59,7 +76,12 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
       collectives of that kind alone were in flight (free_mean_s where a rank has fewer than 5);
       all_gaps_s: the median of every gap; mean_s: the mean gap; step_s: the wall time of a recorded
       step (train_step's call to its return: the program's ops, the gaps between them, and what runs
-      outside the program), mean over steps (`per_step`) and over ranks;
+      outside the program), mean over steps (`per_step`) and over ranks; free_step_s: the same of as many
+      unrecorded steps, each run after a recorded one: recording lengthens a step (the recorder's
+      bookkeeping per op and its completion callback per collective, on gloo's thread, where ranks
+      time-slice the cores; mixtral-tiny on the 2-core development VM: recorded steps 1.14x the
+      unrecorded ones on 2x1x1x4e2, 1.07x on 1x1x1x8e4, 1.01x on 1x1x1x2e2, docs/moe-backend.md),
+      which calibration.measurements.unobserved takes out;
     - one row per program op {name, kind, role, stream, axis, bytes, flops, m, n, k, layout, seconds,
       covered, spread, cpu_s (compute ops on CPU), wake_s and issue_s (collectives)}: its span, mean over steps
       (`per_step`) and over ranks; `cpu_s`, the same of its on-CPU time (the recorder's cpu_us: where more ranks
@@ -101,15 +123,25 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
     wake: dict[str, list[float]] = {}  # collective -> delay from its completion to the compute op that waited on it
     issue: dict[str, list[float]] = {}  # collective -> the host's wall time issuing it (the recorder's issue_us)
     walls: list[float] = []  # each recorded step's wall time (s)
-    for step in range(warmup + steps):
+    free_walls: list[float] = []  # each unrecorded step's, one after each recorded step (s)
+    for step in range(warmup + 2 * steps):
         tokens = torch.randint(0, spec.vocab, (seqs, program.seq_len + 1), generator=gen)
-        rec = Recorder(device=ctx.device) if step >= warmup else NULL_RECORDER
+        recorded = is_recorded(step, warmup)
+        rec = Recorder(device=ctx.device) if recorded else NULL_RECORDER
+        if step >= warmup and world_group() is not None:
+            # the ranks start each measured step together, as `backend run` starts its traced one: a
+            # recorded step's analysis below ends at another time on each rank, which the next step's
+            # first collectives would otherwise wait out
+            dist.barrier(group=world_group())
         t0 = time.perf_counter()
         train_step(net, opt, [(tokens[:, :-1], tokens[:, 1:])], recorder=rec)
-        if step < warmup:
-            continue
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
+        if step < warmup:
+            continue
+        if not recorded:
+            free_walls.append(time.perf_counter() - t0)
+            continue
         walls.append(time.perf_counter() - t0)
         spans = rec.spans(ctx.rank)
         comp = sorted((sp for sp in spans if sp.stream == "compute"), key=lambda sp: sp.start_s)
@@ -166,7 +198,7 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             del r["cpu_s"]
         else:
             r["cpu_s"] = min(r["cpu_s"], r["seconds"])
-    rows = [r for r in rows if r["seconds"] > 0]
+    rows = kept_rows(rows, set(per_op))
     if not gaps:
         return None, rows
     gaps.sort()
@@ -184,5 +216,5 @@ def bench_steps(model: str, ctx, batch: int | None = None, steps: int = 4,
             "all_gaps_s": mean_over_ranks(median), "free_mean_s": mean_over_ranks(free_mean),
             "busy_mean_s": mean_over_ranks(busy_mean), "busy_gaps": mean_over_ranks(float(len(busy))),
             "busy_by_kind_s": by_kind, "busy_by_kind_gaps": kind_gaps,
-            "step_s": mean_over_ranks(per_step(walls))}
+            "step_s": mean_over_ranks(per_step(walls)), "free_step_s": mean_over_ranks(per_step(free_walls))}
     return host, rows

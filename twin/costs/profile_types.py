@@ -97,13 +97,25 @@ class CollectivePoint:
     axis: str = ""
 
 
+GRADIENT_AXES = ("data", "edata")  # collectives of fp32 gradients at the end of the step (GRAD_AR_BYTES)
+
+
+def payload_bytes(axis: str, nbytes: float, activation_bytes: int) -> float:
+    """The real payload (bytes) of a collective the program counts at `nbytes` over `axis`, on a device whose
+    activations are `activation_bytes` wide: a gradient all-reduce (data, edata) as counted (fp32 both
+    ways), any other collective scaled from the program's ACT_BYTES per element."""
+    from twin.program.program import ACT_BYTES
+    return nbytes if axis in GRADIENT_AXES else nbytes * activation_bytes / ACT_BYTES
+
+
 @dataclass(frozen=True)
 class CollectiveTable:
     """Measured collective costs (the `[[collective_table]]` rows of a profile) for one rank count.
 
     Payloads are counted as the program counts them (twin.program.program: activations ACT_BYTES per element,
-    data-axis gradients GRAD_AR_BYTES); on a device whose activations are `activation_bytes` wide (4 on
-    CPU, fp32) the real payload of a non-data collective is bytes x activation_bytes / ACT_BYTES.
+    gradients all-reduced over data, and an MoE block's expert gradients over edata, GRAD_AR_BYTES); on a
+    device whose activations are `activation_bytes` wide (4 on CPU, fp32) the real payload of any other
+    collective is bytes x activation_bytes / ACT_BYTES (payload_bytes).
     """
 
     points: tuple[CollectivePoint, ...]
@@ -119,12 +131,14 @@ class CollectiveTable:
         nearest stride), of the axis' own slowdown where training steps recorded collectives of the
         axis. A data-axis collective never takes a tensor axis' training line, nor the reverse: the
         data all-reduces leave in one burst at the end of the step, where gloo overlaps them with
-        each other, while a tensor axis' all-reduce blocks the op after it."""
-        from twin.program.program import ACT_BYTES
-        real = nbytes if axis == "data" else nbytes * self.activation_bytes / ACT_BYTES
+        each other, while a tensor axis' all-reduce blocks the op after it (an edata all-reduce, of an
+        MoE block's expert gradients, is of the data kind: twin.costs.alltoall.measured_time)."""
+        real = payload_bytes(axis, nbytes, self.activation_bytes)
 
         def role(p: CollectivePoint) -> int:
-            return 0 if p.axis in ("", axis) else 1 if "data" not in (p.axis, axis) else 2
+            if p.axis in ("", axis):
+                return 0
+            return 1 if not {p.axis, axis} & set(GRADIENT_AXES) else 2
 
         for points, factor in ((self.training, 1.0), (self.points, self.axis_slowdown.get(axis, self.slowdown))):
             pts = [p for p in points if p.kind == kind and p.group_size == group_size and role(p) < 2]
@@ -132,6 +146,10 @@ class CollectiveTable:
                 pt = min(pts, key=lambda p: (role(p), p.stride != stride, abs(p.stride - stride)))
                 return factor * (pt.latency_s + real / pt.bandwidth)
         return None
+
+    def trained(self, kind: str, axis: str, group_size: int) -> bool:
+        """Whether recorded training steps gave a line of this kind, axis (itself) and group size."""
+        return any(p.kind == kind and p.axis == axis and p.group_size == group_size for p in self.training)
 
 
 @dataclass(frozen=True)
