@@ -61,7 +61,7 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     try:
         objects, chunks, tensors = _items(share)
         items, digest = write_rank_file(folder / file, chunks, objects)
-        if world > 1:  # for rank 0, beside the file (the old format's checksums travel so too)
+        if rank != 0:  # for rank 0, beside the file (the per-rank format's checksums travel so too)
             write_atomic(folder / f"{file}{REPORT}", pickle.dumps((tensors, items, digest)))
     except Exception as e:  # noqa: BLE001 - told to every rank, raised on each
         error = _picklable(e)
@@ -78,8 +78,6 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
         tensors, items, sums[name] = pickle.loads(report.read_bytes())
         report.unlink()
         files.append((name, tensors, items))
-    if world > 1:
-        (folder / f"{file}{REPORT}").unlink()
     sums[METADATA] = write_metadata(folder, files)
     return sums
 
