@@ -34,8 +34,8 @@ def _save_on_rank(rank: int, store: str, folders: list, out, limit: int | None) 
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     gathers = []
-    gather = dcp_save._all_gather
-    dcp_save._all_gather = lambda obj: gathers.append(1) or gather(obj)
+    gather = dcp_save.gather_objects
+    dcp_save.gather_objects = lambda obj: gathers.append(1) or gather(obj)
     try:
         for folder, state in zip(folders, _states(rank)):
             if limit is not None and rank == 1:  # writes past `limit` bytes fail, as on a full disk

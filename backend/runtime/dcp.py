@@ -24,7 +24,6 @@ Publication, checksums and the choice of step are backend.runtime.checkpoint's.
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from backend.runtime.dcp_read import FastReader
+from backend.runtime.dist import gather_objects, sum_over_ranks, world_size
 
 METADATA = ".metadata"
 
@@ -136,35 +136,13 @@ def _quiet_dcp_logger() -> None:
         log.setLevel(logging.INFO)
 
 
-def _world() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_gather(obj) -> list:
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _cause(e: BaseException) -> BaseException:
-    """The exception behind DCP's CheckpointException of a save in this process."""
+    """The exception behind DCP's CheckpointException of a load in this process."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         return first[0] if isinstance(first, tuple) else first
     return e
-
-
-def _picklable(e: BaseException | None) -> BaseException | None:
-    if e is None:
-        return None
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001 - sent to the other ranks as its line
-        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 class _Reader(FastReader):
@@ -212,11 +190,11 @@ def read(state: dict, folder: Path) -> dict:
         error = _cause(e)
     finally:
         _readers.clear()
-    if _world() > 1 and _any_failed(error is not None):
+    if world_size() > 1 and _any_failed(error is not None):
         if error is None:
-            line = next(e for e in _all_gather(None) if e is not None)
+            line = next(e for e in gather_objects(None) if e is not None)
             raise RuntimeError(f"another rank could not read it: {line}")
-        _all_gather(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        gather_objects(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     if error is not None:
         raise error
     return state
@@ -224,18 +202,7 @@ def read(state: dict, folder: Path) -> dict:
 
 def _any_failed(failed: bool) -> bool:
     """Whether any rank failed (an all-reduce)."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(failed)], device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _device() -> str:
-    """Where a collective's tensors live: the GPU under NCCL, else the host."""
-    import torch.distributed as dist
-
-    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    return sum_over_ranks([int(failed)])[0] > 0
 
 
 def read_objects(folder: Path, names) -> dict:

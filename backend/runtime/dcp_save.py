@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from backend.runtime.dcp import METADATA, Boxes, _all_gather, _device, _picklable, _world
+from backend.runtime.dcp import METADATA, Boxes
 from backend.runtime.dcp_write import write_metadata, write_rank_file
+from backend.runtime.dist import gather_objects, sum_over_ranks, world_size
 from topologies.common import write_atomic
 
 REPORT = ".report"  # what a rank wrote, for rank 0: beside its file until rank 0 has read it
@@ -55,7 +56,7 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
     are fsynced). Returns, on rank 0, name -> (SHA-256, bytes) of every file of the checkpoint (each
     rank's and `.metadata`); {} on the others. A rank's failure is raised on every rank: its own
     error, another rank's OSError (naming that rank's file) or a line naming the rank."""
-    world = _world()
+    world = world_size()
     share = _share(state, rank, world) if world > 1 else state
     file, error = f"__{rank}_0.distcp", None
     try:
@@ -65,8 +66,8 @@ def write(state: dict, folder: Path, rank: int) -> dict[str, tuple[str, int]]:
             write_atomic(folder / f"{file}{REPORT}", pickle.dumps((tensors, items, digest)))
     except Exception as e:  # noqa: BLE001 - told to every rank, raised on each
         error = _picklable(e)
-    if world > 1 and _sum([int(error is not None)])[0]:
-        _raise(rank, _all_gather(error))
+    if world > 1 and sum_over_ranks([int(error is not None)])[0]:
+        _raise(rank, gather_objects(error))
     if error is not None:
         raise error
     if rank != 0:
@@ -89,18 +90,19 @@ def _raise(rank: int, errors: list) -> None:
     raise e if r == rank or isinstance(e, OSError) else RuntimeError(f"rank {r} could not write its file: {e}")
 
 
+def _picklable(e: BaseException | None) -> BaseException | None:
+    if e is None:
+        return None
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - sent to the other ranks as its line
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
 def _hash(obj) -> int:
     """32 bits of BLAKE2b of repr(obj)."""
     return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=4).digest(), "little")
-
-
-def _sum(values: list[int]) -> list[int]:
-    """The sums over the ranks of a few int64s (one all-reduce)."""
-    import torch.distributed as dist
-
-    table = torch.tensor(values, dtype=torch.int64, device=_device())
-    dist.all_reduce(table)
-    return table.cpu().tolist()
 
 
 def _items(share: dict) -> tuple[dict, list, dict]:
@@ -127,9 +129,9 @@ def _share(state: dict, rank: int, world: int) -> dict:
     mine = [(name, tuple(obj._offsets(b)), obj.nbytes(b)) for name, obj in state.items()
             if isinstance(obj, Boxes) for b in obj.held()]
     mine += [(name, (), 0) for name, obj in state.items() if not isinstance(obj, Boxes)]
-    total, memories = _sum([_hash((rank, world, mine)), _memory.lists])
+    total, memories = sum_over_ranks([_hash((rank, world, mine)), _memory.lists])
     if memories != world * (total % _NONE):  # a rank remembers other lists (or none): choose again
-        _memory.owned, _memory.lists = _assign(_all_gather(mine), rank, world), total % _NONE
+        _memory.owned, _memory.lists = _assign(gather_objects(mine), rank, world), total % _NONE
     owned = _memory.owned
     share = {}
     for name, obj in state.items():

@@ -168,6 +168,30 @@ class ParallelContext:
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
 
+def world_size() -> int:
+    """Ranks of the default process group (1 where torch.distributed is not initialized)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def collective_device() -> str:
+    """Where a collective's tensors live: the GPU under NCCL, else the host."""
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (an object all-gather)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_over_ranks(values: list[int]) -> list[int]:
+    """The sums over the ranks of a few integers (one all-reduce of int64s)."""
+    table = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(table)
+    return table.cpu().tolist()
+
+
 def destroy() -> None:
     """Tear down torch.distributed (all groups)."""
     if dist.is_initialized():
