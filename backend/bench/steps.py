@@ -16,9 +16,7 @@ from twin.program.program import Options, build_program
 from twin.program.trace import covered_share, host_gaps
 
 # every kind of collective the program has, the MoE all-to-alls included: a gap with one in flight is
-# no host time, and a compute op beside one is covered (before, the all-to-alls were left out here, so
-# the MoE grids' gaps waiting for them counted as host time: host_op_s 0.77 ms with 8 ranks on 2 cores,
-# 0.05 ms in the dense grid benched beside them; the runs' own free gaps were 0.05-0.19 ms)
+# no host time, and a compute op beside one is covered
 COLLECTIVE_KINDS = COLLECTIVES
 
 
@@ -33,8 +31,7 @@ def kept_rows(rows: list[dict], recorded: set[str]) -> list[dict]:
     `recorded`) even at a span of 0, mean over ranks and steps. A collective's span of 0 is a
     measurement: it completed while the one before it on its stream ran (an MoE step's expert-gradient
     all-reduces, on a process group of their own beside the data burst's), and the fit's lines keep the
-    summed span of what the steps ran. Before, such rows were dropped: the edata lines came from
-    the few nonzero spans, or did not exist (mixtral-tiny's 1x1x1x8e4, whose four were all 0)."""
+    summed span of what the steps ran (docs/moe-backend.md)."""
     return [r for r in rows if r["seconds"] > 0 or (r["kind"] in COLLECTIVE_KINDS and r["name"] in recorded)]
 
 

@@ -190,10 +190,7 @@ def measured_time(cm, kind: str, axis: str, nbytes: float) -> float | None:
     it); an edata all-reduce by its own line inside training where recorded steps gave one (it runs
     on a process group of its own, beside the data all-reduces it leaves with: on gloo most of its
     spans end with the data one before them), else as a data-axis all-reduce (it leaves with the
-    others at the end of the step); None where nothing applies. (An edata all-reduce was always read
-    as a data all-reduce of its group size, which no grid has where edata does: the line measured
-    alone x the data axis' slowdown, 1.1-1.5 ms per expert gradient on the 2-core development VM,
-    where the runs measured 0-0.4 ms.)"""
+    others at the end of the step); None where nothing applies (docs/moe-backend.md)."""
     if cm.measured is None:
         return None
     p = cm.grid.axis_size(axis)
